@@ -1,0 +1,767 @@
+"""Shared pieces of CleanFL: data on the device, partitions, models, evaluation, run logging.
+
+Nothing method-specific lives here. Every method script imports what it needs from this file and
+keeps its own training loop, so `python fedavg.py` plus this file is everything a reader must copy.
+"""
+import argparse
+import datetime
+import hashlib
+import itertools
+import json
+import math
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------------
+# Argument checks shared by every script (exit status 2, one line naming the flag)
+# ----------------------------------------------------------------------------------------------
+TORCHVISION_DATASETS = ["mnist", "fashionmnist", "emnist", "cifar10", "cifar100", "svhn"]
+DATASETS = TORCHVISION_DATASETS + ["folder", "synthetic"]
+PARTITION_FLAGS = {"iid": "--iid", "shards": "--shards", "classes_per_client": "--classes-per-client",
+                   "alpha": "--alpha", "split2": "--split2"}
+NUM_CLASSES = {"mnist": 10, "fashionmnist": 10, "emnist": 62, "cifar10": 10, "cifar100": 100,
+               "svhn": 10, "synthetic": 10}
+TRAIN_SIZE = {"mnist": 60000, "fashionmnist": 60000, "emnist": 697932, "cifar10": 50000,
+              "cifar100": 50000, "svhn": 73257}
+
+
+RUNTIME_FLAGS = ("resume", "stop_after")  # not part of a run's config: --resume takes them from the command line
+
+
+def default_out_dir(script, args):
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return os.path.join("runs", f"{script}__{args.dataset}__{args.seed}__{stamp}")
+
+
+def finish_args(parser, args, script, default_partition):
+    """Validate the flags every script shares and fill in derived defaults.
+
+    Bad input ends here (exit status 2, one line naming the flag) before any data is touched.
+    `default_partition` is the paper's partition, e.g. ("shards", 2), used when no flag is given.
+    With --resume DIR the run's saved config.json replaces the command line.
+    """
+    if getattr(args, "resume", None):
+        config = os.path.join(args.resume, "config.json")
+        if not os.path.isfile(config) or not os.path.isfile(os.path.join(args.resume, "checkpoint.pt")):
+            parser.error(f"--resume: {args.resume} has no config.json and checkpoint.pt to resume from")
+        with open(config) as f:
+            saved = json.load(f)
+        keep = {k: getattr(args, k, None) for k in RUNTIME_FLAGS}  # these come from this command line
+        args = argparse.Namespace(**{**vars(args), **saved, **keep})
+        args.out = args.resume
+        return args
+    err = parser.error
+    if args.dataset not in DATASETS:
+        err(f"--dataset: unknown dataset '{args.dataset}'; choose one of {', '.join(DATASETS)}")
+    if args.model not in MODELS:
+        err(f"--model: unknown model '{args.model}'; choose one of {', '.join(sorted(MODELS))}")
+    if args.dataset == "folder":
+        for split in ("train", "test"):
+            if not os.path.isdir(os.path.join(args.data_dir, split)):
+                err(f"--data-dir: a folder dataset needs {os.path.join(args.data_dir, split)}/<class>/*images*")
+    given = [k for k in PARTITION_FLAGS if getattr(args, k) not in (None, False)]
+    if len(given) > 1:
+        err("partition: give at most one of " + ", ".join(PARTITION_FLAGS.values())
+            + f" (got {' and '.join(PARTITION_FLAGS[k] for k in given)})")
+    if not given:
+        setattr(args, default_partition[0], default_partition[1])
+    if args.num_clients < 1:
+        err("--num-clients: must be at least 1")
+    if not 0 < args.frac <= 1:
+        err(f"--frac: must be in (0, 1], got {args.frac}")
+    if args.rounds < 1:
+        err(f"--rounds: must be at least 1, got {args.rounds}")
+    if args.batch_size < 1:
+        err(f"--batch-size: must be at least 1, got {args.batch_size}")
+    if args.alpha is not None and args.alpha <= 0:
+        err(f"--alpha: the Dirichlet concentration must be > 0, got {args.alpha}")
+    classes = _num_classes_hint(args)
+    if args.shards is not None:
+        if args.shards < 1:
+            err(f"--shards: must be at least 1, got {args.shards}")
+        if classes is not None and args.shards > classes:
+            err(f"--shards: S={args.shards} is more than the {classes} classes of {args.dataset}")
+        size = TRAIN_SIZE.get(args.dataset)
+        if size is not None and args.num_clients * args.shards > size:
+            err(f"--shards: N*S = {args.num_clients * args.shards} shards is more than the {size} training samples")
+    if args.classes_per_client is not None:
+        if args.classes_per_client < 1 or (classes is not None and args.classes_per_client > classes):
+            err(f"--classes-per-client: C must be in 1..{classes or 'num classes'}, got {args.classes_per_client}")
+    if args.split2 and args.num_clients != 5:
+        err(f"--split2: split-2 has exactly 5 clients; pass --num-clients 5 (got {args.num_clients})")
+    if args.quantity == "powerlaw" and args.split2:
+        err("--quantity: powerlaw works with --iid, --shards, --classes-per-client or --alpha, not --split2")
+    if args.eval_every < 1:
+        err(f"--eval-every: must be at least 1, got {args.eval_every}")
+    if args.data_seed is None:
+        args.data_seed = args.seed
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        err(f"--device: '{args.device}' asked for but CUDA is not available; use --device cpu")
+    if args.out is None:
+        args.out = default_out_dir(script, args)
+    return args
+
+
+def _num_classes_hint(args):
+    if args.dataset == "folder":
+        path = os.path.join(args.data_dir, "train")
+        return len([d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d))])
+    return NUM_CLASSES.get(args.dataset)
+
+
+def seed_everything(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------------------------
+# Data: every dataset becomes uint8 tensors [N, C, H, W] on the run's device
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Data:
+    x_train: torch.Tensor  # uint8 [N, C, H, W]
+    y_train: torch.Tensor  # int64 [N]
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    num_classes: int
+    mean: torch.Tensor  # float [1, C, 1, 1], in [0, 1] pixel units, from the training split
+    std: torch.Tensor
+
+    @property
+    def in_channels(self):
+        return self.x_train.shape[1]
+
+    @property
+    def image_size(self):
+        return self.x_train.shape[2]
+
+
+def load_data(args):
+    """Load args.dataset into a Data on args.device (downloaded to / cached in args.data_dir)."""
+    name = args.dataset
+    if name == "synthetic":
+        x_tr, y_tr, x_te, y_te = synthetic_dataset(args.data_seed)
+    elif name == "folder":
+        x_tr, y_tr, x_te, y_te = folder_dataset(args.data_dir)
+    else:
+        x_tr, y_tr, x_te, y_te = torchvision_dataset(name, args.data_dir)
+    num_classes = int(max(y_tr.max(), y_te.max())) + 1
+    xf = x_tr.float() / 255
+    mean, std = xf.mean(dim=(0, 2, 3), keepdim=True), xf.std(dim=(0, 2, 3), keepdim=True)
+    dev = args.device
+    return Data(x_tr.to(dev), y_tr.to(dev), x_te.to(dev), y_te.to(dev), num_classes, mean.to(dev), std.to(dev))
+
+
+def synthetic_dataset(seed, n_train=3000, n_test=1000, num_classes=10, size=32):
+    """Offline, seeded, learnable images: a smooth random template per class plus pixel noise."""
+    g = torch.Generator().manual_seed(seed + 12345)
+    templates = F.interpolate(torch.rand(num_classes, 3, 4, 4, generator=g), size=size, mode="bilinear",
+                              align_corners=False)
+
+    def draw(n):
+        y = torch.randint(num_classes, (n,), generator=g)
+        brightness = 0.7 + 0.6 * torch.rand(n, 1, 1, 1, generator=g)
+        x = templates[y] * brightness + 0.35 * torch.randn(n, 3, size, size, generator=g)
+        return (x.clamp(0, 1) * 255).round().to(torch.uint8), y
+
+    x_tr, y_tr = draw(n_train)
+    x_te, y_te = draw(n_test)
+    return x_tr, y_tr, x_te, y_te
+
+
+def torchvision_dataset(name, root):
+    import torchvision.datasets as tvd
+    ctor = {"mnist": tvd.MNIST, "fashionmnist": tvd.FashionMNIST, "cifar10": tvd.CIFAR10,
+            "cifar100": tvd.CIFAR100}
+    out = []
+    for train in (True, False):
+        if name == "svhn":
+            ds = tvd.SVHN(root, split="train" if train else "test", download=True)
+            x, y = torch.from_numpy(ds.data), torch.from_numpy(ds.labels).long()
+        elif name == "emnist":
+            ds = tvd.EMNIST(root, split="byclass", train=train, download=True)
+            x, y = ds.data.transpose(1, 2).unsqueeze(1), ds.targets.long()  # EMNIST is stored transposed
+        else:
+            ds = ctor[name](root, train=train, download=True)
+            x = torch.as_tensor(ds.data)
+            x = x.unsqueeze(1) if x.ndim == 3 else x.permute(0, 3, 1, 2)
+            y = torch.as_tensor(ds.targets).long()
+        out += [x.contiguous(), y]
+    return out
+
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".ppm", ".webp", ".tif", ".tiff")
+
+
+def folder_dataset(root):
+    """Read root/{train,test}/<class>/* once and cache the decoded uint8 tensors.
+
+    The cache sits in root (root/.cleanfl-cache.pt), or in ~/.cache/cleanfl when root is read-only.
+    Class index = position of the folder name in sorted order.
+    """
+    root = os.path.abspath(root)
+    key = hashlib.sha1(root.encode()).hexdigest()[:16]
+    caches = [os.path.join(root, ".cleanfl-cache.pt"),
+              os.path.join(os.path.expanduser("~"), ".cache", "cleanfl", f"folder-{key}.pt")]
+    stamp = [os.path.getmtime(os.path.join(root, s)) for s in ("train", "test")]
+    for path in caches:
+        if os.path.isfile(path):
+            cached = torch.load(path)
+            if cached.get("stamp") == stamp:
+                return cached["tensors"]
+    classes = sorted(d for d in os.listdir(os.path.join(root, "train"))
+                     if os.path.isdir(os.path.join(root, "train", d)))
+    tensors = []
+    for split in ("train", "test"):
+        xs, ys = [], []
+        files = [(c, f) for c in range(len(classes))
+                 for f in sorted(os.listdir(os.path.join(root, split, classes[c])))
+                 if f.lower().endswith(IMAGE_EXTENSIONS)]
+        for c, f in _progress(files, desc=f"decoding {split}/"):
+            xs.append(_decode_image(os.path.join(root, split, classes[c], f)))
+            ys.append(c)
+        if not xs:
+            sys.exit(f"--data-dir: no images found under {os.path.join(root, split)}/<class>/")
+        shapes = {tuple(x.shape) for x in xs}
+        if len(shapes) > 1:
+            sys.exit(f"--data-dir: images under {root}/{split} differ in size ({sorted(shapes)[:3]}...); "
+                     "resize them to one size first")
+        tensors += [torch.stack(xs), torch.tensor(ys)]
+    for path in caches:  # first writable place wins
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            _atomic_save({"stamp": stamp, "tensors": tensors}, path)
+            break
+        except OSError:
+            continue
+    return tensors
+
+
+def _decode_image(path):
+    from torchvision.io import ImageReadMode, decode_image, read_file
+    return decode_image(read_file(path), mode=ImageReadMode.UNCHANGED)
+
+
+def _progress(items, desc):
+    from tqdm import tqdm
+    return tqdm(items, desc=desc, leave=False, mininterval=1.0, disable=len(items) < 2000)
+
+
+# ----------------------------------------------------------------------------------------------
+# Batches on the device: normalization and augmentation, all batched
+# ----------------------------------------------------------------------------------------------
+AUGMENTATIONS = ["crop-flip", "flip", "none"]
+
+
+def prepare_batch(x, data, augment="none"):
+    """uint8 [B, C, H, W] -> normalized float, with random crop (4-pixel zero padding) and/or flip."""
+    x = x.float().div_(255)
+    if augment == "crop-flip":
+        x = random_crop(x, padding=4)
+    if augment in ("crop-flip", "flip"):
+        flip = torch.rand(x.shape[0], 1, 1, 1, device=x.device) < 0.5
+        x = torch.where(flip, x.flip(3), x)
+    return (x - data.mean) / data.std
+
+
+def random_crop(x, padding):
+    b, _, h, w = x.shape
+    x = F.pad(x, (padding,) * 4)
+    dy = torch.randint(0, 2 * padding + 1, (b, 1), device=x.device)
+    dx = torch.randint(0, 2 * padding + 1, (b, 1), device=x.device)
+    rows = (torch.arange(h, device=x.device) + dy)[:, None, :, None]  # [B, 1, H, 1]
+    cols = (torch.arange(w, device=x.device) + dx)[:, None, None, :]  # [B, 1, 1, W]
+    batch = torch.arange(b, device=x.device)[:, None, None, None]
+    chan = torch.arange(x.shape[1], device=x.device)[None, :, None, None]
+    return x[batch, chan, rows, cols]
+
+
+def client_batches(indices, batch_size, epochs=None, steps=None):
+    """Index batches for local training: `epochs` shuffled passes over the client's data (the last
+    batch of a pass may be short), or exactly `steps` batches from reshuffled passes if steps is set."""
+    n, done = len(indices), 0
+    for epoch in itertools.count():
+        if steps is None and epoch == epochs:
+            return
+        perm = indices[torch.randperm(n, device=indices.device)]
+        for i in range(0, n, batch_size):
+            if n - i == 1 and n > 1:  # a lone trailing sample breaks batch norm in training mode: skip it
+                break
+            if steps is not None and done == steps:
+                return
+            yield perm[i:i + batch_size]
+            done += 1
+
+
+@torch.no_grad()
+def evaluate(forward, x, y, data, batch_size=2000, amp=False):
+    """Accuracy and mean cross-entropy of `forward` (a callable on normalized images)."""
+    correct, loss = 0, 0.0
+    for i in range(0, len(x), batch_size):
+        xb = prepare_batch(x[i:i + batch_size], data)
+        with autocast(xb.device, amp):
+            logits = forward(xb).float()
+        loss += F.cross_entropy(logits, y[i:i + batch_size], reduction="sum")
+        correct += (logits.argmax(1) == y[i:i + batch_size]).sum()
+    return float(correct) / len(x), float(loss) / len(x)
+
+
+def autocast(device, enabled):
+    return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=enabled)
+
+
+# ----------------------------------------------------------------------------------------------
+# Partitions: every scheme returns one LongTensor of training indices per client
+# ----------------------------------------------------------------------------------------------
+SPLIT2_CLASSES = [[0, 1, 2, 3], [2, 3, 4, 5], [4, 5, 6, 7], [6, 7, 8, 9], [8, 9, 0, 1]]
+
+
+@dataclass
+class Partition:
+    train: list  # per client: LongTensor of indices into data.x_train
+    test: list  # per client: LongTensor into data.x_test (with --client-test), else None
+    scheme: str
+
+
+def make_partition(args, data):
+    """Split the training set over args.num_clients with the one partition flag the run has.
+
+    Uses its own generator seeded by args.data_seed, so client sampling never changes it.
+    """
+    labels = data.y_train.cpu().numpy()
+    rng = np.random.default_rng(args.data_seed)
+    n, c = args.num_clients, data.num_classes
+    weights = powerlaw_weights(n, rng) if args.quantity == "powerlaw" else np.full(n, 1.0 / n)
+    if args.iid:
+        parts, scheme = split_iid(len(labels), weights, rng), "iid"
+    elif args.shards is not None:
+        parts, scheme = split_shards(labels, n, args.shards, weights, rng), f"shards={args.shards}"
+    elif args.classes_per_client is not None:
+        parts = split_classes(labels, n, c, args.classes_per_client, weights, rng)
+        scheme = f"classes-per-client={args.classes_per_client}"
+    elif args.alpha is not None:
+        parts, scheme = split_dirichlet(labels, n, c, args.alpha, weights, rng), f"dirichlet alpha={args.alpha}"
+    elif args.split2:
+        parts, scheme = split_classes(labels, 5, c, None, weights, rng, holders=SPLIT2_CLASSES), "split-2"
+    else:
+        raise ValueError("no partition flag set")
+    if args.quantity == "powerlaw":
+        scheme += " powerlaw"
+    for k, p in enumerate(parts):
+        if len(p) == 0:
+            sys.exit(f"partition: client {k} received no data under {scheme}; use fewer --num-clients")
+    test = None
+    if getattr(args, "client_test", False):
+        test = client_test_split(data.y_test.cpu().numpy(), labels, parts, c, rng)
+    to_dev = lambda ps: [torch.as_tensor(np.sort(p), dtype=torch.long, device=data.y_train.device) for p in ps]
+    return Partition(to_dev(parts), to_dev(test) if test is not None else None, scheme)
+
+
+def powerlaw_weights(n, rng, exponent=1.5):
+    """Client shares following a power law (a few clients hold most of the data)."""
+    w = rng.pareto(exponent, n) + 1.0
+    return w / w.sum()
+
+
+def _cut(idx, shares):
+    """Split an index array into consecutive pieces with sizes proportional to shares (sum kept)."""
+    shares = np.asarray(shares, dtype=float)
+    bounds = np.round(np.cumsum(shares) / shares.sum() * len(idx)).astype(int)
+    return np.split(idx, bounds[:-1])
+
+
+def split_iid(n_samples, weights, rng):
+    return _cut(rng.permutation(n_samples), weights)
+
+
+def split_shards(labels, n, s, weights, rng):
+    """McMahan et al.: sort by label, cut into n*s equal shards, deal s shards to each client.
+
+    With power-law weights a client gets a number of shards proportional to its weight (at least 1).
+    """
+    order = np.argsort(labels, kind="stable")
+    num_shards = n * s
+    shards = np.array_split(order, num_shards)
+    counts = np.full(n, s)
+    if not np.allclose(weights, weights[0]):
+        counts = np.maximum(1, np.floor(weights * (num_shards - n)).astype(int) + 1)
+        counts[np.argmax(weights)] += num_shards - counts.sum()
+    deal = rng.permutation(num_shards)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    return [np.concatenate([shards[j] for j in deal[starts[k]:starts[k + 1]]]) for k in range(n)]
+
+
+def split_classes(labels, n, c, per_client, weights, rng, holders=None):
+    """Each client holds `per_client` distinct classes, dealt round-robin so every class has the
+    same number of holders when n*per_client is a multiple of c; a class is split among its holders
+    (evenly, or by power-law weight). `holders` gives the class lists directly (split-2)."""
+    if holders is None:
+        start = rng.permutation(c)  # which class the round-robin begins with is random
+        holders = [[int(start[(k * per_client + j) % c]) for j in range(per_client)] for k in range(n)]
+    parts = [[] for _ in range(n)]
+    for cls in range(c):
+        owners = [k for k in range(n) if cls in holders[k]]
+        if not owners:
+            continue
+        idx = rng.permutation(np.flatnonzero(labels == cls))
+        for k, piece in zip(owners, _cut(idx, weights[owners])):
+            parts[k].append(piece)
+    return [np.concatenate(p) if p else np.array([], dtype=int) for p in parts]
+
+
+def split_dirichlet(labels, n, c, alpha, weights, rng, min_size=10, max_tries=100):
+    """Hsu et al. 2019: per class, proportions over clients ~ Dir(alpha) (times power-law weights).
+    Redraws until every client has at least min(min_size, |D|/n) samples."""
+    need = min(min_size, len(labels) // n)
+    for _ in range(max_tries):
+        parts = [[] for _ in range(n)]
+        for cls in range(c):
+            idx = rng.permutation(np.flatnonzero(labels == cls))
+            if len(idx) == 0:
+                continue
+            p = rng.dirichlet(np.full(n, alpha)) * weights
+            for k, piece in enumerate(_cut(idx, p)):
+                parts[k].append(piece)
+        parts = [np.concatenate(p) for p in parts]
+        if min(len(p) for p in parts) >= need:
+            return parts
+    sys.exit(f"--alpha: after {max_tries} draws some client still had fewer than {need} samples; "
+             "use a larger --alpha or fewer --num-clients")
+
+
+def client_test_split(test_labels, train_labels, parts, c, rng):
+    """Deal the test split so that each client's test labels follow its training label distribution:
+    the test samples of class y go to the clients holding y, in proportion to their training counts."""
+    counts = np.stack([np.bincount(train_labels[p], minlength=c) for p in parts])  # [n, c]
+    test = [[] for _ in parts]
+    for cls in range(c):
+        owners = np.flatnonzero(counts[:, cls])
+        if len(owners) == 0:
+            continue
+        idx = rng.permutation(np.flatnonzero(test_labels == cls))
+        for k, piece in zip(owners, _cut(idx, counts[owners, cls])):
+            test[k].append(piece)
+    return [np.concatenate(t) if t else np.array([], dtype=int) for t in test]
+
+
+def label_counts(labels, parts, num_classes):
+    return [torch.bincount(labels[p], minlength=num_classes).tolist() for p in parts]
+
+
+def sample_clients(rng, num_clients, frac):
+    """The clients of one round: max(round(frac * N), 1) of them, without replacement."""
+    m = max(int(round(frac * num_clients)), 1)
+    return sorted(rng.choice(num_clients, m, replace=False).tolist())
+
+
+def lr_at(round_idx, args):
+    """Step decay: lr * decay^(number of --lr-decay-at fractions of the run already passed)."""
+    passed = sum(round_idx >= int(f * args.rounds) for f in args.lr_decay_at)
+    return args.lr * args.lr_decay ** passed
+
+
+# ----------------------------------------------------------------------------------------------
+# Models: every model has .body (images -> penultimate feature vector) and .head (one nn.Linear)
+# ----------------------------------------------------------------------------------------------
+MODELS = {}
+
+
+def register_model(name):
+    def wrap(fn):
+        MODELS[name] = fn
+        return fn
+    return wrap
+
+
+def build_model(name, data, **options):
+    """MODELS[name](in_channels, num_classes, image_size, **options)."""
+    return MODELS[name](data.in_channels, data.num_classes, data.image_size, **options)
+
+
+class Classifier(nn.Module):
+    """body -> feature vector -> head. Methods reach the classifier as model.head."""
+
+    def __init__(self, body, feature_dim, num_classes, head_bias=True):
+        super().__init__()
+        self.body = body
+        self.head = nn.Linear(feature_dim, num_classes, bias=head_bias)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def flat_dim(body, in_channels, image_size):
+    with torch.no_grad():
+        return body(torch.zeros(2, in_channels, image_size, image_size)).shape[1]
+
+
+@register_model("cnn")
+def cnn(in_channels, num_classes, image_size, **_):
+    """McMahan et al. 2017 CNN: conv5x5-32, pool, conv5x5-64, pool, fc 512, head."""
+    conv = nn.Sequential(
+        nn.Conv2d(in_channels, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten())
+    body = nn.Sequential(conv, nn.Linear(flat_dim(conv, in_channels, image_size), 512), nn.ReLU())
+    return Classifier(body, 512, num_classes)
+
+
+# --- ResNet: one implementation; normalization and channel attention are options ---------------
+def make_norm(kind, channels):
+    """The activation normalization of a ResNet layer: bn | gn | ln | none."""
+    if kind == "bn":
+        return nn.BatchNorm2d(channels)
+    if kind == "gn":
+        return nn.GroupNorm(min(32, channels), channels)  # 32 groups (Wu & He 2018), fewer if narrow
+    if kind == "ln":
+        return nn.GroupNorm(1, channels)  # one group = layer norm over (C, H, W)
+    if kind == "none":
+        return nn.Identity()
+    raise ValueError(f"unknown norm '{kind}'")
+
+
+class SqueezeExcite(nn.Module):
+    """Hu et al. 2018: channel weights = sigmoid(MLP(global average pool)), reduction r."""
+
+    def __init__(self, channels, reduction=16):
+        super().__init__()
+        hidden = max(channels // reduction, 1)
+        self.fc1, self.fc2 = nn.Conv2d(channels, hidden, 1), nn.Conv2d(hidden, channels, 1)
+
+    def forward(self, x):
+        w = torch.sigmoid(self.fc2(F.relu(self.fc1(x.mean((2, 3), keepdim=True)))))
+        return x * w
+
+
+def make_attention(kind, channels):
+    if kind is None or kind == "none":
+        return nn.Identity()
+    if kind == "se":
+        return SqueezeExcite(channels)
+    raise ValueError(f"unknown attention '{kind}'")
+
+
+class BasicBlock(nn.Module):
+    expansion = 1
+
+    def __init__(self, cin, planes, stride, norm, attention):
+        super().__init__()
+        cout = planes * self.expansion
+        self.conv1 = nn.Conv2d(cin, planes, 3, stride, 1, bias=False)
+        self.n1 = make_norm(norm, planes)
+        self.conv2 = nn.Conv2d(planes, cout, 3, 1, 1, bias=False)
+        self.n2 = make_norm(norm, cout)
+        self.attn = make_attention(attention, cout)
+        self.shortcut = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), make_norm(norm, cout))
+
+    def forward(self, x):
+        out = F.relu(self.n1(self.conv1(x)))
+        out = self.attn(self.n2(self.conv2(out)))
+        return F.relu(out + self.shortcut(x))
+
+
+class Bottleneck(nn.Module):
+    expansion = 4
+
+    def __init__(self, cin, planes, stride, norm, attention):
+        super().__init__()
+        cout = planes * self.expansion
+        self.conv1, self.n1 = nn.Conv2d(cin, planes, 1, bias=False), make_norm(norm, planes)
+        self.conv2, self.n2 = nn.Conv2d(planes, planes, 3, stride, 1, bias=False), make_norm(norm, planes)
+        self.conv3, self.n3 = nn.Conv2d(planes, cout, 1, bias=False), make_norm(norm, cout)
+        self.attn = make_attention(attention, cout)
+        self.shortcut = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), make_norm(norm, cout))
+
+    def forward(self, x):
+        out = F.relu(self.n1(self.conv1(x)))
+        out = F.relu(self.n2(self.conv2(out)))
+        out = self.attn(self.n3(self.conv3(out)))
+        return F.relu(out + self.shortcut(x))
+
+
+RESNET_LAYOUT = {18: (BasicBlock, [2, 2, 2, 2]), 26: (Bottleneck, [2, 2, 2, 2]),
+                 34: (BasicBlock, [3, 4, 6, 3]), 50: (Bottleneck, [3, 4, 6, 3])}
+
+
+class ResNetBody(nn.Module):
+    """He et al. 2016 ResNet up to global average pooling.
+
+    stem 'cifar': conv3x3 stride 1, no max-pool (32x32 inputs); 'imagenet': conv7x7 stride 2 + max-pool.
+    """
+
+    def __init__(self, in_channels, depth=18, width=64, norm="bn", attention=None, stem="cifar"):
+        super().__init__()
+        block, layers = RESNET_LAYOUT[depth]
+        if stem == "cifar":
+            self.stem = nn.Sequential(nn.Conv2d(in_channels, width, 3, 1, 1, bias=False),
+                                      make_norm(norm, width), nn.ReLU())
+        else:
+            self.stem = nn.Sequential(nn.Conv2d(in_channels, width, 7, 2, 3, bias=False),
+                                      make_norm(norm, width), nn.ReLU(), nn.MaxPool2d(3, 2, 1))
+        stages, cin = [], width
+        for i, blocks in enumerate(layers):
+            planes = width * 2 ** i
+            for j in range(blocks):
+                stages.append(block(cin, planes, 2 if (j == 0 and i > 0) else 1, norm, attention))
+                cin = planes * block.expansion
+        self.stages = nn.Sequential(*stages)
+        self.out_dim = cin
+
+    def forward(self, x):
+        return self.stages(self.stem(x)).mean((2, 3))
+
+
+def resnet(in_channels, num_classes, image_size, depth=18, width=64, norm="bn", attention=None,
+           stem="cifar", **_):
+    body = ResNetBody(in_channels, depth, width, norm, attention, stem)
+    return Classifier(body, body.out_dim, num_classes)
+
+
+@register_model("resnet18")
+def resnet18(in_channels, num_classes, image_size, **options):
+    return resnet(in_channels, num_classes, image_size, depth=18, **options)
+
+
+@register_model("resnet50")
+def resnet50(in_channels, num_classes, image_size, **options):
+    return resnet(in_channels, num_classes, image_size, depth=50, **options)
+
+
+# ----------------------------------------------------------------------------------------------
+# State: averaging helpers, checkpoints, run directory
+# ----------------------------------------------------------------------------------------------
+def clone_state(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def rng_state(sampler):
+    state = {"torch": torch.get_rng_state(), "numpy_sampler": sampler.bit_generator.state}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state, sampler):
+    torch.set_rng_state(state["torch"])
+    sampler.bit_generator.state = state["numpy_sampler"]
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _atomic_save(obj, path):
+    tmp = path + ".tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+class Run:
+    """The run directory: config.json, partition.json, metrics.jsonl, checkpoint.pt, summary.json.
+
+    Ctrl-C once asks the loop to stop after the current round (the loop then checkpoints and exits);
+    Ctrl-C twice aborts at once.
+    """
+
+    def __init__(self, args, script):
+        self.args, self.script, self.dir = args, script, args.out
+        self.stop_requested = False
+        self.start = time.time()
+        self.elapsed_before = 0.0
+        os.makedirs(self.dir, exist_ok=True)
+        if not args.resume:
+            with open(os.path.join(self.dir, "config.json"), "w") as f:
+                json.dump({k: v for k, v in vars(args).items() if k not in RUNTIME_FLAGS}, f, indent=2)
+            open(os.path.join(self.dir, "metrics.jsonl"), "w").close()
+        signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self, *_):
+        print("\ninterrupt: finishing this round, then writing a checkpoint (Ctrl-C again aborts)",
+              file=sys.stderr)
+        self.stop_requested = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    @property
+    def elapsed(self):
+        return self.elapsed_before + time.time() - self.start
+
+    def write_partition(self, partition, data):
+        info = {"scheme": partition.scheme,
+                "train": label_counts(data.y_train, partition.train, data.num_classes)}
+        if partition.test is not None:
+            info["test"] = label_counts(data.y_test, partition.test, data.num_classes)
+        with open(os.path.join(self.dir, "partition.json"), "w") as f:
+            json.dump(info, f)
+
+    def log(self, metrics):
+        metrics = {**metrics, "elapsed_s": round(self.elapsed, 3)}
+        with open(os.path.join(self.dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+            f.flush()
+        return metrics
+
+    def save_checkpoint(self, round_done, state):
+        """state: everything the method keeps (global model, server/client state); RNG added here."""
+        _atomic_save({"round": round_done, "elapsed_s": self.elapsed, **state},
+                     os.path.join(self.dir, "checkpoint.pt"))
+
+    def load_checkpoint(self):
+        """Load checkpoint.pt and drop metrics logged after it, so the resumed log has no repeats."""
+        ckpt = torch.load(os.path.join(self.dir, "checkpoint.pt"), map_location=self.args.device,
+                          weights_only=False)
+        self.elapsed_before = ckpt["elapsed_s"]
+        path = os.path.join(self.dir, "metrics.jsonl")
+        with open(path) as f:
+            lines = [l for l in f if l.strip() and json.loads(l)["round"] <= ckpt["round"]]
+        with open(path, "w") as f:
+            f.writelines(lines)
+        return ckpt
+
+    def finish(self, summary, model=None):
+        summary = {**summary, "wall_time_s": round(self.elapsed, 3), "device": device_name(self.args.device),
+                   "torch": torch.__version__, "script": self.script}
+        with open(os.path.join(self.dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        if model is not None and self.args.save_model:
+            torch.save(model.state_dict(), os.path.join(self.dir, "model.pt"))
+        return summary
+
+    def diverged(self, round_idx, loss):
+        self.finish({"diverged": True, "round": round_idx, "train_loss": loss})
+        sys.exit(f"diverged: training loss became {loss} in round {round_idx}; "
+                 f"try a smaller --lr (summary in {self.dir})")
+
+
+def device_name(device):
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    import platform
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} threads)"
+
+
+# ----------------------------------------------------------------------------------------------
+# Paper models and shared routines added by the method scripts' issues. Each block below is
+# written for one paper; register models with @register_model so `--model NAME` finds them.
+# ----------------------------------------------------------------------------------------------
+# === FedBABU (fedbabu.py): convnet4, convnet3, mobilenet, per-client personalization ===
+
+# === FedFN (fedfn.py): vgg11 ===
+
+# === FedLN (fedln.py): normcnn ===
+
+# === FedNNNN (fednnnn.py): lenet, cnn6 ===
+
+# === ANFR (anfr.py): weight-standardized NF-ResNets and channel attention (see ResNet code above) ===

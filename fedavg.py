@@ -1,0 +1,169 @@
+"""FedAvg: Communication-Efficient Learning of Deep Networks from Decentralized Data
+(McMahan, Moore, Ramage, Hampson, Aguera y Arcas; AISTATS 2017), with FedProx (Li et al., MLSys 2020).
+
+Idea: each round, a fraction of clients runs E epochs of local SGD from the global model, and the
+server replaces the global model by the average of their models weighted by sample count (Eq. in
+Alg. 1: w_{t+1} = sum_k n_k/n w_{t+1}^k). FedProx adds mu/2 ||w - w_t||^2 to each local loss.
+
+Every other CleanFL script is this file plus a small diff; `diff fedavg.py fedbabu.py` shows a method.
+
+Reproduce (CPU, synthetic data, about a minute):
+    python fedavg.py --dataset synthetic --num-clients 10 --frac 0.5 --shards 2 --rounds 20 --lr 0.05
+Real CIFAR-10 from an image folder (no internet needed):
+    python fedavg.py --dataset folder --data-dir /path/to/cifar10 --shards 2
+Measured results and hardware: README.md, "Results".
+
+Choices the paper leaves open, made here: SGD momentum 0.9 and weight decay 5e-4 by default (set
+--momentum 0 --weight-decay 0 for the paper's plain SGD); crop-and-flip augmentation; the last
+batch of each local epoch may be short; batch-norm running statistics are averaged like weights.
+"""
+import argparse
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from common import (AUGMENTATIONS, Run, autocast, build_model, client_batches, evaluate, finish_args,
+                    load_data, lr_at, make_partition, prepare_batch, rng_state, sample_clients,
+                    seed_everything, set_rng_state)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", default="cifar10", help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | synthetic")
+    g.add_argument("--data-dir", default="./data", help="download folder, or the image folder (train/<class>/*, test/<class>/*) for --dataset folder")
+    g.add_argument("--augment", default="crop-flip", choices=AUGMENTATIONS, help="on-device augmentation of training batches")
+    g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2)")
+    g.add_argument("--iid", action="store_true", help="uniform random split")
+    g.add_argument("--shards", type=int, default=None, help="S: sort by label, N*S shards, S per client (default: S=2, McMahan's pathological non-IID)")
+    g.add_argument("--classes-per-client", type=int, default=None, help="C: each client holds C classes, each class split evenly among its holders")
+    g.add_argument("--alpha", type=float, default=None, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
+    g.add_argument("--split2", action="store_true", help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
+    g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes: equal, or power law (unbalanced)")
+    g.add_argument("--client-test", action="store_true", help="also evaluate on per-client test sets with each client's label distribution")
+    g.add_argument("--data-seed", type=int, default=None, help="seed of the partition (default: --seed); client sampling uses --seed")
+    g = p.add_argument_group("federation")
+    g.add_argument("--num-clients", type=int, default=100, help="K: number of clients")
+    g.add_argument("--frac", type=float, default=0.1, help="C: fraction of clients sampled per round, in (0, 1]")
+    g.add_argument("--rounds", type=int, default=200, help="T: communication rounds")
+    g.add_argument("--local-epochs", type=int, default=5, help="E: local epochs per round")
+    g.add_argument("--local-steps", type=int, default=None, help="local SGD steps per round instead of --local-epochs")
+    g.add_argument("--batch-size", type=int, default=50, help="B: local batch size")
+    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"], help="aggregation weights: n_k/n, or 1/m")
+    g = p.add_argument_group("optimization")
+    g.add_argument("--model", default="cnn", help="cnn | resnet18 | ... (see common.MODELS)")
+    g.add_argument("--lr", type=float, default=0.01, help="eta: local learning rate")
+    g.add_argument("--momentum", type=float, default=0.9, help="local SGD momentum (reset every round)")
+    g.add_argument("--weight-decay", type=float, default=5e-4, help="local L2 weight decay")
+    g.add_argument("--lr-decay-at", type=float, nargs="*", default=[], help="fractions of the run at which lr is multiplied by --lr-decay, e.g. 0.5 0.75")
+    g.add_argument("--lr-decay", type=float, default=0.1, help="lr multiplier at each --lr-decay-at")
+    g.add_argument("--prox-mu", type=float, default=0.0, help="mu: FedProx proximal term mu/2 ||w - w_t||^2 (0 = FedAvg)")
+    g = p.add_argument_group("run")
+    g.add_argument("--seed", type=int, default=0, help="seed of model init, client sampling and local shuffling")
+    g.add_argument("--device", default=None, help="cuda if available, else cpu")
+    g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
+    g.add_argument("--eval-every", type=int, default=1, help="evaluate every this many rounds (and at the last)")
+    g.add_argument("--checkpoint-every", type=int, default=None, help="write checkpoint.pt every this many rounds (default: at each evaluation)")
+    g.add_argument("--out", default=None, help="run folder (default runs/fedavg__<dataset>__<seed>__<time>)")
+    g.add_argument("--save-model", action="store_true", help="write the final global state_dict to OUT/model.pt")
+    g.add_argument("--resume", default=None, metavar="DIR", help="continue the interrupted run in DIR (its config.json is used)")
+    g.add_argument("--stop-after", type=int, default=None, help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
+    return finish_args(p, p.parse_args(), "fedavg", default_partition=("shards", 2))
+
+
+def local_train(model, indices, data, args, lr, global_params):
+    """E epochs (or --local-steps) of SGD on one client; returns the mean training loss (a tensor)."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    model.train()
+    loss_sum = torch.zeros((), device=args.device)
+    seen = 0
+    for batch in client_batches(indices, args.batch_size, args.local_epochs, args.local_steps):
+        x, y = prepare_batch(data.x_train[batch], data, args.augment), data.y_train[batch]
+        with autocast(args.device, args.amp):
+            loss = F.cross_entropy(model(x).float(), y)
+        if args.prox_mu > 0:  # FedProx: + mu/2 ||w - w_t||^2 (Li et al. 2020, Eq. 2)
+            loss = loss + args.prox_mu / 2 * sum((w - w0).pow(2).sum() for w, w0 in zip(model.parameters(), global_params))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        loss_sum += loss.detach() * len(batch)
+        seen += len(batch)
+    return loss_sum / max(seen, 1)
+
+
+def accumulate(total, state, weight):
+    """total += weight * state, entry by entry. Batch-norm running means and variances are averaged
+    with the same weights as the parameters (num_batches_tracked too; it only matters for momentum=None)."""
+    for k, v in state.items():
+        total[k] += weight * v.float()
+
+
+def client_weights(sizes, weighting):
+    """n_k / n over the sampled clients, or 1/m with --weighting uniform."""
+    sizes = torch.as_tensor(sizes, dtype=torch.float64)
+    w = torch.ones_like(sizes) if weighting == "uniform" else sizes
+    return (w / w.sum()).tolist()
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    seed_everything(args.seed)
+    data = load_data(args)
+    partition = make_partition(args, data)  # uses its own generator seeded by --data-seed
+    run = Run(args, "fedavg")
+    run.write_partition(partition, data)
+    model = build_model(args.model, data).to(args.device)  # the global model w_t
+    client = build_model(args.model, data).to(args.device)  # one client model, reloaded for every client
+    sampler = np.random.default_rng(args.seed)  # client sampling, independent of the partition
+    sizes = [len(p) for p in partition.train]
+    start = 0
+    if args.resume:
+        ckpt = run.load_checkpoint()
+        model.load_state_dict(ckpt["model"])
+        set_rng_state(ckpt["rng"], sampler)
+        start = ckpt["round"]
+
+    def checkpoint(rounds_done):
+        run.save_checkpoint(rounds_done, {"model": model.state_dict(), "rng": rng_state(sampler)})
+
+    metrics = {}
+    bar = tqdm(range(start, args.rounds), initial=start, total=args.rounds, desc="fedavg", unit="round")
+    for rnd in bar:
+        lr = lr_at(rnd, args)
+        clients = sample_clients(sampler, args.num_clients, args.frac)
+        weights = client_weights([sizes[k] for k in clients], args.weighting)
+        total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items()}
+        train_loss = torch.zeros((), device=args.device)
+        for k, w in zip(clients, weights):
+            client.load_state_dict(model.state_dict())
+            train_loss += w * local_train(client, partition.train[k], data, args, lr, list(model.parameters()))
+            accumulate(total, client.state_dict(), w)
+        model.load_state_dict(total)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (casts back to each entry's dtype)
+        train_loss = train_loss.item()
+        if not np.isfinite(train_loss):
+            run.diverged(rnd + 1, train_loss)
+
+        if (rnd + 1) % args.eval_every == 0 or rnd + 1 == args.rounds:
+            model.eval()
+            acc, loss = evaluate(model, data.x_test, data.y_test, data, amp=args.amp)
+            metrics = {"round": rnd + 1, "test_acc": acc, "test_loss": loss, "train_loss": train_loss, "lr": lr}
+            if partition.test is not None:
+                accs = [evaluate(model, data.x_test[t], data.y_test[t], data, amp=args.amp)[0] for t in partition.test]
+                metrics["client_test_acc_mean"] = float(np.mean(accs))
+            metrics = run.log(metrics)
+            bar.set_postfix(acc=f"{acc:.4f}", loss=f"{train_loss:.3f}")
+            if args.checkpoint_every is None:
+                checkpoint(rnd + 1)
+        if args.checkpoint_every is not None and (rnd + 1) % args.checkpoint_every == 0:
+            checkpoint(rnd + 1)
+        if run.stop_requested or (args.stop_after is not None and rnd + 1 - start >= args.stop_after):
+            if rnd + 1 < args.rounds:
+                checkpoint(rnd + 1)
+                bar.close()
+                print(f"stopped after round {rnd + 1}; continue with: python fedavg.py --resume {run.dir}")
+                raise SystemExit(130 if run.stop_requested else 0)
+    bar.close()
+    summary = run.finish({"final_round": args.rounds, **{k: v for k, v in metrics.items() if k != "round"}}, model)
+    print(f"final test accuracy {summary['test_acc']:.4f} after {args.rounds} rounds; outputs in {run.dir}")
