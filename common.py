@@ -170,8 +170,8 @@ def synthetic_dataset(seed, n_train=3000, n_test=1000, num_classes=10, size=32):
     templates = F.interpolate(torch.rand(num_classes, 3, 4, 4, generator=g), size=size, mode="bilinear",
                               align_corners=False)
 
-    def draw(n):
-        y = torch.randint(num_classes, (n,), generator=g)
+    def draw(n):  # n/num_classes images of each class, in random order
+        y = (torch.arange(n) % num_classes)[torch.randperm(n, generator=g)]
         brightness = 0.7 + 0.6 * torch.rand(n, 1, 1, 1, generator=g)
         x = templates[y] * brightness + 0.35 * torch.randn(n, 3, size, size, generator=g)
         return (x.clamp(0, 1) * 255).round().to(torch.uint8), y
@@ -250,8 +250,10 @@ def folder_dataset(root):
 
 
 def _decode_image(path):
-    from torchvision.io import ImageReadMode, decode_image, read_file
-    return decode_image(read_file(path), mode=ImageReadMode.UNCHANGED)
+    from PIL import Image  # installed with torchvision
+    with Image.open(path) as img:
+        x = torch.from_numpy(np.array(img))
+    return x.unsqueeze(0) if x.ndim == 2 else x.permute(2, 0, 1)  # [C, H, W], grayscale -> 1 channel
 
 
 def _progress(items, desc):
@@ -389,6 +391,9 @@ def split_iid(n_samples, weights, rng):
 def split_shards(labels, n, s, weights, rng):
     """McMahan et al.: sort by label, cut into n*s equal shards, deal s shards to each client.
 
+    A client holds at most s classes when the shard size divides every class size (CIFAR-10 with
+    n=100 and s=2 or 10); otherwise a shard may straddle two classes, as in the original recipe.
+
     With power-law weights a client gets a number of shards proportional to its weight (at least 1).
     """
     order = np.argsort(labels, kind="stable")
@@ -517,18 +522,35 @@ def cnn(in_channels, num_classes, image_size, **_):
     return Classifier(body, 512, num_classes)
 
 
+@register_model("mlp")
+def mlp(in_channels, num_classes, image_size, **_):
+    """McMahan et al. 2017 '2NN': two hidden layers of 200 units with ReLU (cheap: used by fast tests)."""
+    body = nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size ** 2, 200), nn.ReLU(),
+                         nn.Linear(200, 200), nn.ReLU())
+    return Classifier(body, 200, num_classes)
+
+
 # --- ResNet: one implementation; normalization and channel attention are options ---------------
 def make_norm(kind, channels):
-    """The activation normalization of a ResNet layer: bn | gn | ln | none."""
+    """The activation normalization of a ResNet layer: bn | gn | ln | none | nf (none, with the
+    weight-standardized convolutions of make_conv: NF-ResNet, Brock et al. 2021a)."""
     if kind == "bn":
         return nn.BatchNorm2d(channels)
     if kind == "gn":
         return nn.GroupNorm(min(32, channels), channels)  # 32 groups (Wu & He 2018), fewer if narrow
     if kind == "ln":
         return nn.GroupNorm(1, channels)  # one group = layer norm over (C, H, W)
-    if kind == "none":
+    if kind in ("none", "nf"):
         return nn.Identity()
     raise ValueError(f"unknown norm '{kind}'")
+
+
+def make_conv(norm, cin, cout, kernel, stride=1, padding=0, zero_gain=False):
+    """A ResNet convolution: plain and bias-free before an activation norm; for norm 'nf' a Scaled
+    Weight Standardized conv with bias (ANFR Eq. 5; ScaledStdConv2d in the ANFR block below)."""
+    if norm == "nf":
+        return ScaledStdConv2d(cin, cout, kernel, stride, padding, gamma=RELU_GAMMA, gain_init=0.0 if zero_gain else 1.0)
+    return nn.Conv2d(cin, cout, kernel, stride, padding, bias=False)
 
 
 class SqueezeExcite(nn.Module):
@@ -539,35 +561,51 @@ class SqueezeExcite(nn.Module):
         hidden = max(channels // reduction, 1)
         self.fc1, self.fc2 = nn.Conv2d(channels, hidden, 1), nn.Conv2d(hidden, channels, 1)
 
+    def weights(self, x):  # [B, C, 1, 1] channel weights (read by anfr.py --analyze)
+        return torch.sigmoid(self.fc2(F.relu(self.fc1(x.mean((2, 3), keepdim=True)))))
+
     def forward(self, x):
-        w = torch.sigmoid(self.fc2(F.relu(self.fc1(x.mean((2, 3), keepdim=True)))))
-        return x * w
+        return x * self.weights(x)
 
 
-def make_attention(kind, channels):
+def make_attention(kind, channels, norm="bn"):
+    """Channel attention after a block's last conv: none | se | eca | cbam (the last two in the ANFR block)."""
     if kind is None or kind == "none":
         return nn.Identity()
     if kind == "se":
         return SqueezeExcite(channels)
+    if kind == "eca":
+        return EfficientChannelAttention(channels)
+    if kind == "cbam":
+        return CBAM(channels, norm)
     raise ValueError(f"unknown attention '{kind}'")
 
 
 class BasicBlock(nn.Module):
     expansion = 1
 
-    def __init__(self, cin, planes, stride, norm, attention):
+    def __init__(self, cin, planes, stride, norm, attention, norm_after_act=False, beta=1.0):
         super().__init__()
         cout = planes * self.expansion
-        self.conv1 = nn.Conv2d(cin, planes, 3, stride, 1, bias=False)
+        self.norm_after_act = norm_after_act
+        nf_setup(self, norm, attention, beta, transition=stride != 1 or cin != cout)
+        self.conv1 = make_conv(norm, cin, planes, 3, stride, 1)
         self.n1 = make_norm(norm, planes)
-        self.conv2 = nn.Conv2d(planes, cout, 3, 1, 1, bias=False)
+        self.conv2 = make_conv(norm, planes, cout, 3, 1, 1, zero_gain=True)
         self.n2 = make_norm(norm, cout)
-        self.attn = make_attention(attention, cout)
+        self.attn = make_attention(attention, cout, norm)
         self.shortcut = nn.Identity()
-        if stride != 1 or cin != cout:
-            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), make_norm(norm, cout))
+        if stride != 1 or cin != cout:  # norm_after_act normalizes the sum instead of the shortcut
+            self.shortcut = nn.Sequential(make_conv(norm, cin, cout, 1, stride),
+                                          make_norm("none" if norm_after_act else norm, cout))
 
     def forward(self, x):
+        if self.norm_after_act:  # norm after each ReLU (FedLN, Zhang et al. 2024, Eq. 10)
+            out = self.attn(self.conv2(self.n1(F.relu(self.conv1(x)))))
+            return self.n2(F.relu(out + self.shortcut(x)))
+        if self.nf:  # NF-ResNet (Brock et al. 2021a): pre-activation h = relu(x) * beta, no activation norm
+            h = F.relu(x) * self.beta
+            return nf_merge(self, self.attn(self.conv2(F.relu(self.conv1(h)))), x, h)
         out = F.relu(self.n1(self.conv1(x)))
         out = self.attn(self.n2(self.conv2(out)))
         return F.relu(out + self.shortcut(x))
@@ -576,18 +614,27 @@ class BasicBlock(nn.Module):
 class Bottleneck(nn.Module):
     expansion = 4
 
-    def __init__(self, cin, planes, stride, norm, attention):
+    def __init__(self, cin, planes, stride, norm, attention, norm_after_act=False, beta=1.0):
         super().__init__()
         cout = planes * self.expansion
-        self.conv1, self.n1 = nn.Conv2d(cin, planes, 1, bias=False), make_norm(norm, planes)
-        self.conv2, self.n2 = nn.Conv2d(planes, planes, 3, stride, 1, bias=False), make_norm(norm, planes)
-        self.conv3, self.n3 = nn.Conv2d(planes, cout, 1, bias=False), make_norm(norm, cout)
-        self.attn = make_attention(attention, cout)
+        self.norm_after_act = norm_after_act
+        nf_setup(self, norm, attention, beta, transition=stride != 1 or cin != cout)
+        self.conv1, self.n1 = make_conv(norm, cin, planes, 1), make_norm(norm, planes)
+        self.conv2, self.n2 = make_conv(norm, planes, planes, 3, stride, 1), make_norm(norm, planes)
+        self.conv3, self.n3 = make_conv(norm, planes, cout, 1, zero_gain=True), make_norm(norm, cout)
+        self.attn = make_attention(attention, cout, norm)
         self.shortcut = nn.Identity()
-        if stride != 1 or cin != cout:
-            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), make_norm(norm, cout))
+        if stride != 1 or cin != cout:  # norm_after_act normalizes the sum instead of the shortcut
+            self.shortcut = nn.Sequential(make_conv(norm, cin, cout, 1, stride),
+                                          make_norm("none" if norm_after_act else norm, cout))
 
     def forward(self, x):
+        if self.norm_after_act:  # norm after each ReLU (FedLN, Zhang et al. 2024, Eq. 10)
+            out = self.n2(F.relu(self.conv2(self.n1(F.relu(self.conv1(x))))))
+            return self.n3(F.relu(self.attn(self.conv3(out)) + self.shortcut(x)))
+        if self.nf:  # NF-ResNet (Brock et al. 2021a): pre-activation h = relu(x) * beta, no activation norm
+            h = F.relu(x) * self.beta
+            return nf_merge(self, self.attn(self.conv3(F.relu(self.conv2(F.relu(self.conv1(h)))))), x, h)
         out = F.relu(self.n1(self.conv1(x)))
         out = F.relu(self.n2(self.conv2(out)))
         out = self.attn(self.n3(self.conv3(out)))
@@ -602,33 +649,41 @@ class ResNetBody(nn.Module):
     """He et al. 2016 ResNet up to global average pooling.
 
     stem 'cifar': conv3x3 stride 1, no max-pool (32x32 inputs); 'imagenet': conv7x7 stride 2 + max-pool.
+    norm_after_act: normalization after each ReLU (and on the block's sum, not its shortcut), as in
+    FedLN (Zhang et al. 2024, Eq. 10 and Appendix C.1); default: conv -> norm -> ReLU.
     """
 
-    def __init__(self, in_channels, depth=18, width=64, norm="bn", attention=None, stem="cifar"):
+    def __init__(self, in_channels, depth=18, width=64, norm="bn", attention=None, stem="cifar",
+                 norm_after_act=False):
         super().__init__()
         block, layers = RESNET_LAYOUT[depth]
+        norm_relu = (nn.ReLU(), make_norm(norm, width)) if norm_after_act else (make_norm(norm, width), nn.ReLU())
+        if norm == "nf":  # NF blocks pre-activate, so the stem ends at its conv (as timm's NF-ResNet)
+            norm_relu = (nn.Identity(), nn.Identity())
         if stem == "cifar":
-            self.stem = nn.Sequential(nn.Conv2d(in_channels, width, 3, 1, 1, bias=False),
-                                      make_norm(norm, width), nn.ReLU())
+            self.stem = nn.Sequential(make_conv(norm, in_channels, width, 3, 1, 1), *norm_relu)
         else:
-            self.stem = nn.Sequential(nn.Conv2d(in_channels, width, 7, 2, 3, bias=False),
-                                      make_norm(norm, width), nn.ReLU(), nn.MaxPool2d(3, 2, 1))
-        stages, cin = [], width
+            self.stem = nn.Sequential(make_conv(norm, in_channels, width, 7, 2, 3), *norm_relu,
+                                      nn.MaxPool2d(3, 2, 1))
+        stages, cin, expected_var = [], width, 1.0
         for i, blocks in enumerate(layers):
             planes = width * 2 ** i
             for j in range(blocks):
-                stages.append(block(cin, planes, 2 if (j == 0 and i > 0) else 1, norm, attention))
+                stages.append(block(cin, planes, 2 if (j == 0 and i > 0) else 1, norm, attention,
+                                    norm_after_act=norm_after_act, beta=expected_var ** -0.5))
+                expected_var = nf_expected_var(stages[-1], expected_var)  # used by norm 'nf' only
                 cin = planes * block.expansion
         self.stages = nn.Sequential(*stages)
+        self.final_act = nn.ReLU() if norm == "nf" else nn.Identity()  # NF: the last block ends without ReLU
         self.out_dim = cin
 
     def forward(self, x):
-        return self.stages(self.stem(x)).mean((2, 3))
+        return self.final_act(self.stages(self.stem(x))).mean((2, 3))
 
 
 def resnet(in_channels, num_classes, image_size, depth=18, width=64, norm="bn", attention=None,
-           stem="cifar", **_):
-    body = ResNetBody(in_channels, depth, width, norm, attention, stem)
+           stem="cifar", norm_after_act=False, **_):
+    body = ResNetBody(in_channels, depth, width, norm, attention, stem, norm_after_act=norm_after_act)
     return Classifier(body, body.out_dim, num_classes)
 
 
@@ -757,11 +812,305 @@ def device_name(device):
 # written for one paper; register models with @register_model so `--model NAME` finds them.
 # ----------------------------------------------------------------------------------------------
 # === FedBABU (fedbabu.py): convnet4, convnet3, mobilenet, per-client personalization ===
+def personalize(model, global_state, data, train_parts, test_parts, *, epochs, eval_epochs, lr, part,
+                batch_size, augment, momentum=0.9, amp=False, forward=None):
+    """Per-client fine-tuning and evaluation (FedBABU, Oh et al. 2022, Algorithm 2); method-neutral.
+
+    For each client k: load global_state into `model` (reused, no copies), fine-tune only `part` of it
+    ("full" | "body" | "head"; the rest is frozen: requires_grad off and not in the optimizer, and a
+    frozen body is kept in eval mode so its batch-norm running statistics do not move either) with
+    SGD(lr, momentum) and batch_size on data.x_train[train_parts[k]] (augmentation `augment`), and
+    evaluate on data.x_test[test_parts[k]] after each epoch e in eval_epochs (e = 0: before fine-tuning).
+    Training runs max(epochs, *eval_epochs) epochs and `epochs` is always evaluated too.
+    `forward(model, x) -> logits` (default model(x)) is used for both the fine-tuning loss and evaluation.
+    Clients with an empty test set are skipped. `model` is left holding the last client's weights.
+
+    Returns {"acc_mean": {e: mean accuracy over clients}, "acc_std": {e: std over clients (ddof 0)},
+             "per_client": {e: [accuracy of each client in "clients"]}, "clients": [k, ...]},
+    keyed by the evaluated epochs e (ints, sorted).
+    """
+    forward = forward or (lambda m, x: m(x))
+    points = sorted(set(eval_epochs) | {epochs})
+    params = {"full": model, "body": model.body, "head": model.head}[part].parameters()
+    trainable = {id(p) for p in params}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in trainable)
+    opt_params = [p for p in model.parameters() if p.requires_grad]
+    clients = [k for k in range(len(train_parts)) if len(test_parts[k]) > 0]
+    per_client = {e: [] for e in points}
+    for k in clients:
+        model.load_state_dict(global_state)
+        opt = torch.optim.SGD(opt_params, lr=lr, momentum=momentum)
+        for e in range(points[-1] + 1):
+            if e > 0:  # one epoch of fine-tuning
+                model.train()
+                if part == "head":
+                    model.body.eval()
+                for batch in client_batches(train_parts[k], batch_size, epochs=1):
+                    x, y = prepare_batch(data.x_train[batch], data, augment), data.y_train[batch]
+                    with autocast(x.device, amp):
+                        loss = F.cross_entropy(forward(model, x).float(), y)
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+            if e in per_client:
+                model.eval()
+                t = test_parts[k]
+                per_client[e].append(evaluate(lambda x: forward(model, x), data.x_test[t], data.y_test[t], data, amp=amp)[0])
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return {"acc_mean": {e: float(np.mean(a)) for e, a in per_client.items()},
+            "acc_std": {e: float(np.std(a)) for e, a in per_client.items()},
+            "per_client": per_client, "clients": clients}
+# personalize() ready
+
+
+def _conv_bn_pool(cin, cout=64):
+    """FedBABU Appendix A.1 block: conv3x3 (bias) -> batch norm without running statistics
+    (track_running_stats=False: batch statistics in training and evaluation, nothing to aggregate) -> ReLU -> max-pool 2."""
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout, track_running_stats=False),
+                         nn.ReLU(), nn.MaxPool2d(2))
+
+
+def convnet(in_channels, num_classes, image_size, blocks, width=64):
+    body = nn.Sequential(*[_conv_bn_pool(in_channels if i == 0 else width, width) for i in range(blocks)], nn.Flatten())
+    return Classifier(body, flat_dim(body, in_channels, image_size), num_classes)
+
+
+@register_model("convnet4")
+def convnet4(in_channels, num_classes, image_size, width=64, **_):
+    """FedBABU 4convNet (CIFAR-10): four conv3x3-64/BN/ReLU/pool blocks, linear 256 -> C at 32x32."""
+    return convnet(in_channels, num_classes, image_size, 4, width)
+
+
+@register_model("convnet4-tiny")
+def convnet4_tiny(in_channels, num_classes, image_size, **_):
+    """4convNet with 8 channels instead of 64: for tests and CPU smoke runs, not in the paper."""
+    return convnet(in_channels, num_classes, image_size, 4, width=8)
+
+
+@register_model("convnet3")
+def convnet3(in_channels, num_classes, image_size, width=64, **_):
+    """FedBABU 3convNet (EMNIST): three conv3x3-64/BN/ReLU/pool blocks, linear 576 -> C at 28x28."""
+    return convnet(in_channels, num_classes, image_size, 3, width)
+
+
+MOBILENET_CFG = [64, (128, 2), 128, (256, 2), 256, (512, 2), 512, 512, 512, 512, 512, (1024, 2), 1024]
+
+
+@register_model("mobilenet")
+def mobilenet(in_channels, num_classes, image_size, **_):
+    """MobileNet v1 (Howard et al. 2017) in the CIFAR layout of kuangliu/pytorch-cifar used by FedBABU:
+    conv3x3-32 stride 1, then depthwise-3x3/pointwise-1x1 blocks per MOBILENET_CFG (planes or
+    (planes, stride)), batch norm without running statistics, global average pool, linear 1024 -> C.
+    (The original uses avg_pool2d(2) on the 2x2 map of a 32x32 input: the same thing at 32x32.)"""
+    bn = lambda c: nn.BatchNorm2d(c, track_running_stats=False)
+    layers, cin = [nn.Conv2d(in_channels, 32, 3, 1, 1, bias=False), bn(32), nn.ReLU()], 32
+    for item in MOBILENET_CFG:
+        cout, stride = item if isinstance(item, tuple) else (item, 1)
+        layers += [nn.Conv2d(cin, cin, 3, stride, 1, groups=cin, bias=False), bn(cin), nn.ReLU(),
+                   nn.Conv2d(cin, cout, 1, bias=False), bn(cout), nn.ReLU()]
+        cin = cout
+    body = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    return Classifier(body, cin, num_classes)
+
 
 # === FedFN (fedfn.py): vgg11 ===
+VGG11_CFG = [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]  # Simonyan & Zisserman, config "A"
+
+
+@register_model("vgg11")
+def vgg11(in_channels, num_classes, image_size, **_):
+    """VGG11 with batch norm for CIFAR, as the FedFN paper ran it (FedBABU / FedNTD code bases):
+    conv3x3 (bias) -> batch norm -> ReLU per VGG11_CFG entry, max-pool 2 at "M", then
+    fc 512*s*s -> 512 -> ReLU -> 512 -> ReLU (body output, d = 512), head linear 512 -> C; no dropout.
+    Batch norm follows the FedBABU code base: no running statistics (track_running_stats=False, batch
+    statistics in training and evaluation, nothing to aggregate). Conv init N(0, 2/(9*C_out)), bias 0.
+    A max-pool is skipped when the map is already 1x1 (28x28 inputs: 28-14-7-3-1)."""
+    layers, cin, size = [], in_channels, image_size
+    for v in VGG11_CFG:
+        if v == "M":
+            if size >= 2:
+                layers.append(nn.MaxPool2d(2))
+                size //= 2
+            continue
+        conv = nn.Conv2d(cin, v, 3, padding=1)
+        nn.init.normal_(conv.weight, 0, math.sqrt(2.0 / (9 * v)))
+        nn.init.zeros_(conv.bias)
+        layers += [conv, nn.BatchNorm2d(v, track_running_stats=False), nn.ReLU()]
+        cin = v
+    conv = nn.Sequential(*layers, nn.Flatten())
+    body = nn.Sequential(conv, nn.Linear(flat_dim(conv, in_channels, image_size), 512), nn.ReLU(),
+                         nn.Linear(512, 512), nn.ReLU())
+    return Classifier(body, 512, num_classes)
+
 
 # === FedLN (fedln.py): normcnn ===
+class FeatureNorm(nn.Module):
+    """FedLN's scale normalization of the last feature (Zhang et al. 2024, Section 2 and Eq. 7):
+    n(z) = sqrt(d) * z / max(eps, ||z||), so ||n(z)|| = sqrt(d) (the norm an n_MV output has).
+    FedFN (fedfn.py, Kim et al. 2023) normalizes to unit norm instead; the two differ by the constant sqrt(d)."""
+
+    def __init__(self, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, z):
+        return math.sqrt(z.shape[1]) * z / z.norm(dim=1, keepdim=True).clamp_min(self.eps)
+
+
+def fedln_norm(kind, channels, affine=True, conv=True):
+    """A normalization slot of normcnn (Zhang et al. 2024, Table 7, Section 5.3), for conv maps [B, C, H, W]
+    (conv=True) or dense features [B, C]: ln = layer norm over (C, H, W) or over the features (one group,
+    per-channel affine as in the authors' code), gn = group norm with 2 groups, bn = batch norm (the
+    script averages its running statistics with the weights), none | fn = nothing here. eps 1e-5."""
+    if kind == "ln":
+        return nn.GroupNorm(1, channels, eps=1e-5, affine=affine)
+    if kind == "gn":
+        return nn.GroupNorm(2, channels, eps=1e-5, affine=affine)
+    if kind == "bn":
+        return (nn.BatchNorm2d if conv else nn.BatchNorm1d)(channels, eps=1e-5, affine=affine)
+    if kind in ("none", "fn"):
+        return nn.Identity()
+    raise ValueError(f"unknown norm '{kind}'")
+
+
+@register_model("normcnn")
+def normcnn(in_channels, num_classes, image_size, norm="none", ln_affine=True, norm_after_act=True, width=64, **_):
+    """Zhang et al. 2024, Table 7: conv5x5-64 (no padding), pool 2, conv5x5-64, pool 2, dense -> 384, head
+    384 -> C; ReLU; no bias terms anywhere, head included (Assumption 1, scale equivariance).
+    norm (none | ln | gn | bn | fn) fills the slot after each ReLU, before pooling (Appendix C.1), or before
+    each ReLU with norm_after_act=False (Table 6 "before"); ln_affine: learnable gamma, beta of ln/gn/bn
+    (Table 6 "learnable") or none ("static"). fn: no normalization inside, FeatureNorm on the 384-d feature.
+    width: channels of both convolutions (64 in Table 7; smaller only for quick tests)."""
+    def layer(op, channels):
+        n = fedln_norm(norm, channels, ln_affine, conv=isinstance(op, nn.Conv2d))
+        return [op, nn.ReLU(), n] if norm_after_act else [op, n, nn.ReLU()]
+    side = ((image_size - 4) // 2 - 4) // 2  # computed, not probed: a probe pass would move BN statistics
+    body = nn.Sequential(
+        *layer(nn.Conv2d(in_channels, width, 5, bias=False), width), nn.MaxPool2d(2),
+        *layer(nn.Conv2d(width, width, 5, bias=False), width), nn.MaxPool2d(2), nn.Flatten(),
+        *layer(nn.Linear(width * side * side, 384, bias=False), 384))
+    if norm == "fn":
+        body.append(FeatureNorm())
+    return Classifier(body, 384, num_classes, head_bias=False)
+
 
 # === FedNNNN (fednnnn.py): lenet, cnn6 ===
+@register_model("lenet")
+def lenet(in_channels, num_classes, image_size, **_):
+    """Nagura et al. 2021, Table 3 (MNIST): conv5x5-20, pool, conv5x5-50, pool, fc 500, head; all with
+    bias, no padding (28x28 -> 50x4x4)."""
+    side = ((image_size - 4) // 2 - 4) // 2
+    body = nn.Sequential(
+        nn.Conv2d(in_channels, 20, 5), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(20, 50, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+        nn.Linear(50 * side * side, 500), nn.ReLU())
+    return Classifier(body, 500, num_classes)
+
+
+@register_model("cnn6")
+def cnn6(in_channels, num_classes, image_size, **_):
+    """Nagura et al. 2021, Table 4 (CIFAR-10): [conv3x3 (padding 1) + BN + ReLU] x2 per stage with 32, 64,
+    128 channels, max-pool after each stage, then fc 382, fc 192 and the head; all layers with bias."""
+    layers, cin = [], in_channels
+    for cout in (32, 32, "pool", 64, 64, "pool", 128, 128, "pool"):
+        if cout == "pool":
+            layers.append(nn.MaxPool2d(2))
+            continue
+        layers += [nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU()]
+        cin = cout
+    side = image_size // 8  # computed, not probed: a probe pass would move the BN running statistics
+    body = nn.Sequential(*layers, nn.Flatten(), nn.Linear(128 * side * side, 382), nn.ReLU(),
+                         nn.Linear(382, 192), nn.ReLU())
+    return Classifier(body, 192, num_classes)
+
 
 # === ANFR (anfr.py): weight-standardized NF-ResNets and channel attention (see ResNet code above) ===
+RELU_GAMMA = math.sqrt(2 / (1 - 1 / math.pi))  # 1.7129 = 1/std(relu(z)), z ~ N(0, 1); timm uses the measured 1.7140
+NF_ALPHA = 0.2  # alpha: scale of each residual branch (Brock et al. 2021a; timm NfCfg.alpha)
+NF_ATTN_GAIN = 2.0  # attention output x2 in NF blocks, since a sigmoid gate starts near 0.5 (timm NfCfg.attn_gain)
+register_model("resnet")(resnet)  # the one ResNet with its options: depth, width, norm, attention, stem (anfr.py --arch)
+
+
+class ScaledStdConv2d(nn.Conv2d):
+    """Scaled Weight Standardization (ANFR Eq. 5; Brock et al. 2021a), per output channel c:
+    W_hat_c = g_c * gamma / sqrt(fan_in) * (W_c - mean(W_c)) / std(W_c), statistics over the
+    fan_in = C_in * k * k weights of channel c (Eq. 5 writes C_in for k = 1); learnable gain g and
+    bias beta (A' = X * W_hat + beta), gamma fixed by the nonlinearity that feeds the conv.
+    Init as timm: kaiming-normal weights (irrelevant after standardization), zero bias."""
+
+    def __init__(self, cin, cout, kernel, stride=1, padding=0, gamma=1.0, gain_init=1.0, eps=1e-5):
+        super().__init__(cin, cout, kernel, stride, padding, bias=True)
+        self.gain = nn.Parameter(torch.full((cout, 1, 1, 1), float(gain_init)))
+        self.scale = gamma / math.sqrt(self.weight[0].numel())  # gamma / sqrt(fan_in)
+        self.eps = eps  # timm's std_conv_eps for NF-ResNets
+        nn.init.kaiming_normal_(self.weight, nonlinearity="linear")
+        nn.init.zeros_(self.bias)
+
+    def standardized_weight(self):
+        """(W - mu_c) / sigma_c per output channel (Eq. 5 before gain and scale)."""
+        mean = self.weight.mean((1, 2, 3), keepdim=True)
+        var = self.weight.var((1, 2, 3), keepdim=True, unbiased=False)
+        return (self.weight - mean) / torch.sqrt(var + self.eps)
+
+    def forward(self, x):
+        return F.conv2d(x, self.gain * self.scale * self.standardized_weight(), self.bias, self.stride, self.padding)
+
+
+def nf_setup(block, norm, attention, beta, transition):
+    """A ResNet block's NF-ResNet constants (used when norm == 'nf'): alpha, beta = 1/sqrt(expected
+    Var(x) at the block input), the attention gain, and whether the shortcut is a (transition) conv."""
+    block.nf, block.alpha, block.beta, block.transition = norm == "nf", NF_ALPHA, beta, transition
+    block.attn_gain = NF_ATTN_GAIN if attention not in (None, "none") else 1.0
+
+
+def nf_merge(block, branch, x, h):
+    """NF residual sum x_{l+1} = shortcut + alpha * f(h), h = relu(x) * beta (Brock et al. 2021a):
+    the shortcut is x itself, or for a transition block the shortcut conv applied to h."""
+    return (block.shortcut(h) if block.transition else x) + block.alpha * block.attn_gain * branch
+
+
+def nf_expected_var(block, var):
+    """Expected-variance bookkeeping (Brock et al. 2021a): Var(x_{l+1}) = Var(x_l) + alpha^2, where a
+    transition block's shortcut (a conv on relu(x)*beta, variance ~1) first resets Var(x_l) to 1.
+    timm resets at each stage's first block, which is always a transition in its NF-ResNets."""
+    return (1.0 if block.transition else var) + NF_ALPHA ** 2
+
+
+class EfficientChannelAttention(nn.Module):
+    """ECA (Wang et al. 2020): channel weights = sigmoid(conv1d_k over channels of the global average
+    pool), no dimensionality reduction; k = |(log2 C + 1) / 2| rounded up to odd, at least 3 (timm EcaModule)."""
+
+    def __init__(self, channels, gamma=2, b=1):
+        super().__init__()
+        t = int(abs(math.log2(channels) + b) / gamma)
+        k = max(t if t % 2 else t + 1, 3)
+        self.conv = nn.Conv1d(1, 1, k, padding=(k - 1) // 2, bias=False)
+
+    def weights(self, x):  # [B, C, 1, 1]
+        return torch.sigmoid(self.conv(x.mean((2, 3)).unsqueeze(1))).transpose(1, 2).unsqueeze(-1)
+
+    def forward(self, x):
+        return x * self.weights(x)
+
+
+class CBAM(nn.Module):
+    """CBAM (Woo et al. 2018; timm CbamModule): channel gate sigmoid(MLP(avg pool) + MLP(max pool)) with
+    a shared bias-free MLP (reduction 16), then spatial gate sigmoid(conv7x7([mean_c, max_c])); the
+    spatial conv is followed by the network's norm (bn: batch norm; nf: weight-standardized conv with bias)."""
+
+    def __init__(self, channels, norm="bn", reduction=16):
+        super().__init__()
+        hidden = max(channels // reduction, 1)
+        self.fc1, self.fc2 = nn.Conv2d(channels, hidden, 1, bias=False), nn.Conv2d(hidden, channels, 1, bias=False)
+        conv = ScaledStdConv2d(2, 1, 7, 1, 3) if norm == "nf" else nn.Conv2d(2, 1, 7, 1, 3, bias=False)
+        self.spatial = nn.Sequential(conv, make_norm(norm, 1))
+
+    def weights(self, x):  # channel weights [B, C, 1, 1]
+        mlp = lambda z: self.fc2(F.relu(self.fc1(z)))
+        return torch.sigmoid(mlp(x.mean((2, 3), keepdim=True)) + mlp(x.amax((2, 3), keepdim=True)))
+
+    def forward(self, x):
+        x = x * self.weights(x)
+        return x * torch.sigmoid(self.spatial(torch.cat([x.mean(1, keepdim=True), x.amax(1, keepdim=True)], 1)))

@@ -1,0 +1,43 @@
+"""Helpers for end-to-end tests: run a script in a subprocess and read its run folder."""
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--dataset", "synthetic", "--device", "cpu", "--model", "mlp", "--num-clients", "4", "--frac", "0.5",
+        "--local-steps", "3", "--batch-size", "16", "--rounds", "4"]
+
+
+def run_script(script, *flags, check=True, env=None):
+    """python <script> <flags> in the repo root with one thread; returns the CompletedProcess."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run([sys.executable, script, *map(str, flags)], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{script} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def metrics(run_dir):
+    """metrics.jsonl without timings."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    for row in rows:
+        row.pop("elapsed_s", None)
+    return rows
+
+
+def summary(run_dir):
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        return json.load(f)
+
+
+def assert_same_model(dir_a, dir_b):
+    a = torch.load(os.path.join(dir_a, "model.pt"))
+    b = torch.load(os.path.join(dir_b, "model.pt"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k

@@ -1,0 +1,253 @@
+"""common.py: partitions, models, batches, folder datasets."""
+import argparse
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import common
+from common import MODELS, Data, build_model, client_batches, make_partition, prepare_batch
+
+NUM_CLASSES = 10
+
+
+def fake_data(n_train=2000, n_test=500, classes=NUM_CLASSES, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    y_tr = torch.arange(n_train) % classes  # balanced classes
+    y_te = torch.arange(n_test) % classes
+    x_tr = torch.randint(0, 256, (n_train, 3, 8, 8), dtype=torch.uint8, generator=g)
+    x_te = torch.randint(0, 256, (n_test, 3, 8, 8), dtype=torch.uint8, generator=g)
+    return Data(x_tr, y_tr[torch.randperm(n_train, generator=g)], x_te, y_te, classes,
+                torch.full((1, 3, 1, 1), 0.5), torch.full((1, 3, 1, 1), 0.25))
+
+
+def part_args(**kw):
+    base = dict(iid=False, shards=None, classes_per_client=None, alpha=None, split2=False,
+                quantity="equal", client_test=False, num_clients=20, data_seed=0)
+    return argparse.Namespace(**{**base, **kw})
+
+
+SCHEMES = [dict(iid=True), dict(shards=2), dict(shards=5), dict(classes_per_client=1, num_clients=10),
+           dict(classes_per_client=3), dict(alpha=0.1), dict(alpha=100.0), dict(split2=True, num_clients=5),
+           dict(iid=True, quantity="powerlaw"), dict(shards=2, quantity="powerlaw"),
+           dict(classes_per_client=2, quantity="powerlaw"), dict(alpha=0.5, quantity="powerlaw")]
+
+
+def classes_of(data, part):
+    return set(data.y_train[part].tolist())
+
+
+@pytest.mark.parametrize("kw", SCHEMES, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_partition_is_disjoint_and_complete(kw):
+    data = fake_data()
+    p = make_partition(part_args(**kw), data)
+    allidx = torch.cat(p.train)
+    assert len(p.train) == part_args(**kw).num_clients
+    assert len(allidx) == len(set(allidx.tolist())), "a sample was given to two clients"
+    assert sorted(allidx.tolist()) == list(range(len(data.y_train))), "some sample was lost"
+    assert all(len(t) > 0 for t in p.train)
+
+
+def test_partition_same_data_seed_same_split_other_seed_differs():
+    data = fake_data()
+    for kw in SCHEMES:
+        a = make_partition(part_args(**kw, data_seed=3), data).train
+        b = make_partition(part_args(**kw, data_seed=3), data).train
+        c = make_partition(part_args(**kw, data_seed=4), data).train
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), kw
+        assert not all(torch.equal(x, y) for x, y in zip(a, c)), kw
+
+
+def test_iid_sizes_equal():
+    p = make_partition(part_args(iid=True, num_clients=7), fake_data())
+    sizes = [len(t) for t in p.train]
+    assert max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.parametrize("s", [1, 2, 3, 5])
+def test_shards_sizes_and_class_limit(s):
+    data = fake_data()
+    p = make_partition(part_args(shards=s), data)
+    shard = len(data.y_train) / (20 * s)  # shards of |D|/(N*S) samples, floor or ceil so none is dropped
+    assert all(s * int(shard) <= len(t) <= s * int(np.ceil(shard)) for t in p.train)
+    # shards never straddle classes when the shard size divides the class size (200): s = 1, 2, 5
+    limit = s if 200 % shard == 0 else 2 * s
+    assert all(len(classes_of(data, t)) <= limit for t in p.train)
+    assert max(len(classes_of(data, t)) for t in p.train) > (s if limit == 2 * s else 0)
+    if s == 1:  # 2000 samples / 20 shards of 100, classes of 200: one class per shard
+        assert all(len(classes_of(data, t)) == 1 for t in p.train)
+
+
+def test_classes_per_client_one_class_each_and_even_holders():
+    data = fake_data()
+    p = make_partition(part_args(classes_per_client=1, num_clients=10), data)
+    held = [classes_of(data, t) for t in p.train]
+    assert all(len(h) == 1 for h in held)
+    assert sorted(c for h in held for c in h) == list(range(10)), "every client a different class"
+    p = make_partition(part_args(classes_per_client=3, num_clients=20), data)
+    held = [classes_of(data, t) for t in p.train]
+    assert all(len(h) == 3 for h in held)
+    holders = np.bincount([c for h in held for c in h], minlength=10)
+    assert set(holders.tolist()) == {6}, "20*3/10 = 6 holders per class"
+    for cls in range(10):  # a class is split evenly among its holders (200 / 6 -> 33 or 34)
+        counts = [int((data.y_train[t] == cls).sum()) for t in p.train if cls in classes_of(data, t)]
+        assert max(counts) - min(counts) <= 1
+
+
+def test_split2_classes_and_even_split():
+    data = fake_data()
+    p = make_partition(part_args(split2=True, num_clients=5), data)
+    for t, want in zip(p.train, common.SPLIT2_CLASSES):
+        assert classes_of(data, t) == set(want)
+        assert {int((data.y_train[t] == c).sum()) for c in want} == {100}  # 200 per class, 2 holders
+
+
+def test_dirichlet_skew_depends_on_alpha():
+    data = fake_data()
+    def mean_classes(alpha):
+        p = make_partition(part_args(alpha=alpha, num_clients=10), data)
+        return np.mean([len(classes_of(data, t)) for t in p.train])
+    assert mean_classes(0.05) < 5 < mean_classes(100.0)
+
+
+def test_dirichlet_gives_up_with_clear_error():
+    data = fake_data(n_train=60)
+    with pytest.raises(SystemExit, match="--alpha"):
+        make_partition(part_args(alpha=0.001, num_clients=30), data)
+
+
+def test_powerlaw_sizes_are_unbalanced():
+    data = fake_data()
+    for kw in [dict(iid=True), dict(shards=2), dict(alpha=1.0)]:
+        sizes = sorted(len(t) for t in make_partition(part_args(**kw, quantity="powerlaw"), data).train)
+        assert sizes[-1] > 4 * sizes[len(sizes) // 2], (kw, sizes)
+
+
+def test_client_test_sets_follow_client_labels():
+    data = fake_data()
+    p = make_partition(part_args(shards=2, client_test=True), data)
+    allidx = torch.cat(p.test)
+    assert len(allidx) == len(set(allidx.tolist())), "client test sets overlap"
+    for tr, te in zip(p.train, p.test):
+        assert set(data.y_test[te].tolist()) <= classes_of(data, tr)
+        share_tr = torch.bincount(data.y_train[tr], minlength=10) / len(tr)
+        share_te = torch.bincount(data.y_test[te], minlength=10) / len(te)
+        assert (share_tr - share_te).abs().max() < 0.1
+
+
+def test_partition_does_not_touch_global_rng():
+    torch.manual_seed(0); np.random.seed(0)
+    before = torch.rand(1), np.random.rand()
+    torch.manual_seed(0); np.random.seed(0)
+    make_partition(part_args(alpha=0.5), fake_data())
+    assert (torch.rand(1), np.random.rand()) == before
+
+
+# ------------------------------------------------------------------ models
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("channels", [1, 3])
+def test_model_shapes(name, channels):
+    torch.manual_seed(0)
+    data = Data(torch.zeros(4, channels, 32, 32, dtype=torch.uint8), torch.zeros(4, dtype=torch.long),
+                None, None, 7, None, None)
+    model = build_model(name, data).eval()
+    assert isinstance(model.head, torch.nn.Linear) and model.head.out_features == 7
+    x = torch.randn(2, channels, 32, 32)
+    feats = model.body(x)
+    assert feats.shape == (2, model.head.in_features)
+    assert model(x).shape == (2, 7)
+
+
+def test_cnn_matches_mcmahan_size():
+    data = Data(torch.zeros(1, 1, 28, 28, dtype=torch.uint8), None, None, None, 10, None, None)
+    n = sum(p.numel() for p in build_model("cnn", data).parameters())
+    assert n == 1_663_370  # McMahan et al. 2017: "a total of 1,663,370 parameters" (MNIST CNN)
+
+
+def test_resnet18_cifar_parameter_count():
+    data = Data(torch.zeros(1, 3, 32, 32, dtype=torch.uint8), None, None, None, 10, None, None)
+    n = sum(p.numel() for p in build_model("resnet18", data).parameters())
+    assert n == 11_173_962  # the standard CIFAR ResNet-18 (kuangliu/pytorch-cifar)
+
+
+# ------------------------------------------------------------------ batches
+def test_client_batches_epochs_cover_each_sample_once_per_epoch():
+    torch.manual_seed(0)
+    idx = torch.arange(100, 153)
+    batches = list(client_batches(idx, 10, epochs=2))
+    assert [len(b) for b in batches] == [10] * 5 + [3] + [10] * 5 + [3]
+    assert sorted(torch.cat(batches[:6]).tolist()) == idx.tolist()
+    assert sorted(torch.cat(batches[6:]).tolist()) == idx.tolist()
+
+
+def test_client_batches_steps_and_no_lone_sample():
+    idx = torch.arange(21)
+    assert [len(b) for b in client_batches(idx, 10, steps=5)] == [10, 10, 10, 10, 10]  # 21 -> 10, 10 (lone 1 skipped)
+    assert len(list(client_batches(torch.arange(3), 8, steps=4))) == 4
+
+
+def test_prepare_batch_normalizes_and_augments():
+    data = fake_data()
+    x = data.x_train[:64]
+    plain = prepare_batch(x, data)
+    assert torch.allclose(plain, (x.float() / 255 - 0.5) / 0.25)
+    torch.manual_seed(0)
+    flipped = prepare_batch(x, data, "flip")
+    same = [torch.equal(flipped[i], plain[i]) for i in range(64)]
+    mirrored = [torch.equal(flipped[i], plain[i].flip(2)) for i in range(64)]
+    assert all(s or m for s, m in zip(same, mirrored)) and 10 < sum(mirrored) < 54
+    cropped = prepare_batch(x, data, "crop-flip")
+    assert cropped.shape == plain.shape
+    zero = (0 - 0.5) / 0.25  # zero padding appears at the borders of shifted crops
+    assert (cropped == zero).any() and not (plain == zero).all()
+
+
+def test_random_crop_is_a_shift_of_the_padded_image():
+    torch.manual_seed(1)
+    x = torch.arange(2 * 1 * 6 * 6, dtype=torch.float).reshape(2, 1, 6, 6) + 1
+    out = common.random_crop(x, padding=2)
+    padded = torch.nn.functional.pad(x, (2, 2, 2, 2))
+    for b in range(2):
+        assert any(torch.equal(out[b], padded[b, :, i:i + 6, j:j + 6]) for i in range(5) for j in range(5))
+
+
+# ------------------------------------------------------------------ folder datasets
+def write_folder(root, per_class=3, classes=("cat", "ant", "bee"), size=8):
+    from torchvision.io import write_png
+    g = torch.Generator().manual_seed(0)
+    for split in ("train", "test"):
+        for c in classes:
+            os.makedirs(os.path.join(root, split, c))
+            for i in range(per_class):
+                img = torch.randint(0, 256, (3, size, size), dtype=torch.uint8, generator=g)
+                write_png(img, os.path.join(root, split, c, f"{i}.png"))
+
+
+def test_folder_dataset_reads_sorted_classes_and_caches(tmp_path):
+    write_folder(tmp_path / "ds")
+    x_tr, y_tr, x_te, y_te = common.folder_dataset(str(tmp_path / "ds"))
+    assert x_tr.shape == (9, 3, 8, 8) and x_tr.dtype == torch.uint8
+    assert y_tr.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]  # ant, bee, cat
+    from torchvision.io import decode_png, read_file
+    assert torch.equal(x_tr[0], decode_png(read_file(str(tmp_path / "ds/train/ant/0.png"))))
+    assert torch.equal(x_te[3:6], x_tr[3:6]) is False and y_te.tolist() == y_tr.tolist()
+    assert os.path.isfile(tmp_path / "ds" / ".cleanfl-cache.pt")
+    again = common.folder_dataset(str(tmp_path / "ds"))
+    assert all(torch.equal(a, b) for a, b in zip(again, (x_tr, y_tr, x_te, y_te)))
+
+
+def test_folder_dataset_read_only_caches_in_home(tmp_path, monkeypatch):
+    write_folder(tmp_path / "ds")
+    real_save = common._atomic_save
+
+    def save(obj, path):  # the data folder refuses writes, as a read-only mount would
+        if path.startswith(str(tmp_path / "ds")):
+            raise PermissionError(path)
+        real_save(obj, path)
+
+    monkeypatch.setattr(common, "_atomic_save", save)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    common.folder_dataset(str(tmp_path / "ds"))
+    assert not os.path.exists(tmp_path / "ds" / ".cleanfl-cache.pt")
+    assert list((tmp_path / "home" / ".cache" / "cleanfl").glob("folder-*.pt"))

@@ -1,0 +1,188 @@
+"""fedavg.py: aggregation math, FedProx, bad input, reproducibility, resume, learning."""
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import fedavg
+from helpers import ROOT, TINY, assert_same_model, metrics, run_script, summary
+
+
+def test_accumulate_is_the_weighted_average():
+    total = {"w": torch.zeros(2, 2), "bn.running_mean": torch.zeros(3), "bn.num_batches_tracked": torch.zeros(())}
+    states = [{"w": torch.tensor([[1., 2.], [3., 4.]]), "bn.running_mean": torch.tensor([1., 0., 2.]),
+               "bn.num_batches_tracked": torch.tensor(4)},
+              {"w": torch.tensor([[5., 6.], [7., 8.]]), "bn.running_mean": torch.tensor([3., 4., 2.]),
+               "bn.num_batches_tracked": torch.tensor(8)}]
+    for state, w in zip(states, fedavg.client_weights([100, 300], "samples")):
+        fedavg.accumulate(total, state, w)
+    assert torch.equal(total["w"], torch.tensor([[4., 5.], [6., 7.]]))  # 0.25 * a + 0.75 * b
+    assert torch.equal(total["bn.running_mean"], torch.tensor([2.5, 3., 2.]))  # statistics averaged too
+    assert total["bn.num_batches_tracked"] == 7
+
+
+def test_client_weights():
+    assert fedavg.client_weights([100, 300], "samples") == [0.25, 0.75]
+    assert fedavg.client_weights([100, 300, 50, 50], "uniform") == [0.25] * 4
+
+
+def _one_step(prox_mu, lr=0.1):
+    """One local SGD step (no momentum, no decay) from a fixed init, with w_t a perturbed copy."""
+    from common import Data, build_model
+    data = Data(torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)),
+                torch.arange(8) % 10, None, None, 10, torch.full((1, 3, 1, 1), 0.5), torch.full((1, 3, 1, 1), 0.25))
+    torch.manual_seed(0)
+    model = build_model("cnn", data)
+    init = [p.detach().clone() for p in model.parameters()]
+    anchor = [p + 0.01 * torch.randn_like(p) for p in init]  # the global model w_t, away from w
+    args = argparse.Namespace(lr=lr, momentum=0.0, weight_decay=0.0, prox_mu=prox_mu, device="cpu", amp=False,
+                              batch_size=8, local_epochs=None, local_steps=1, augment="none")
+    torch.manual_seed(1)
+    fedavg.local_train(model, torch.arange(8), data, args, lr, anchor)
+    return init, [p.detach() for p in model.parameters()], anchor
+
+
+def test_fedprox_step_adds_mu_times_distance_to_global():
+    init, plain, anchor = _one_step(prox_mu=0.0)
+    _, prox, _ = _one_step(prox_mu=0.5)
+    # One SGD step: w' = w - lr * (grad + mu * (w - w_t)), so prox - plain = -lr * mu * (w - w_t).
+    for p, q, w, w_t in zip(plain, prox, init, anchor):
+        assert torch.allclose(q - p, -0.1 * 0.5 * (w - w_t), atol=1e-6)
+
+
+def test_fedprox_mu_zero_equals_fedavg(tmp_path):
+    run_script("fedavg.py", *TINY, "--iid", "--out", tmp_path / "a")
+    run_script("fedavg.py", *TINY, "--iid", "--prox-mu", "0", "--out", tmp_path / "b")
+    assert metrics(tmp_path / "a") == metrics(tmp_path / "b")
+    run_script("fedavg.py", *TINY, "--iid", "--prox-mu", "0.1", "--out", tmp_path / "c")
+    assert metrics(tmp_path / "a") != metrics(tmp_path / "c"), "mu > 0 must change training"
+
+
+def test_seed_reproduces_run_and_outputs(tmp_path):
+    flags = [*TINY, "--num-clients", "5", "--shards", "2", "--client-test"]  # 10 shards of 300 = one class each
+    run_script("fedavg.py", *flags, "--out", tmp_path / "a", "--save-model")
+    run_script("fedavg.py", *flags, "--out", tmp_path / "b", "--save-model")
+    run_script("fedavg.py", *flags, "--seed", "1", "--out", tmp_path / "c")
+    a = metrics(tmp_path / "a")
+    assert a == metrics(tmp_path / "b")
+    assert_same_model(tmp_path / "a", tmp_path / "b")
+    assert a != metrics(tmp_path / "c")
+    assert [row["round"] for row in a] == [1, 2, 3, 4]
+    assert {"test_acc", "test_loss", "train_loss", "client_test_acc_mean"} <= set(a[0])
+    config = json.load(open(tmp_path / "a" / "config.json"))
+    assert config["shards"] == 2 and config["data_seed"] == 0 and config["model"] == "mlp"
+    part = json.load(open(tmp_path / "a" / "partition.json"))
+    assert len(part["train"]) == 5 and sum(map(sum, part["train"])) == 3000
+    assert all(sum(c > 0 for c in counts) <= 2 for counts in part["train"])
+    assert sum(map(sum, part["test"])) == 1000
+    s = summary(tmp_path / "a")
+    assert s["test_acc"] == a[-1]["test_acc"] and s["final_round"] == 4 and "device" in s
+
+
+def test_data_seed_fixes_partition_while_seed_varies(tmp_path):
+    run_script("fedavg.py", *TINY, "--alpha", "0.5", "--rounds", "1", "--data-seed", "7", "--out", tmp_path / "a")
+    run_script("fedavg.py", *TINY, "--alpha", "0.5", "--rounds", "1", "--data-seed", "7", "--seed", "3", "--out", tmp_path / "b")
+    run_script("fedavg.py", *TINY, "--alpha", "0.5", "--rounds", "1", "--data-seed", "8", "--out", tmp_path / "c")
+    part = lambda d: json.load(open(tmp_path / d / "partition.json"))["train"]
+    assert part("a") == part("b") != part("c")
+
+
+def test_learns_well_above_chance(tmp_path):
+    run_script("fedavg.py", "--dataset", "synthetic", "--device", "cpu", "--model", "cnn", "--num-clients", "10", "--frac", "0.5",
+               "--iid", "--rounds", "5", "--local-steps", "5", "--lr", "0.05", "--eval-every", "5",
+               "--out", tmp_path / "a")
+    assert summary(tmp_path / "a")["test_acc"] > 0.5  # chance is 0.1
+
+
+def test_stop_and_resume_equals_uninterrupted(tmp_path):
+    flags = [*TINY, "--shards", "2", "--rounds", "5", "--lr-decay-at", "0.5", "--save-model"]
+    run_script("fedavg.py", *flags, "--out", tmp_path / "full")
+    proc = run_script("fedavg.py", *flags, "--out", tmp_path / "cut", "--stop-after", "2")
+    assert "--resume" in proc.stdout and not os.path.exists(tmp_path / "cut" / "summary.json")
+    assert len(metrics(tmp_path / "cut")) == 2
+    run_script("fedavg.py", "--resume", tmp_path / "cut", "--stop-after", "1")  # 3 of 5
+    run_script("fedavg.py", "--resume", tmp_path / "cut")
+    assert metrics(tmp_path / "cut") == metrics(tmp_path / "full")
+    assert_same_model(tmp_path / "cut", tmp_path / "full")
+
+
+def test_ctrl_c_writes_checkpoint_and_resume_finishes(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "fedavg.py", *map(str, TINY), "--iid", "--rounds", "40", "--local-steps", "1",
+           "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (os.path.exists(out / "metrics.jsonl") and metrics(out)):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert 1 <= ckpt["round"] < 40 and len(metrics(out)) == ckpt["round"]
+    run_script("fedavg.py", "--resume", out)
+    assert [r["round"] for r in metrics(out)] == list(range(1, 41))
+
+
+def test_divergence_stops_with_summary(tmp_path):
+    proc = run_script("fedavg.py", *TINY, "--iid", "--lr", "1e12", "--momentum", "0", "--out", tmp_path / "a", check=False)
+    assert proc.returncode != 0 and "diverged" in proc.stderr
+    s = summary(tmp_path / "a")
+    assert s["diverged"] is True and s["round"] == 1
+
+
+BAD = [
+    (["--dataset", "imagenet7"], "--dataset"),
+    (["--model", "transformer9"], "--model"),
+    (["--shards", "2", "--iid"], "partition"),
+    (["--alpha", "0.5", "--classes-per-client", "2"], "partition"),
+    (["--shards", "11"], "--shards"),  # more shards per client than the 10 classes
+    (["--num-clients", "30000", "--shards", "2"], "--shards"),  # N*S > 50,000 CIFAR-10 samples
+    (["--classes-per-client", "11"], "--classes-per-client"),
+    (["--alpha", "0"], "--alpha"),
+    (["--alpha", "-1"], "--alpha"),
+    (["--frac", "0"], "--frac"),
+    (["--frac", "1.5"], "--frac"),
+    (["--rounds", "0"], "--rounds"),
+    (["--dataset", "folder", "--data-dir", "/nonexistent"], "--data-dir"),
+    (["--augment", "mixup"], "--augment"),
+    (["--split2", "--num-clients", "10"], "--split2"),
+    (["--resume", "/nonexistent"], "--resume"),
+]
+
+
+@pytest.mark.parametrize("flags,name", BAD, ids=[" ".join(f) for f, _ in BAD])
+def test_bad_input_exits_2_naming_the_flag(flags, name, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["fedavg.py", *flags])
+    with pytest.raises(SystemExit) as exit_info:
+        fedavg.parse_args()
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert name in message, message
+
+
+def test_bad_input_fails_before_any_work(tmp_path):
+    proc = run_script("fedavg.py", "--dataset", "cifar10", "--data-dir", tmp_path / "dl", "--alpha", "-2",
+                      "--out", tmp_path / "run", check=False)
+    assert proc.returncode == 2 and "--alpha" in proc.stderr.splitlines()[-1]
+    assert not os.path.exists(tmp_path / "dl") and not os.path.exists(tmp_path / "run")
+
+
+CIFAR = os.environ.get("CLEANFL_CIFAR10_DIR")
+
+
+@pytest.mark.skipif(not CIFAR, reason="set CLEANFL_CIFAR10_DIR to an unpacked cifar10-jpg folder")
+def test_real_cifar10_folder_end_to_end(tmp_path):
+    run_script("fedavg.py", "--dataset", "folder", "--data-dir", CIFAR, "--device", "cpu", "--model", "mlp",
+               "--num-clients", "10", "--frac", "0.3", "--iid", "--rounds", "4", "--local-steps", "30",
+               "--batch-size", "50", "--lr", "0.05", "--augment", "none", "--eval-every", "4", "--out", tmp_path / "a")
+    s = summary(tmp_path / "a")
+    assert s["test_acc"] > 0.2  # chance is 0.10
+    part = json.load(open(tmp_path / "a" / "partition.json"))
+    assert sum(map(sum, part["train"])) == 50000 and len(part["train"][0]) == 10
