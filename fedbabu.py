@@ -1,0 +1,246 @@
+"""FedBABU: Toward Enhanced Representation for Federated Image Classification
+(Oh, Kim, Yun; ICLR 2022), on top of FedAvg (McMahan et al., AISTATS 2017) and FedProx (Li et al., MLSys 2020).
+
+Idea: the head (last linear layer) keeps its random initialization for the whole federated phase
+(learning rate zero on every client, never aggregated) and only the body is trained and averaged
+(Algorithm 1); the final global model is then personalized by fine-tuning it on each client's own
+data and evaluated on that client's test set (Algorithm 2). --train-head turns this back into
+FedAvg on the same code path; --prox-mu gives FedProx(+BABU).
+
+Reproduce (CPU, synthetic data, about a minute; add --train-head for the FedAvg side):
+    python fedbabu.py --dataset synthetic --model convnet4-tiny --num-clients 10 --frac 0.5 --shards 2 --local-epochs 1 --rounds 10
+The paper's realistic setting (Tables 3-6; add --train-head for FedAvg, --prox-mu 0.01 for Table 7):
+    python fedbabu.py --dataset cifar100          # MobileNet, N=100, s=10, f=0.1, tau=10, 32 rounds
+    python fedbabu.py --dataset cifar10 --model convnet4 --shards 2   # Appendix F (Tables 12-13)
+Measured results and hardware: README.md, "Results".
+
+Choices the paper leaves open, made here (and deviations):
+- Frozen head = not in the optimizer (and no gradient), the same as the official "lr 0 for the head"
+  parameter group; the global head is bitwise the initial one (PyTorch's default He-uniform init, App. B).
+- Aggregation covers model.body only (parameters and buffers, n_k/n weights); the paper's models use
+  batch norm without running statistics, so nothing else is averaged; ResNet running stats are
+  averaged like weights (they live in the body).
+- Fine-tuning (Alg. 2): the whole model (--ft-part full, "for consistency ... we fine-tuned the entire
+  model"), tau_f = 5 epochs, SGD lr 1e-3 (the issue's value from the official code; the paper gives none) with the
+  training momentum (App. D) and batch size, crop-and-flip augmentation, no weight decay; the state is
+  reset to the global model for every client. Means and stds are over clients, unweighted (ddof 0).
+- Per-client test sets (--client-test, on here): the test split is dealt so that each client gets test
+  samples only of the classes it trains on, in proportion to its training counts (100 per client on
+  CIFAR with N=100, as in the paper). Batch norm without running statistics normalizes test features
+  with the statistics of the evaluated batch: a client's test set (up to 2000 images at a time).
+- "Without head" accuracy (Table 3): per-client class templates are the mean body features of the
+  client's training images (no augmentation); test images take the class of the most cosine-similar template.
+- --rounds defaults to 320 // --local-epochs (the paper fixes rounds x tau = 320).
+"""
+import argparse
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from common import (AUGMENTATIONS, Run, autocast, build_model, client_batches, evaluate, finish_args,
+                    load_data, lr_at, make_partition, personalize, prepare_batch, rng_state,  # FedBABU: personalize
+                    sample_clients, seed_everything, set_rng_state)  # FedBABU: (re-wrapped)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", default="cifar100", help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | synthetic")  # FedBABU: CIFAR-100
+    g.add_argument("--data-dir", default="./data", help="download folder, or the image folder (train/<class>/*, test/<class>/*) for --dataset folder")
+    g.add_argument("--augment", default="crop-flip", choices=AUGMENTATIONS, help="on-device augmentation of training and fine-tuning batches")  # FedBABU: also fine-tuning
+    g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2)")
+    g.add_argument("--iid", action="store_true", help="uniform random split")
+    g.add_argument("--shards", type=int, default=None, help="s: sort by label, N*s shards, s per client (default: s=10, the paper's most heterogeneous CIFAR-100 setting)")  # FedBABU: s=10
+    g.add_argument("--classes-per-client", type=int, default=None, help="C: each client holds C classes, each class split evenly among its holders")
+    g.add_argument("--alpha", type=float, default=None, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
+    g.add_argument("--split2", action="store_true", help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
+    g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes: equal, or power law (unbalanced)")
+    g.add_argument("--client-test", action=argparse.BooleanOptionalAction, default=True, help="D_i^ts: per-client test sets with each client's training classes (needed for initial/personalized accuracy)")  # FedBABU: on
+    g.add_argument("--data-seed", type=int, default=None, help="seed of the partition (default: --seed); client sampling uses --seed")
+    g = p.add_argument_group("federation")
+    g.add_argument("--num-clients", type=int, default=100, help="N: number of clients")  # FedBABU: symbol
+    g.add_argument("--frac", type=float, default=0.1, help="f: fraction of clients sampled per round, in (0, 1]")  # FedBABU: symbol
+    g.add_argument("--rounds", type=int, default=None, help="K: communication rounds (default: 320 // tau)")  # FedBABU: rounds x tau = 320
+    g.add_argument("--local-epochs", type=int, default=10, help="tau: local epochs per round")  # FedBABU: tau=10
+    g.add_argument("--local-steps", type=int, default=None, help="local SGD steps per round instead of --local-epochs")
+    g.add_argument("--batch-size", type=int, default=50, help="B: local (and fine-tuning) batch size")  # FedBABU: also fine-tuning
+    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"], help="aggregation weights: n_k/n, or 1/m")
+    g = p.add_argument_group("optimization")
+    g.add_argument("--model", default="mobilenet", help="mobilenet | convnet4 | convnet3 | resnet18 | resnet50 | ... (see common.MODELS)")  # FedBABU: MobileNet
+    g.add_argument("--lr", type=float, default=0.1, help="local learning rate of the body")  # FedBABU: 0.1
+    g.add_argument("--momentum", type=float, default=0.9, help="local (and fine-tuning) SGD momentum (reset every round)")  # FedBABU: also fine-tuning (App. D)
+    g.add_argument("--weight-decay", type=float, default=0.0, help="local L2 weight decay")  # FedBABU: none
+    g.add_argument("--lr-decay-at", type=float, nargs="*", default=[0.5, 0.75], help="fractions of the run at which lr is multiplied by --lr-decay")  # FedBABU: half, three quarters
+    g.add_argument("--lr-decay", type=float, default=0.1, help="lr multiplier at each --lr-decay-at")
+    g.add_argument("--prox-mu", type=float, default=0.0, help="mu: FedProx proximal term mu/2 ||w - w_t||^2 (0 = FedAvg/FedBABU; Table 7 uses 0.01)")
+    g.add_argument("--train-head", action="store_true", help="also train and aggregate the head theta_cls: plain FedAvg (the paper's baseline)")  # FedBABU
+    g = p.add_argument_group("personalization (Algorithm 2, run once after the last round)")  # FedBABU
+    g.add_argument("--ft-epochs", type=int, default=5, help="tau_f: fine-tuning epochs of the personalized accuracy")  # FedBABU
+    g.add_argument("--ft-lr", type=float, default=1e-3, help="fine-tuning learning rate (the paper gives none; 1e-3 as in the official code)")  # FedBABU
+    g.add_argument("--ft-part", default="full", choices=["full", "body", "head"], help="part updated when fine-tuning (Table 4)")  # FedBABU
+    g.add_argument("--ft-eval-epochs", type=int, nargs="*", default=[0, 1, 2, 5, 10], help="fine-tuning epochs at which personalized accuracy is also reported (Table 6; 0 = initial)")  # FedBABU
+    g = p.add_argument_group("run")
+    g.add_argument("--seed", type=int, default=0, help="seed of model init, client sampling and local shuffling")
+    g.add_argument("--device", default=None, help="cuda if available, else cpu")
+    g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
+    g.add_argument("--eval-every", type=int, default=1, help="evaluate every this many rounds (and at the last)")
+    g.add_argument("--checkpoint-every", type=int, default=None, help="write checkpoint.pt every this many rounds (default: at each evaluation)")
+    g.add_argument("--out", default=None, help="run folder (default runs/fedbabu__<dataset>__<seed>__<time>)")  # FedBABU: name
+    g.add_argument("--save-model", action="store_true", help="write the final global state_dict to OUT/model.pt")
+    g.add_argument("--resume", default=None, metavar="DIR", help="continue the interrupted run in DIR (its config.json is used)")
+    g.add_argument("--stop-after", type=int, default=None, help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
+    args = p.parse_args()  # FedBABU
+    if args.rounds is None:  # FedBABU: K = 320 / tau (Sec. 3)
+        args.rounds = max(320 // args.local_epochs, 1)  # FedBABU
+    if args.ft_epochs < 0 or min(args.ft_eval_epochs, default=0) < 0 or args.ft_lr < 0:  # FedBABU
+        p.error("--ft-epochs, --ft-eval-epochs, --ft-lr: must be >= 0")  # FedBABU
+    return finish_args(p, args, "fedbabu", default_partition=("shards", 10))  # FedBABU: s=10
+
+
+def local_train(model, indices, data, args, lr, global_params):
+    """E epochs (or --local-steps) of SGD on one client; returns the mean training loss (a tensor)."""
+    params = model.parameters() if args.train_head else model.body.parameters()  # FedBABU: head not in the optimizer (Alg. 1 line 16: SGD on theta_ext given theta_cls^0)
+    opt = torch.optim.SGD(params, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)  # FedBABU: params
+    model.train()
+    loss_sum = torch.zeros((), device=args.device)
+    seen = 0
+    for batch in client_batches(indices, args.batch_size, args.local_epochs, args.local_steps):
+        x, y = prepare_batch(data.x_train[batch], data, args.augment), data.y_train[batch]
+        with autocast(args.device, args.amp):
+            loss = F.cross_entropy(model(x).float(), y)
+        if args.prox_mu > 0:  # FedProx: + mu/2 ||w - w_t||^2 (Li et al. 2020, Eq. 2)
+            loss = loss + args.prox_mu / 2 * sum((w - w0).pow(2).sum() for w, w0 in zip(model.parameters(), global_params))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        loss_sum += loss.detach() * len(batch)
+        seen += len(batch)
+    return loss_sum / max(seen, 1)
+
+
+def accumulate(total, state, weight):
+    """total += weight * state, entry by entry. Batch-norm running means and variances are averaged
+    with the same weights as the parameters (num_batches_tracked too; it only matters for momentum=None)."""
+    for k, v in state.items():
+        total[k] += weight * v.float()
+
+
+def client_weights(sizes, weighting):
+    """n_k / n over the sampled clients, or 1/m with --weighting uniform."""
+    sizes = torch.as_tensor(sizes, dtype=torch.float64)
+    w = torch.ones_like(sizes) if weighting == "uniform" else sizes
+    return (w / w.sum()).tolist()
+
+
+def shared_part(model, train_head):  # FedBABU
+    """FedBABU: what is trained and averaged: the body theta_ext (Alg. 1 line 9), or everything with --train-head."""
+    return model if train_head else model.body
+
+
+@torch.no_grad()
+def body_features(model, x, data, amp=False, batch_size=2000):  # FedBABU
+    """FedBABU: penultimate features model.body(x) of uint8 images x (no augmentation), as float."""
+    out = []
+    for i in range(0, len(x), batch_size):
+        with autocast(x.device, amp):
+            out.append(model.body(prepare_batch(x[i:i + batch_size], data)).float())
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def nohead_accuracy(model, data, train_parts, test_parts, amp=False):  # FedBABU
+    """FedBABU 'without head' accuracy (Sec. 5.2.1, Table 3): per client, the template of class c is the
+    mean body feature of the client's training images of class c; a test image gets the class of the
+    template with the largest cosine similarity. Returns one accuracy per client with a test set."""
+    model.eval()
+    accs = []
+    for tr, te in zip(train_parts, test_parts):
+        if len(te) == 0:
+            continue
+        f, y = body_features(model, data.x_train[tr], data, amp), data.y_train[tr]
+        sums = torch.zeros(data.num_classes, f.shape[1], device=f.device).index_add_(0, y, f)
+        counts = torch.bincount(y, minlength=data.num_classes)
+        classes = torch.nonzero(counts).flatten()  # only the client's own classes have a template
+        templates = sums[classes] / counts[classes, None]
+        sim = F.normalize(body_features(model, data.x_test[te], data, amp), dim=1) @ F.normalize(templates, dim=1).T
+        accs.append((classes[sim.argmax(1)] == data.y_test[te]).float().mean().item())
+    return accs
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    seed_everything(args.seed)
+    data = load_data(args)
+    partition = make_partition(args, data)  # uses its own generator seeded by --data-seed
+    run = Run(args, "fedbabu")  # FedBABU: name
+    run.write_partition(partition, data)
+    model = build_model(args.model, data).to(args.device)  # the global model w_t  # FedBABU: its head stays theta_G,cls^0 (Alg. 1 line 1)
+    client = build_model(args.model, data).to(args.device)  # one client model, reloaded for every client
+    client.head.requires_grad_(args.train_head)  # FedBABU: no gradient for the frozen head
+    sampler = np.random.default_rng(args.seed)  # client sampling, independent of the partition
+    sizes = [len(p) for p in partition.train]
+    start = 0
+    if args.resume:
+        ckpt = run.load_checkpoint()
+        model.load_state_dict(ckpt["model"])
+        set_rng_state(ckpt["rng"], sampler)
+        start = ckpt["round"]
+
+    def checkpoint(rounds_done):
+        run.save_checkpoint(rounds_done, {"model": model.state_dict(), "rng": rng_state(sampler)})
+
+    metrics = {}
+    bar = tqdm(range(start, args.rounds), initial=start, total=args.rounds, desc="fedbabu", unit="round")  # FedBABU: name
+    for rnd in bar:
+        lr = lr_at(rnd, args)
+        clients = sample_clients(sampler, args.num_clients, args.frac)
+        weights = client_weights([sizes[k] for k in clients], args.weighting)
+        shared = shared_part(model, args.train_head)  # FedBABU: body only (or all with --train-head)
+        total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in shared.state_dict().items()}  # FedBABU: shared
+        train_loss = torch.zeros((), device=args.device)
+        for k, w in zip(clients, weights):
+            client.load_state_dict(model.state_dict())  # FedBABU: broadcast {theta_G,ext^{k-1}, theta_G,cls^0} (Alg. 1 line 6)
+            train_loss += w * local_train(client, partition.train[k], data, args, lr, list(model.parameters()))
+            accumulate(total, shared_part(client, args.train_head).state_dict(), w)  # FedBABU: shared part
+        shared.load_state_dict(total)  # FedBABU: theta_G,ext^k = sum_i n_i/n theta_i,ext^k (Alg. 1 line 9); the head is not aggregated
+        train_loss = train_loss.item()
+        if not np.isfinite(train_loss):
+            run.diverged(rnd + 1, train_loss)
+
+        if (rnd + 1) % args.eval_every == 0 or rnd + 1 == args.rounds:
+            model.eval()
+            acc, loss = evaluate(model, data.x_test, data.y_test, data, amp=args.amp)
+            metrics = {"round": rnd + 1, "test_acc": acc, "test_loss": loss, "train_loss": train_loss, "lr": lr}
+            if partition.test is not None:
+                accs = [evaluate(model, data.x_test[t], data.y_test[t], data, amp=args.amp)[0] for t in partition.test if len(t)]  # FedBABU: skip empty test sets
+                metrics["client_test_acc_mean"] = float(np.mean(accs))  # FedBABU: the initial accuracy of this round's global model
+            metrics = run.log(metrics)
+            bar.set_postfix(acc=f"{acc:.4f}", loss=f"{train_loss:.3f}")
+            if args.checkpoint_every is None:
+                checkpoint(rnd + 1)
+        if args.checkpoint_every is not None and (rnd + 1) % args.checkpoint_every == 0:
+            checkpoint(rnd + 1)
+        if run.stop_requested or (args.stop_after is not None and rnd + 1 - start >= args.stop_after):
+            if rnd + 1 < args.rounds:
+                checkpoint(rnd + 1)
+                bar.close()
+                print(f"stopped after round {rnd + 1}; continue with: python fedbabu.py --resume {run.dir}")  # FedBABU: name
+                raise SystemExit(130 if run.stop_requested else 0)
+    bar.close()
+    summary = {"final_round": args.rounds, **{k: v for k, v in metrics.items() if k != "round"}}  # FedBABU: extended below
+    if partition.test is not None:  # FedBABU: Algorithm 2 on the final global model, every client
+        nohead = nohead_accuracy(model, data, partition.train, partition.test, args.amp)  # FedBABU: Table 3
+        ft = personalize(client, model.state_dict(), data, partition.train, partition.test, epochs=args.ft_epochs,  # FedBABU: Alg. 2
+                         eval_epochs=[0, *args.ft_eval_epochs], lr=args.ft_lr, part=args.ft_part, batch_size=args.batch_size,  # FedBABU
+                         augment=args.augment, momentum=args.momentum, amp=args.amp)  # FedBABU
+        summary.update(init_acc_mean=ft["acc_mean"][0], init_acc_std=ft["acc_std"][0],  # FedBABU: Alg. 2 lines 5-6
+                       pers_acc_mean=ft["acc_mean"][args.ft_epochs], pers_acc_std=ft["acc_std"][args.ft_epochs],  # FedBABU: lines 7-9, tau_f
+                       nohead_acc_mean=float(np.mean(nohead)), nohead_acc_std=float(np.std(nohead)),  # FedBABU
+                       pers_acc_mean_by_epoch={str(e): a for e, a in ft["acc_mean"].items()},  # FedBABU: Table 6
+                       pers_acc_std_by_epoch={str(e): a for e, a in ft["acc_std"].items()})  # FedBABU
+        print(f"initial {summary['init_acc_mean']:.4f}, personalized ({args.ft_epochs} epochs) {summary['pers_acc_mean']:.4f}, "  # FedBABU
+              f"without head {summary['nohead_acc_mean']:.4f} (means over clients)")  # FedBABU
+    summary = run.finish(summary, model)  # FedBABU: summary
+    print(f"final test accuracy {summary['test_acc']:.4f} after {args.rounds} rounds; outputs in {run.dir}")

@@ -1,0 +1,176 @@
+"""fedbabu.py: frozen head, body-only aggregation, personalization (Alg. 2), "without head" accuracy, resume."""
+import argparse
+import json
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fedbabu
+from common import MODELS, Classifier, Data, evaluate, personalize
+from helpers import assert_same_model, metrics, run_script, summary
+
+# 4 clients, 2 sampled per round; the 8-channel 4convNet keeps the whole file fast on a CPU.
+TINY = ["--dataset", "synthetic", "--device", "cpu", "--model", "convnet4-tiny", "--num-clients", "4",
+        "--frac", "0.5", "--shards", "2", "--local-steps", "4", "--batch-size", "32", "--augment", "none",
+        "--ft-epochs", "1", "--ft-eval-epochs", "0", "1", "--ft-lr", "0.01"]
+E2E = [*TINY, "--rounds", "4", "--eval-every", "2", "--lr-decay-at", "0.5", "--save-model"]
+
+
+def tiny_data(n=64, seed=0, size=8):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8, generator=g)
+    y = torch.arange(n) % 4
+    return Data(x, y, x.clone(), y.clone(), 4, torch.full((1, 3, 1, 1), 0.5), torch.full((1, 3, 1, 1), 0.25))
+
+
+def bn_model(seed=0):
+    """A body with batch-norm running statistics, so 'frozen' must also cover buffers."""
+    torch.manual_seed(seed)
+    body = nn.Sequential(nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    return Classifier(body, 6, 4)
+
+
+def states_equal(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def sub(model, part):
+    return {k: v.clone() for k, v in getattr(model, part).state_dict().items()}
+
+
+@pytest.mark.parametrize("train_head", [False, True])
+def test_local_train_freezes_head_only_without_train_head(train_head):
+    data = tiny_data()
+    model = bn_model()
+    head0, body0 = sub(model, "head"), sub(model, "body")
+    # momentum, weight decay and a proximal term: none of them may move a frozen head
+    args = argparse.Namespace(train_head=train_head, lr=0.1, momentum=0.9, weight_decay=0.1, prox_mu=0.5,
+                              device="cpu", amp=False, batch_size=16, local_epochs=None, local_steps=4, augment="flip")
+    anchor = [p.detach() + 0.1 for p in model.parameters()]
+    fedbabu.local_train(model, torch.arange(64), data, args, 0.1, anchor)
+    assert states_equal(sub(model, "head"), head0) is (not train_head)
+    assert not states_equal(sub(model, "body"), body0)
+
+
+def test_body_is_aggregated_exactly_and_head_kept():
+    glob, a, b = bn_model(0), bn_model(1), bn_model(2)
+    head0 = sub(glob, "head")
+    weights = fedbabu.client_weights([100, 300], "samples")
+    shared = fedbabu.shared_part(glob, False)
+    total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in shared.state_dict().items()}
+    for client, w in zip([a, b], weights):
+        fedbabu.accumulate(total, fedbabu.shared_part(client, False).state_dict(), w)
+    shared.load_state_dict(total)
+    sa, sb, sg = a.body.state_dict(), b.body.state_dict(), glob.body.state_dict()
+    for k in sg:  # weights, biases and batch-norm running statistics: 0.25 a + 0.75 b
+        expect = (0.25 * sa[k].float() + 0.75 * sb[k].float()).to(sg[k].dtype)
+        assert torch.allclose(sg[k].float(), expect.float(), atol=1e-6), k
+    assert states_equal(sub(glob, "head"), head0)  # not aggregated: the initial head, bitwise
+    assert fedbabu.shared_part(glob, True) is glob  # --train-head: FedAvg averages everything
+
+
+@pytest.mark.parametrize("part,moved", [("head", {"head"}), ("body", {"body"}), ("full", {"head", "body"})])
+def test_personalize_updates_only_the_chosen_part(part, moved):
+    data = tiny_data()
+    model = bn_model()
+    glob = {k: v.clone() for k, v in model.state_dict().items()}
+    train, test = [torch.arange(0, 32)], [torch.arange(32, 64)]
+    res = personalize(model, glob, data, train, test, epochs=2, eval_epochs=[0, 1], lr=0.05, part=part,
+                      batch_size=8, augment="none")
+    for name in ("head", "body"):  # the model is left holding the (only) client's fine-tuned weights
+        same = states_equal({k: v for k, v in model.state_dict().items() if k.startswith(name + ".")},
+                            {k: v for k, v in glob.items() if k.startswith(name + ".")})
+        assert same is (name not in moved), (part, name)
+    assert all(p.requires_grad for p in model.parameters())  # restored afterwards
+    assert sorted(res["acc_mean"]) == [0, 1, 2] and res["clients"] == [0]
+    model.load_state_dict(glob)
+    model.eval()
+    assert res["acc_mean"][0] == evaluate(model, data.x_test[test[0]], data.y_test[test[0]], data)[0]  # epoch 0 = initial
+
+
+def test_personalize_statistics_over_clients():
+    data = tiny_data()
+    model = bn_model()
+    glob = {k: v.clone() for k, v in model.state_dict().items()}
+    train = [torch.arange(0, 16), torch.arange(16, 32), torch.arange(32, 48)]
+    test = [torch.arange(0, 8), torch.arange(0), torch.arange(40, 64)]  # client 1 has no test data: skipped
+    res = personalize(model, glob, data, train, test, epochs=1, eval_epochs=[0], lr=0.05, part="full",
+                      batch_size=8, augment="none")
+    assert res["clients"] == [0, 2] and len(res["per_client"][1]) == 2
+    accs = torch.tensor(res["per_client"][1], dtype=torch.float64)
+    assert res["acc_mean"][1] == pytest.approx(accs.mean().item())
+    assert res["acc_std"][1] == pytest.approx(accs.std(unbiased=False).item())
+
+
+def test_nohead_accuracy_by_hand():
+    # 1x1x2 images, features = the normalized pixels (body = Flatten); mean 0, std 1/255 -> features = raw pixel values
+    x_tr = torch.tensor([[250, 10], [240, 20], [10, 250], [100, 100]], dtype=torch.uint8).view(4, 1, 1, 2)
+    y_tr = torch.tensor([0, 0, 2, 0])  # client 0: classes {0, 2}; client 1: class 0 only
+    x_te = torch.tensor([[200, 30], [20, 200], [30, 190], [150, 140]], dtype=torch.uint8).view(4, 1, 1, 2)
+    y_te = torch.tensor([0, 2, 1, 0])  # the class-1 image cannot be right: no client has a class-1 template
+    data = Data(x_tr, y_tr, x_te, y_te, 3, torch.zeros(1, 1, 1, 1), torch.full((1, 1, 1, 1), 1 / 255))
+    model = Classifier(nn.Flatten(), 2, 3)
+    accs = fedbabu.nohead_accuracy(model, data, [torch.tensor([0, 1, 2]), torch.tensor([3])],
+                                   [torch.tensor([0, 1, 2]), torch.tensor([3])])
+    # client 0: templates (245, 15) for 0 and (10, 250) for 2: predicts 0, 2, 2 -> 2/3; client 1: one template -> 1/1
+    assert accs == pytest.approx([2 / 3, 1.0])
+
+
+def test_defaults_follow_the_paper(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["fedbabu.py", "--device", "cpu", "--local-epochs", "4"])
+    args = fedbabu.parse_args()
+    assert args.rounds == 80 and args.shards == 10 and args.client_test  # rounds x tau = 320
+    assert (args.dataset, args.model, args.num_clients, args.frac, args.batch_size) == ("cifar100", "mobilenet", 100, 0.1, 50)
+    assert (args.lr, args.momentum, args.weight_decay, args.lr_decay_at) == (0.1, 0.9, 0.0, [0.5, 0.75])
+    assert (args.ft_epochs, args.ft_lr, args.ft_part, args.train_head) == (5, 1e-3, "full", False)
+    monkeypatch.setattr(sys, "argv", ["fedbabu.py", "--device", "cpu", "--no-client-test"])
+    args = fedbabu.parse_args()
+    assert args.rounds == 32 and not args.client_test
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """One uninterrupted end-to-end run shared by the tests below (subprocesses are the slow part)."""
+    out = tmp_path_factory.mktemp("fedbabu") / "full"
+    run_script("fedbabu.py", *E2E, "--out", out)
+    return out
+
+
+def test_personalized_beats_initial_end_to_end(full_run):
+    s = summary(full_run)
+    keys = {"init_acc_mean", "init_acc_std", "pers_acc_mean", "pers_acc_std", "nohead_acc_mean",
+            "pers_acc_mean_by_epoch", "pers_acc_std_by_epoch"}
+    assert keys <= set(s)
+    assert s["pers_acc_mean"] > s["init_acc_mean"] + 0.1, s
+    assert s["pers_acc_mean_by_epoch"]["0"] == s["init_acc_mean"] == metrics(full_run)[-1]["client_test_acc_mean"]
+    assert s["pers_acc_mean_by_epoch"]["1"] == s["pers_acc_mean"]
+    assert s["nohead_acc_mean"] > 0.5  # chance is 1/4 to 1/2 with 2-4 classes per client
+    part = json.load(open(full_run / "partition.json"))  # --client-test is on by default
+    for train, test in zip(part["train"], part["test"]):  # test classes are the client's training classes
+        assert sum(test) > 0 and all(t == 0 or c > 0 for c, t in zip(train, test))
+    assert sum(map(sum, part["test"])) == 1000
+
+
+def test_global_head_stays_initial_unless_train_head(full_run, tmp_path):
+    # Same seed -> same init: the global model is the first thing the script draws from torch's RNG.
+    torch.manual_seed(0)
+    init = MODELS["convnet4-tiny"](3, 10, 32).state_dict()
+    final = torch.load(full_run / "model.pt")
+    assert torch.equal(final["head.weight"], init["head.weight"]) and torch.equal(final["head.bias"], init["head.bias"])
+    assert not torch.equal(final["body.0.0.weight"], init["body.0.0.weight"])  # while the body trained
+    run_script("fedbabu.py", *E2E, "--rounds", "1", "--train-head", "--no-client-test", "--out", tmp_path / "avg")
+    avg = torch.load(tmp_path / "avg" / "model.pt")
+    assert not torch.equal(avg["head.weight"], init["head.weight"])  # --train-head: FedAvg moves the head
+    assert "pers_acc_mean" not in summary(tmp_path / "avg")
+
+
+def test_stop_and_resume_equals_uninterrupted(full_run, tmp_path):
+    proc = run_script("fedbabu.py", *E2E, "--out", tmp_path / "cut", "--stop-after", "2")
+    assert "--resume" in proc.stdout and len(metrics(tmp_path / "cut")) == 1  # evaluated at round 2 only
+    run_script("fedbabu.py", "--resume", tmp_path / "cut")
+    assert metrics(tmp_path / "cut") == metrics(full_run)
+    assert_same_model(tmp_path / "cut", full_run)
+    drop = lambda s: {k: v for k, v in s.items() if k not in ("wall_time_s", "elapsed_s")}
+    assert drop(summary(tmp_path / "cut")) == drop(summary(full_run))  # the personalization results too
