@@ -1,0 +1,275 @@
+"""FedNNNN: Norm-Normalized Neural Network Aggregation for Fast and Accurate Federated Learning
+(Nagura, Bian, Sato; Kyoto University, arXiv 2020).
+
+Idea: averaging client updates that point in different directions shrinks the server step
+(N = ||sum_k n_k/n Delta_k|| <= E = sum_k n_k/n ||Delta_k||, Eqs. 4-6). FedNNNN rescales the averaged
+update to norm beta * E and adds server momentum (Algorithm 3, Eqs. 12-13):
+    d_{t+1} = gamma d_t + beta (E/N) sum_k n_k/n Delta_k,    w_{t+1} = w_t + d_{t+1}.
+Two models per round (Sec. 4.1): the normalized w_{t+1} is broadcast to the clients for training; the
+evaluation model is the plain FedAvg average w_t + sum_k n_k/n Delta_k. The evaluation model is the one
+evaluated, reported (metrics.jsonl, summary.json) and written by --save-model; the checkpoint keeps the
+broadcast model and d_t. Table 2's variants from this one script (README.md, "FedNNNN"):
+FedAvg = --beta 1 --gamma 0 --no-normalize, Norm-Norm = --gamma 0 (Eq. 8),
+Momentum = --beta 1 --no-normalize (Eqs. 10-11), FedNNNN = --beta B --gamma G (Eqs. 12-13).
+
+Reproduce (CPU, synthetic data, about a minute):
+    python fednnnn.py --dataset synthetic --model lenet --num-clients 10 --rounds 10 --local-steps 10
+CIFAR-10 non-IID-B (Table 2, 76.7% in the paper; the defaults), from the image folder (no internet needed):
+    python fednnnn.py --dataset folder --data-dir /path/to/cifar10
+Measured results and hardware: README.md, "Results".
+
+Choices the paper leaves open, made here: the normalized entries w are the trainable parameters
+(model.parameters(): conv and linear weights and biases, batch-norm affine weights); batch-norm
+running means/variances (and num_batches_tracked) are averaged plainly like FedAvg, in both models, and
+are not part of N, E or d. N counts as (near) zero when N <= --norm-eps * E: then E/N is replaced by 1
+(no normalization, Sec. 4.2) and the momentum step still applies. w_{t+1} is computed as
+w_avg + (d_{t+1} - Delta_avg), equal to w_t + d_{t+1} in exact arithmetic, so that the FedAvg setting
+is fedavg.py bit for bit. No augmentation by default (the paper only normalizes inputs by mean and std).
+N, E and ||w_{t+1} - w_t|| are logged every round, also split into conv / fc (/ other) parameters by
+module type (Figs. 8-9); rounds without evaluation log a row with only these norms. Unbalanced (UB):
+--quantity powerlaw --weighting uniform (common.py's power law; the paper does not give its law).
+Beyond the paper: --norm-scope layer (one E/N per parameter tensor). beta and gamma default to Table 5's
+CIFAR-10 non-IID-B values; the paper tuned them on test accuracy, we take its values as given.
+"""
+import argparse
+
+import numpy as np
+import torch
+import torch.nn as nn  # FedNNNN: module types for the conv / fc split
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from common import (AUGMENTATIONS, Run, autocast, build_model, client_batches, evaluate, finish_args,
+                    load_data, lr_at, make_partition, prepare_batch, rng_state, sample_clients,
+                    seed_everything, set_rng_state)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", default="cifar10", help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | synthetic")
+    g.add_argument("--data-dir", default="./data", help="download folder, or the image folder (train/<class>/*, test/<class>/*) for --dataset folder")
+    g.add_argument("--augment", default="none", choices=AUGMENTATIONS, help="on-device augmentation of training batches (the paper: none, inputs are only normalized)")  # FedNNNN: no augmentation
+    g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2)")
+    g.add_argument("--iid", action="store_true", help="uniform random split (the paper's IID)")  # FedNNNN: help
+    g.add_argument("--shards", type=int, default=None, help="S: sort by label, N*S shards, S per client (default: S=2, the paper's non-IID: 2 classes per client)")  # FedNNNN: help
+    g.add_argument("--classes-per-client", type=int, default=None, help="C: each client holds C classes, each class split evenly among its holders")
+    g.add_argument("--alpha", type=float, default=None, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
+    g.add_argument("--split2", action="store_true", help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
+    g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes: equal (B), or power law (the paper's unbalanced UB)")  # FedNNNN: help
+    g.add_argument("--client-test", action="store_true", help="also evaluate on per-client test sets with each client's label distribution")
+    g.add_argument("--data-seed", type=int, default=None, help="seed of the partition (default: --seed); client sampling uses --seed")
+    g = p.add_argument_group("federation")
+    g.add_argument("--num-clients", type=int, default=100, help="K: number of clients")
+    g.add_argument("--frac", type=float, default=1.0, help="C: fraction of clients sampled per round, in (0, 1]")  # FedNNNN: C=1 (Table 1)
+    g.add_argument("--rounds", type=int, default=250, help="T: communication rounds")  # FedNNNN: 250 (Table 1, CIFAR-10)
+    g.add_argument("--local-epochs", type=int, default=5, help="E: local epochs per round")
+    g.add_argument("--local-steps", type=int, default=None, help="local SGD steps per round instead of --local-epochs")
+    g.add_argument("--batch-size", type=int, default=50, help="B: local batch size")
+    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"], help="aggregation weights: n_k/n, or 1/m (the paper's unbalanced setting: sizes unknown to the server)")  # FedNNNN: help
+    g = p.add_argument_group("optimization")
+    g.add_argument("--model", default="cnn6", help="cnn6 (Table 4, CIFAR-10) | lenet (Table 3, MNIST) | cnn | ... (see common.MODELS)")  # FedNNNN: Table 4
+    g.add_argument("--lr", type=float, default=0.05, help="eta: local learning rate")  # FedNNNN: 0.05 (Table 1)
+    g.add_argument("--momentum", type=float, default=0.0, help="local SGD momentum (reset every round; the paper: none)")  # FedNNNN: plain SGD (Sec. 5.1)
+    g.add_argument("--weight-decay", type=float, default=5e-4, help="lambda: local L2 weight decay (paper: 5e-4 on CIFAR-10, none on MNIST)")  # FedNNNN: help
+    g.add_argument("--lr-decay-at", type=float, nargs="*", default=[], help="fractions of the run at which lr is multiplied by --lr-decay, e.g. 0.5 0.75")
+    g.add_argument("--lr-decay", type=float, default=0.1, help="lr multiplier at each --lr-decay-at")
+    g.add_argument("--prox-mu", type=float, default=0.0, help="mu: FedProx proximal term mu/2 ||w - w_t||^2 (0 = FedAvg)")
+    g = p.add_argument_group("FedNNNN server aggregation (Algorithm 3)")  # FedNNNN: the method's flags
+    g.add_argument("--beta", type=float, default=0.6, help="beta: the normalized step has norm beta * E (Eqs. 8-9, 12)")  # FedNNNN
+    g.add_argument("--gamma", type=float, default=0.7, help="gamma: server momentum d_{t+1} = gamma d_t + ... (Eq. 12); 0 = Norm-Norm")  # FedNNNN
+    g.add_argument("--no-normalize", action="store_true", help="use E/N = 1 (Momentum variant, Eq. 10; with --beta 1 --gamma 0: FedAvg)")  # FedNNNN
+    g.add_argument("--norm-scope", default="global", choices=["global", "layer"], help="N, E over the whole flattened parameter vector (Eqs. 4-5), or one E/N per parameter tensor")  # FedNNNN
+    g.add_argument("--norm-eps", type=float, default=1e-6, help="N counts as (near) zero when N <= eps * E: then no normalization (Sec. 4.2)")  # FedNNNN
+    g = p.add_argument_group("run")
+    g.add_argument("--seed", type=int, default=0, help="seed of model init, client sampling and local shuffling")
+    g.add_argument("--device", default=None, help="cuda if available, else cpu")
+    g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
+    g.add_argument("--eval-every", type=int, default=1, help="evaluate every this many rounds (and at the last)")
+    g.add_argument("--checkpoint-every", type=int, default=None, help="write checkpoint.pt every this many rounds (default: at each evaluation)")
+    g.add_argument("--out", default=None, help="run folder (default runs/fednnnn__<dataset>__<seed>__<time>)")  # FedNNNN
+    g.add_argument("--save-model", action="store_true", help="write the final evaluation model's state_dict (the FedAvg average) to OUT/model.pt")  # FedNNNN
+    g.add_argument("--resume", default=None, metavar="DIR", help="continue the interrupted run in DIR (its config.json is used)")
+    g.add_argument("--stop-after", type=int, default=None, help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
+    args = finish_args(p, p.parse_args(), "fednnnn", default_partition=("shards", 2))  # FedNNNN: checks below
+    if args.beta <= 0:  # FedNNNN
+        p.error(f"--beta: must be > 0, got {args.beta}")  # FedNNNN
+    if not 0 <= args.gamma < 1:  # FedNNNN
+        p.error(f"--gamma: must be in [0, 1), got {args.gamma}")  # FedNNNN
+    if args.norm_eps < 0:  # FedNNNN
+        p.error(f"--norm-eps: must be >= 0, got {args.norm_eps}")  # FedNNNN
+    return args  # FedNNNN
+
+
+def local_train(model, indices, data, args, lr, global_params):
+    """E epochs (or --local-steps) of SGD on one client; returns the mean training loss (a tensor)."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    model.train()
+    loss_sum = torch.zeros((), device=args.device)
+    seen = 0
+    for batch in client_batches(indices, args.batch_size, args.local_epochs, args.local_steps):
+        x, y = prepare_batch(data.x_train[batch], data, args.augment), data.y_train[batch]
+        with autocast(args.device, args.amp):
+            loss = F.cross_entropy(model(x).float(), y)
+        if args.prox_mu > 0:  # FedProx: + mu/2 ||w - w_t||^2 (Li et al. 2020, Eq. 2)
+            loss = loss + args.prox_mu / 2 * sum((w - w0).pow(2).sum() for w, w0 in zip(model.parameters(), global_params))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        loss_sum += loss.detach() * len(batch)
+        seen += len(batch)
+    return loss_sum / max(seen, 1)
+
+
+def accumulate(total, state, weight):
+    """total += weight * state, entry by entry. Batch-norm running means and variances are averaged
+    with the same weights as the parameters (num_batches_tracked too; it only matters for momentum=None)."""
+    for k, v in state.items():
+        total[k] += weight * v.float()
+
+
+def client_weights(sizes, weighting):
+    """n_k / n over the sampled clients, or 1/m with --weighting uniform."""
+    sizes = torch.as_tensor(sizes, dtype=torch.float64)
+    w = torch.ones_like(sizes) if weighting == "uniform" else sizes
+    return (w / w.sum()).tolist()
+
+
+def param_kinds(model):  # FedNNNN
+    """{name: 'conv' | 'fc' | 'other'} for every trainable parameter, in model.parameters() order.
+
+    These names are the entries FedNNNN normalizes (w in Eqs. 2-13); buffers (batch-norm statistics)
+    are not among them. The kind is the type of the module owning the parameter (Figs. 8-9 split the
+    norms into convolutional and fully connected layers); batch-norm affine weights are 'other'."""
+    kinds = {}
+    for prefix, module in model.named_modules():
+        kind = ("conv" if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d))
+                else "fc" if isinstance(module, nn.Linear) else "other")
+        for name, _ in module.named_parameters(recurse=False):
+            kinds[f"{prefix}.{name}" if prefix else name] = kind
+    return {name: kinds[name] for name, _ in model.named_parameters()}
+
+
+def sq_norms(state, ref, names):  # FedNNNN
+    """[T] tensor of ||state[p] - ref[p]||^2 per parameter tensor p: one client's ||Delta^k_p||^2 (Eq. 2)."""
+    return torch.stack([(state[n] - ref[n]).pow(2).sum() for n in names])
+
+
+def fednnnn_step(w, w_avg, d, client_sq, weights, beta, gamma, normalize=True, scope="global", eps=1e-6):  # FedNNNN
+    """Server update of Algorithm 3, lines 9-12, on the trainable parameters; returns (w_{t+1}, d_{t+1}).
+
+    w: w_t; w_avg: the FedAvg average sum_k (n_k/n) w^k_{t+1} (Eq. 1); d: d_t (dicts name -> tensor,
+    same keys); client_sq: [m, T] squared norms ||Delta^k_p||^2 per client k and tensor p (in w's key
+    order, see sq_norms); weights: the m aggregation weights n_k/n. scope 'global': one factor E/N over
+    the whole flattened vector; 'layer': one factor per tensor. N <= eps * E: factor 1 (Sec. 4.2)."""
+    names = list(w)
+    delta = {n: w_avg[n] - w[n] for n in names}  # sum_k (n_k/n) Delta^k_{t+1} = w_avg - w_t (Eq. 3)
+    a = torch.as_tensor(weights, dtype=client_sq.dtype, device=client_sq.device)[:, None]
+    n_sq = torch.stack([delta[n].pow(2).sum() for n in names])
+    if scope == "global":
+        N, E = n_sq.sum().sqrt(), (a * client_sq.sum(1, keepdim=True).sqrt()).sum()  # Eqs. 4, 5
+    else:
+        N, E = n_sq.sqrt(), (a * client_sq.sqrt()).sum(0)  # Eqs. 4, 5 per tensor
+    one = torch.ones_like(N)
+    scale = torch.where(N > eps * E, E / N, one) if normalize else one  # E/N; 1 when N is (near) zero
+    scale = scale.expand(len(names))
+    d_next = {n: gamma * d[n] + (beta * scale[i]) * delta[n] for i, n in enumerate(names)}  # Eq. 12
+    # Eq. 13, w_{t+1} = w_t + d_{t+1}, written as w_avg + (d_{t+1} - Delta_avg): the same in exact arithmetic,
+    # and exactly w_avg (fedavg.py bit for bit) when beta = 1, gamma = 0 and E/N = 1.
+    w_next = {n: w_avg[n] + (d_next[n] - delta[n]) for n in names}
+    return w_next, d_next
+
+
+def norm_stats(w, w_next, w_avg, client_sq, weights, kinds):  # FedNNNN
+    """N (Eq. 4), E (Eq. 5) and the server step ||w_{t+1} - w_t|| (Eq. 24) over all trainable parameters
+    and per module kind (N_conv, E_fc, step_norm_other, ...; Figs. 8-9), as floats for metrics.jsonl."""
+    names = list(kinds)
+    a = torch.as_tensor(weights, dtype=client_sq.dtype, device=client_sq.device)[:, None]
+    n_sq = torch.stack([(w_avg[n] - w[n]).pow(2).sum() for n in names])
+    s_sq = torch.stack([(w_next[n] - w[n]).pow(2).sum() for n in names])
+    out = {}
+    for group in ["", "conv", "fc", "other"]:
+        mask = torch.tensor([group in ("", kinds[n]) for n in names], device=client_sq.device)
+        if mask.any():
+            suffix = f"_{group}" if group else ""
+            out["N" + suffix] = n_sq[mask].sum().sqrt()
+            out["E" + suffix] = (a * client_sq[:, mask].sum(1, keepdim=True).sqrt()).sum()
+            out["step_norm" + suffix] = s_sq[mask].sum().sqrt()
+    return dict(zip(out, torch.stack(list(out.values())).tolist()))
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    seed_everything(args.seed)
+    data = load_data(args)
+    partition = make_partition(args, data)  # uses its own generator seeded by --data-seed
+    run = Run(args, "fednnnn")  # FedNNNN
+    run.write_partition(partition, data)
+    model = build_model(args.model, data).to(args.device)  # FedNNNN: the broadcast (normalized) model w_t
+    client = build_model(args.model, data).to(args.device)  # one client model, reloaded for every client; FedNNNN: also holds the evaluation model
+    sampler = np.random.default_rng(args.seed)  # client sampling, independent of the partition
+    sizes = [len(p) for p in partition.train]
+    kinds = param_kinds(model)  # FedNNNN: the normalized entries (trainable parameters) and their conv/fc kind
+    names = list(kinds)  # FedNNNN
+    momentum = {n: torch.zeros_like(p) for n, p in model.named_parameters()}  # FedNNNN: d_0 = 0
+    start = 0
+    if args.resume:
+        ckpt = run.load_checkpoint()
+        model.load_state_dict(ckpt["model"])
+        momentum = ckpt["momentum"]  # FedNNNN: d_t
+        set_rng_state(ckpt["rng"], sampler)
+        start = ckpt["round"]
+
+    def checkpoint(rounds_done):
+        run.save_checkpoint(rounds_done, {"model": model.state_dict(), "momentum": momentum, "rng": rng_state(sampler)})  # FedNNNN: + d_t
+
+    metrics = {}
+    bar = tqdm(range(start, args.rounds), initial=start, total=args.rounds, desc="fednnnn", unit="round")  # FedNNNN
+    for rnd in bar:
+        lr = lr_at(rnd, args)
+        clients = sample_clients(sampler, args.num_clients, args.frac)
+        weights = client_weights([sizes[k] for k in clients], args.weighting)
+        total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items()}
+        train_loss = torch.zeros((), device=args.device)
+        global_state = model.state_dict()  # FedNNNN: w_t (views of the parameters, no copy)
+        client_sq = []  # FedNNNN: ||Delta^k_p||^2 per client and parameter tensor
+        for k, w in zip(clients, weights):
+            client.load_state_dict(model.state_dict())
+            train_loss += w * local_train(client, partition.train[k], data, args, lr, list(model.parameters()))
+            accumulate(total, client.state_dict(), w)
+            client_sq.append(sq_norms(client.state_dict(), global_state, names))  # FedNNNN: Eq. 2
+        client_sq = torch.stack(client_sq)  # FedNNNN: [m, T]
+        w_t = {n: global_state[n] for n in names}  # FedNNNN
+        w_next, momentum = fednnnn_step(w_t, total, momentum, client_sq, weights, args.beta, args.gamma,  # FedNNNN: Eqs. 4-5, 12-13
+                                        not args.no_normalize, args.norm_scope, args.norm_eps)
+        norms = norm_stats(w_t, w_next, total, client_sq, weights, kinds)  # FedNNNN: before w_t is overwritten
+        model.load_state_dict({**total, **w_next})  # FedNNNN: broadcast w_{t+1}; BN running statistics: the plain average
+        train_loss = train_loss.item()
+        if not np.isfinite(train_loss):
+            run.diverged(rnd + 1, train_loss)
+
+        if (rnd + 1) % args.eval_every == 0 or rnd + 1 == args.rounds:
+            client.load_state_dict(total)  # FedNNNN: the evaluation model = FedAvg average (Sec. 4.1)
+            client.eval()  # FedNNNN: evaluate the evaluation model, not the broadcast one
+            acc, loss = evaluate(client, data.x_test, data.y_test, data, amp=args.amp)  # FedNNNN: the evaluation model
+            metrics = {"round": rnd + 1, "test_acc": acc, "test_loss": loss, "train_loss": train_loss, "lr": lr, **norms}  # FedNNNN: + norms
+            if partition.test is not None:
+                accs = [evaluate(client, data.x_test[t], data.y_test[t], data, amp=args.amp)[0] for t in partition.test]  # FedNNNN: client
+                metrics["client_test_acc_mean"] = float(np.mean(accs))
+            metrics = run.log(metrics)
+            bar.set_postfix(acc=f"{acc:.4f}", loss=f"{train_loss:.3f}", N_E=f"{norms['N'] / max(norms['E'], 1e-30):.3f}")  # FedNNNN: + N/E
+            if args.checkpoint_every is None:
+                checkpoint(rnd + 1)
+        else:  # FedNNNN
+            run.log({"round": rnd + 1, "train_loss": train_loss, "lr": lr, **norms})  # FedNNNN: norms every round
+        if args.checkpoint_every is not None and (rnd + 1) % args.checkpoint_every == 0:
+            checkpoint(rnd + 1)
+        if run.stop_requested or (args.stop_after is not None and rnd + 1 - start >= args.stop_after):
+            if rnd + 1 < args.rounds:
+                checkpoint(rnd + 1)
+                bar.close()
+                print(f"stopped after round {rnd + 1}; continue with: python fednnnn.py --resume {run.dir}")  # FedNNNN
+                raise SystemExit(130 if run.stop_requested else 0)
+    bar.close()
+    summary = run.finish({"final_round": args.rounds, **{k: v for k, v in metrics.items() if k != "round"}}, client)  # FedNNNN: the evaluation model
+    print(f"final test accuracy {summary['test_acc']:.4f} after {args.rounds} rounds; outputs in {run.dir}")
