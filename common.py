@@ -862,7 +862,6 @@ def personalize(model, global_state, data, train_parts, test_parts, *, epochs, e
     return {"acc_mean": {e: float(np.mean(a)) for e, a in per_client.items()},
             "acc_std": {e: float(np.std(a)) for e, a in per_client.items()},
             "per_client": per_client, "clients": clients}
-# personalize() ready
 
 
 def _conv_bn_pool(cin, cout=64):

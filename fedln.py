@@ -1,0 +1,278 @@
+"""FedLN / FedFN: Understanding the Role of Layer Normalization in Label-Skewed Federated Learning
+(Zhang, Beitollahi, Bie, Chen; TMLR 2024), on FedAvg (McMahan et al. 2017) with the baselines FedProx
+(Li et al. 2020), SCAFFOLD (Karimireddy et al. 2020) and FedYogi (Reddi et al. 2021).
+
+Idea: under extreme label shift (one class per client) a client overfits by inflating feature norms
+(feature collapse, Theorem 1). Layer normalization after every activation (FedLN), or just scale-
+normalizing the last feature, n(z) = sqrt(d) z / max(eps, ||z||) (FedFN, Eq. 7), bounds the norms and
+makes plain FedAvg converge far faster. --norm picks the normalization, --agg the server/client algorithm.
+
+Reproduce (CPU, synthetic data, a few minutes):
+    python fedln.py --dataset synthetic --rounds 5 --eval-every 1    # add --norm none: vanilla FedAvg
+The paper (Table 1 / Table 10 CIFAR-10 CNN, 1 class per client, E=10; 10,000 rounds):
+    python fedln.py --dataset cifar10 --norm ln          # FedLN;   --norm fn: FedFN; --norm none: FedAvg
+    python fedln.py --dataset cifar10 --norm none --agg fedyogi   # FedYogi; --agg scaffold / fedprox
+    python fedln.py --dataset cifar10 --model resnet18 --norm ln  # Table 2 / Table 13 ResNet rows
+Measured results and hardware: README.md, "Results".
+
+FN here is sqrt(d)-scaled (||n(z)|| = sqrt(d) = the norm of an n_MV output, Eq. 5; the authors' code
+does the same), while fedfn.py (FedFN of Kim, Lee, Oh, Yun 2023) scales it to unit norm: a constant
+factor sqrt(d) (19.6 for d = 384) on the logits and on the head's gradient, so at the same lr the two
+train differently (FedFN tunes a larger lr for that reason); common.FeatureNorm is the one used here.
+
+Choices the paper leaves open, made here (and deviations):
+- Normalization sits after each ReLU and before pooling (Appendix C.1; --norm-before-act: Table 6
+  "before"). LN = GroupNorm(1, C): mean/variance over (C, H, W) with a per-channel affine (authors'
+  code), --no-ln-affine: Table 6 "static". GN in normcnn has 2 groups (Section 5.3); in resnet18 ln/gn/bn
+  are common.make_norm (GN: 32 groups, always affine; --no-ln-affine is normcnn-only). The ResNet puts
+  the norm after each ReLU and on the block's sum, not on its shortcut (Eq. 10, authors' code); its head
+  keeps a bias (as in the authors' code); normcnn has no bias anywhere (Table 7, Assumption 1).
+- fn: the model's body gets FeatureNorm appended (eps 1e-5), so model.head sees n(g(x)).
+- Batch-norm running statistics are averaged like weights (Appendix C.1 "average all the parameters
+  including the running means and running variances"), also under SCAFFOLD and FedYogi, which act on
+  parameters only.
+- SCAFFOLD: Option II control variates, global step size 1, gradient correction g - c_k + c added to
+  the gradient before each SGD step; the model average uses the same n_k/n weights as FedAvg.
+- FedYogi: no bias correction, m_0 = 0, v_0 = 1e-6 (Appendix C.4, Reddi et al. Alg. 2); the
+  pseudo-gradient is the n_k/n-weighted mean client update (equal weights when client sizes are equal).
+- The issue's evaluation: the global model on the global test set (test_acc); --client-test adds the
+  mean of per-client test accuracies (the paper's metric; with one class per client and a balanced
+  test set the two coincide). Final-round accuracy is reported, never the best round.
+"""
+import argparse
+
+import numpy as np
+import torch
+import torch.nn as nn  # FedLN: nn.Sequential to append FeatureNorm
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from common import (AUGMENTATIONS, FeatureNorm, Run, autocast, build_model, client_batches, evaluate,  # FedLN: FeatureNorm
+                    finish_args, load_data, lr_at, make_partition, prepare_batch, rng_state, sample_clients,
+                    seed_everything, set_rng_state)
+
+NORM_MODELS = ("normcnn", "resnet18", "resnet50")  # FedLN: models with normalization slots (--norm ln | gn | bn)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", default="cifar10", help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | synthetic")
+    g.add_argument("--data-dir", default="./data", help="download folder, or the image folder (train/<class>/*, test/<class>/*) for --dataset folder")
+    g.add_argument("--augment", default="crop-flip", choices=AUGMENTATIONS, help="on-device augmentation of training batches")
+    g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2)")
+    g.add_argument("--iid", action="store_true", help="uniform random split")
+    g.add_argument("--shards", type=int, default=None, help="S: sort by label, N*S shards, S per client")  # FedLN: not the default
+    g.add_argument("--classes-per-client", type=int, default=None, help="n: each client holds n classes, each class split evenly among its holders (default: n=1, the paper's '1 class')")  # FedLN: default 1
+    g.add_argument("--alpha", type=float, default=None, help="beta: Dirichlet label skew Dir(beta) (Hsu et al. 2019; the paper's Dir(0.1))")  # FedLN: paper's symbol
+    g.add_argument("--split2", action="store_true", help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
+    g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes: equal, or power law (unbalanced)")
+    g.add_argument("--client-test", action="store_true", help="also evaluate on per-client test sets with each client's label distribution")
+    g.add_argument("--data-seed", type=int, default=None, help="seed of the partition (default: --seed); client sampling uses --seed")
+    g = p.add_argument_group("federation")
+    g.add_argument("--num-clients", type=int, default=10, help="K: number of clients")  # FedLN: 10 (Table 8)
+    g.add_argument("--frac", type=float, default=1.0, help="fraction of clients sampled per round, in (0, 1] (paper: all)")  # FedLN: full participation
+    g.add_argument("--rounds", type=int, default=10000, help="T: communication rounds (Appendix C.3)")  # FedLN: 10,000
+    g.add_argument("--local-steps", type=int, default=10, help="E: local SGD steps (batches) per round (Appendix C.3)")  # FedLN: steps, not epochs
+    g.add_argument("--batch-size", type=int, default=32, help="B: local batch size (Table 9)")  # FedLN: 32
+    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"], help="aggregation weights: m_k/m (Eq. 1), or 1/|S|")  # FedLN: paper's symbols
+    g = p.add_argument_group("optimization")
+    g.add_argument("--model", default="normcnn", help="normcnn (Table 7) | resnet18 (Appendix C.1) | cnn | ... (see common.MODELS)")  # FedLN: Table 7 CNN
+    g.add_argument("--width", type=int, default=64, help="channels of normcnn's convolutions (Table 7: 64) or resnet18's first stage (64)")  # FedLN: narrow models for tests
+    g.add_argument("--lr", type=float, default=0.01, help="eta_l: local learning rate (Table 9)")  # FedLN: paper's symbol
+    g.add_argument("--momentum", type=float, default=0.0, help="local SGD momentum (reset every round; paper: none)")  # FedLN: plain SGD
+    g.add_argument("--weight-decay", type=float, default=0.0, help="local L2 weight decay (paper: none)")  # FedLN: none
+    g.add_argument("--lr-decay-at", type=float, nargs="*", default=[], help="fractions of the run at which lr is multiplied by --lr-decay, e.g. 0.5 0.75")
+    g.add_argument("--lr-decay", type=float, default=0.1, help="lr multiplier at each --lr-decay-at")
+    g.add_argument("--prox-mu", type=float, default=0.01, help="mu: FedProx proximal term mu/2 ||w - w_t||^2, used with --agg fedprox (Appendix C.4: 0.01)")  # FedLN: used by --agg fedprox
+    g = p.add_argument_group("FedLN: normalization and aggregation")  # FedLN: the method's flags
+    g.add_argument("--norm", default="ln", choices=["none", "ln", "fn", "gn", "bn"], help="ln: layer norm after each activation (FedLN); fn: n(z) = sqrt(d) z / max(eps, ||z||) on the last feature (FedFN, Eq. 7); gn: group norm; bn: batch norm; none: vanilla")  # FedLN
+    g.add_argument("--ln-affine", action=argparse.BooleanOptionalAction, default=True, help="gamma, beta of ln/gn/bn: learnable (Table 6 'learnable') or static; normcnn only")  # FedLN
+    g.add_argument("--norm-before-act", action="store_true", help="normalize before each ReLU instead of after (Table 6 'before'; for resnet18: the standard conv-norm-ReLU ResNet)")  # FedLN
+    g.add_argument("--agg", default="fedavg", choices=["fedavg", "fedprox", "scaffold", "fedyogi"], help="FedAvg; FedProx (--prox-mu); SCAFFOLD (Option II); FedYogi (server Yogi on the mean update)")  # FedLN
+    g.add_argument("--server-lr", type=float, default=0.01, help="eta: FedYogi server learning rate (Appendix C.4)")  # FedLN
+    g.add_argument("--yogi-beta1", type=float, default=0.9, help="beta_1: FedYogi first-moment decay")  # FedLN
+    g.add_argument("--yogi-beta2", type=float, default=0.99, help="beta_2: FedYogi second-moment decay")  # FedLN
+    g.add_argument("--yogi-tau", type=float, default=1e-3, help="tau: FedYogi adaptivity (added to sqrt(v))")  # FedLN
+    g.add_argument("--yogi-v0", type=float, default=1e-6, help="v_0: FedYogi initial second moment (Appendix C.4)")  # FedLN
+    g.add_argument("--track-singular-values", action="store_true", help="log the singular values of the feature matrix [g(x_1)..g(x_20)] of 20 fixed test images at each evaluation (feature collapse, Figure 3)")  # FedLN
+    g = p.add_argument_group("run")
+    g.add_argument("--seed", type=int, default=0, help="seed of model init, client sampling and local shuffling")
+    g.add_argument("--device", default=None, help="cuda if available, else cpu")
+    g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
+    g.add_argument("--eval-every", type=int, default=100, help="evaluate every this many rounds (and at the last)")  # FedLN: 100
+    g.add_argument("--checkpoint-every", type=int, default=None, help="write checkpoint.pt every this many rounds (default: at each evaluation)")
+    g.add_argument("--out", default=None, help="run folder (default runs/fedln__<dataset>__<seed>__<time>)")  # FedLN
+    g.add_argument("--save-model", action="store_true", help="write the final global state_dict to OUT/model.pt")
+    g.add_argument("--resume", default=None, metavar="DIR", help="continue the interrupted run in DIR (its config.json is used)")
+    g.add_argument("--stop-after", type=int, default=None, help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
+    args = finish_args(p, p.parse_args(), "fedln", default_partition=("classes_per_client", 1))  # FedLN: 1 class per client
+    if args.local_steps < 1:  # FedLN: checks of the method's flags
+        p.error(f"--local-steps: must be at least 1, got {args.local_steps}")  # FedLN
+    if args.norm in ("ln", "gn", "bn") and args.model not in NORM_MODELS:  # FedLN: --model cnn has no slots
+        p.error(f"--norm: {args.norm} needs a model with normalization slots ({', '.join(NORM_MODELS)}), not {args.model}")  # FedLN
+    if not args.ln_affine and args.model != "normcnn":  # FedLN
+        p.error("--no-ln-affine: only normcnn has static normalization layers")  # FedLN
+    return args  # FedLN
+
+
+def build(args, data):
+    """FedLN: the model with --norm in its layers (ln | gn | bn) or on its last feature (fn)."""
+    model = build_model(args.model, data, norm="none" if args.norm == "fn" else args.norm,
+                        ln_affine=args.ln_affine, norm_after_act=not args.norm_before_act, width=args.width)
+    if args.norm == "fn":  # g(x) = n(vanilla body(x)): scale-normalizing the last feature only (Prop. 1, Eq. 7)
+        model.body = nn.Sequential(model.body, FeatureNorm(eps=1e-5))
+    return model
+
+
+def local_train(model, indices, data, args, lr, global_params, correction=None):
+    """--local-steps of SGD on one client; returns the mean training loss (a tensor).  FedLN: steps, correction
+    correction: SCAFFOLD's c - c_k per parameter (FedLN: None for the other --agg)."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    model.train()
+    loss_sum = torch.zeros((), device=args.device)
+    seen = 0
+    for batch in client_batches(indices, args.batch_size, steps=args.local_steps):  # FedLN: E steps (Appendix C.3)
+        x, y = prepare_batch(data.x_train[batch], data, args.augment), data.y_train[batch]
+        with autocast(args.device, args.amp):
+            loss = F.cross_entropy(model(x).float(), y)
+        if args.agg == "fedprox":  # FedProx: + mu/2 ||w - w_t||^2 (Li et al. 2020, Eq. 2)  # FedLN: --agg
+            loss = loss + args.prox_mu / 2 * sum((w - w0).pow(2).sum() for w, w0 in zip(model.parameters(), global_params))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if correction is not None:  # FedLN: SCAFFOLD y <- y - eta_l (g(y) - c_k + c) (Karimireddy et al., Alg. 1, local step)
+            for w, c in zip(model.parameters(), correction):
+                w.grad.add_(c)
+        opt.step()
+        loss_sum += loss.detach() * len(batch)
+        seen += len(batch)
+    return loss_sum / max(seen, 1)
+
+
+def accumulate(total, state, weight):
+    """total += weight * state, entry by entry. Batch-norm running means and variances are averaged
+    with the same weights as the parameters (num_batches_tracked too; it only matters for momentum=None)."""
+    for k, v in state.items():
+        total[k] += weight * v.float()
+
+
+def client_weights(sizes, weighting):
+    """n_k / n over the sampled clients, or 1/m with --weighting uniform."""
+    sizes = torch.as_tensor(sizes, dtype=torch.float64)
+    w = torch.ones_like(sizes) if weighting == "uniform" else sizes
+    return (w / w.sum()).tolist()
+
+
+def scaffold_control(c_k, c, x, y, steps, lr):
+    """FedLN: SCAFFOLD Option II (Karimireddy et al. 2020, Alg. 1), per parameter name:
+    c_k+ = c_k - c + (x - y_k) / (K eta_l), with x the global and y_k the client's parameters."""
+    return {n: c_k[n] - c[n] + (x[n].float() - y[n].float()) / (steps * lr) for n in c_k}
+
+
+def yogi_update(x, delta, m, v, lr, beta1, beta2, tau):
+    """FedLN: FedYogi server step (Reddi et al. 2021, Alg. 2, no bias correction), per parameter name:
+    m = b1 m + (1 - b1) D;  v = v - (1 - b2) D^2 sign(v - D^2);  x = x + eta m / (sqrt(v) + tau).
+    Returns the new (x, m, v); delta is the pseudo-gradient D = mean client model - x."""
+    m = {n: beta1 * m[n] + (1 - beta1) * delta[n] for n in delta}
+    v = {n: v[n] - (1 - beta2) * delta[n].pow(2) * torch.sign(v[n] - delta[n].pow(2)) for n in delta}
+    x = {n: x[n] + lr * m[n] / (v[n].sqrt() + tau) for n in delta}
+    return x, m, v
+
+
+@torch.no_grad()
+def singular_values(model, x):
+    """FedLN: singular values of the feature matrix [g(x_1), ..., g(x_n)] (Figure 3), raw and with each
+    feature scaled to unit norm (Figure 3 right: comparable across --norm)."""
+    z = model.body(x).float()
+    return torch.linalg.svdvals(z).tolist(), torch.linalg.svdvals(F.normalize(z, dim=1)).tolist()
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    seed_everything(args.seed)
+    data = load_data(args)
+    partition = make_partition(args, data)  # uses its own generator seeded by --data-seed
+    run = Run(args, "fedln")  # FedLN
+    run.write_partition(partition, data)
+    model = build(args, data).to(args.device)  # the global model w_t  # FedLN: build with --norm
+    client = build(args, data).to(args.device)  # one client model, reloaded for every client  # FedLN: build with --norm
+    sampler = np.random.default_rng(args.seed)  # client sampling, independent of the partition
+    sizes = [len(p) for p in partition.train]
+    names = [n for n, _ in model.named_parameters()]  # FedLN: SCAFFOLD and FedYogi act on parameters; buffers are averaged
+    zeros = lambda fill=0.0: {n: torch.full_like(p, fill).detach() for n, p in model.named_parameters()}  # FedLN
+    server = {}  # FedLN: method state: SCAFFOLD's c and c_k, FedYogi's m and v
+    if args.agg == "scaffold":  # FedLN: control variates start at 0
+        server = {"c": zeros(), "c_k": [zeros() for _ in range(args.num_clients)]}
+    if args.agg == "fedyogi":  # FedLN: m_0 = 0, v_0 = 1e-6 (Appendix C.4)
+        server = {"m": zeros(), "v": zeros(args.yogi_v0)}
+    sv_x = None  # FedLN: 20 fixed test images for --track-singular-values, drawn by a private generator
+    if args.track_singular_values:
+        pick = torch.randperm(len(data.y_test), generator=torch.Generator().manual_seed(args.seed))[:20]
+        sv_x = prepare_batch(data.x_test[pick.to(data.x_test.device)], data)
+    start = 0
+    if args.resume:
+        ckpt = run.load_checkpoint()
+        model.load_state_dict(ckpt["model"])
+        server = ckpt["server"]  # FedLN: control variates / moments
+        set_rng_state(ckpt["rng"], sampler)
+        start = ckpt["round"]
+
+    def checkpoint(rounds_done):
+        run.save_checkpoint(rounds_done, {"model": model.state_dict(), "rng": rng_state(sampler), "server": server})  # FedLN: + server
+
+    metrics = {}
+    bar = tqdm(range(start, args.rounds), initial=start, total=args.rounds, desc="fedln", unit="round")  # FedLN
+    for rnd in bar:
+        lr = lr_at(rnd, args)
+        clients = sample_clients(sampler, args.num_clients, args.frac)
+        weights = client_weights([sizes[k] for k in clients], args.weighting)
+        total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items()}
+        train_loss = torch.zeros((), device=args.device)
+        delta_c = zeros() if args.agg == "scaffold" else None  # FedLN: SCAFFOLD's sum of (c_k+ - c_k) / N
+        for k, w in zip(clients, weights):
+            client.load_state_dict(model.state_dict())
+            correction = [server["c"][n] - server["c_k"][k][n] for n in names] if args.agg == "scaffold" else None  # FedLN
+            train_loss += w * local_train(client, partition.train[k], data, args, lr, list(model.parameters()), correction)  # FedLN: + correction
+            accumulate(total, client.state_dict(), w)
+            if args.agg == "scaffold":  # FedLN: Option II update of c_k, and c's increment (Alg. 1)
+                c_new = scaffold_control(server["c_k"][k], server["c"], model.state_dict(), client.state_dict(), args.local_steps, lr)
+                for n in names:
+                    delta_c[n] += (c_new[n] - server["c_k"][k][n]) / args.num_clients
+                server["c_k"][k] = c_new
+        if args.agg == "scaffold":  # FedLN: c <- c + 1/N sum_{k in S} (c_k+ - c_k)
+            server["c"] = {n: server["c"][n] + delta_c[n] for n in names}
+        if args.agg == "fedyogi":  # FedLN: x <- Yogi(x, D = sum_k n_k/n y_k - x); buffers keep the average
+            state = model.state_dict()
+            x = {n: state[n].float() for n in names}
+            x, server["m"], server["v"] = yogi_update(x, {n: total[n] - x[n] for n in names}, server["m"], server["v"],
+                                                      args.server_lr, args.yogi_beta1, args.yogi_beta2, args.yogi_tau)
+            total.update(x)
+        model.load_state_dict(total)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (casts back to each entry's dtype)
+        train_loss = train_loss.item()
+        if not np.isfinite(train_loss):
+            run.diverged(rnd + 1, train_loss)
+
+        if (rnd + 1) % args.eval_every == 0 or rnd + 1 == args.rounds:
+            model.eval()
+            acc, loss = evaluate(model, data.x_test, data.y_test, data, amp=args.amp)
+            metrics = {"round": rnd + 1, "test_acc": acc, "test_loss": loss, "train_loss": train_loss, "lr": lr}
+            if partition.test is not None:
+                accs = [evaluate(model, data.x_test[t], data.y_test[t], data, amp=args.amp)[0] for t in partition.test]
+                metrics["client_test_acc_mean"] = float(np.mean(accs))
+            if sv_x is not None:  # FedLN: feature collapse (Figure 3)
+                metrics["feature_sv"], metrics["feature_sv_unit"] = singular_values(model, sv_x)
+            metrics = run.log(metrics)
+            bar.set_postfix(acc=f"{acc:.4f}", loss=f"{train_loss:.3f}")
+            if args.checkpoint_every is None:
+                checkpoint(rnd + 1)
+        if args.checkpoint_every is not None and (rnd + 1) % args.checkpoint_every == 0:
+            checkpoint(rnd + 1)
+        if run.stop_requested or (args.stop_after is not None and rnd + 1 - start >= args.stop_after):
+            if rnd + 1 < args.rounds:
+                checkpoint(rnd + 1)
+                bar.close()
+                print(f"stopped after round {rnd + 1}; continue with: python fedln.py --resume {run.dir}")  # FedLN
+                raise SystemExit(130 if run.stop_requested else 0)
+    bar.close()
+    summary = run.finish({"final_round": args.rounds, **{k: v for k, v in metrics.items() if k != "round"}}, model)
+    print(f"final test accuracy {summary['test_acc']:.4f} after {args.rounds} rounds; outputs in {run.dir}")
