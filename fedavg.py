@@ -138,7 +138,7 @@ if __name__ == "__main__":
         train_loss = torch.zeros((), device=args.device)
         for k, w in zip(clients, weights):
             client.load_state_dict(model.state_dict())
-            train_loss += w * local_train(client, partition.train[k], data, args, lr, list(model.parameters()))
+            train_loss += w * local_train(client, partition.train[k], data, args, lr, [p.detach() for p in model.parameters()])
             accumulate(total, client.state_dict(), w)
         model.load_state_dict(total)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (casts back to each entry's dtype)
         train_loss = train_loss.item()

@@ -17,19 +17,21 @@ Measured results and hardware: README.md, "Results".
 Choices the paper leaves open, made here (and deviations):
 - Frozen head = not in the optimizer (and no gradient), the same as the official "lr 0 for the head"
   parameter group; the global head is bitwise the initial one (PyTorch's default He-uniform init, App. B).
-- Aggregation covers model.body only (parameters and buffers, n_k/n weights); the paper's models use
-  batch norm without running statistics, so nothing else is averaged; ResNet running stats are
-  averaged like weights (they live in the body).
+- Aggregation covers model.body only (parameters and buffers, n_k/n weights). The paper's models use
+  batch norm without running statistics, so they have no buffers; ResNet running stats are averaged
+  like weights (they live in the body), as in the official code.
 - Fine-tuning (Alg. 2): the whole model (--ft-part full, "for consistency ... we fine-tuned the entire
-  model"), tau_f = 5 epochs, SGD lr 1e-3 (the issue's value from the official code; the paper gives none) with the
-  training momentum (App. D) and batch size, crop-and-flip augmentation, no weight decay; the state is
-  reset to the global model for every client. Means and stds are over clients, unweighted (ddof 0).
+  model"), tau_f = 5 epochs, SGD lr 1e-3 with the training momentum (App. D) and batch size, crop-and-flip
+  augmentation, no weight decay: the paper gives no lr; these are the settings of the official evaluation
+  notebook (analysis.ipynb). The state is reset to the global model for every client. Means and stds
+  are over clients, unweighted (ddof 0). Everything is evaluated on the last global model (App. A).
 - Per-client test sets (--client-test, on here): the test split is dealt so that each client gets test
   samples only of the classes it trains on, in proportion to its training counts (100 per client on
   CIFAR with N=100, as in the paper). Batch norm without running statistics normalizes test features
   with the statistics of the evaluated batch: a client's test set (up to 2000 images at a time).
 - "Without head" accuracy (Table 3): per-client class templates are the mean body features of the
-  client's training images (no augmentation); test images take the class of the most cosine-similar template.
+  client's training images (no augmentation); test images take the class of the most cosine-similar
+  template, as Sec. 5.2.1 says (the official notebook uses Euclidean distance, torch.cdist, instead).
 - --rounds defaults to 320 // --local-epochs (the paper fixes rounds x tau = 320).
 """
 import argparse
@@ -93,6 +95,8 @@ def parse_args():
     g.add_argument("--stop-after", type=int, default=None, help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
     args = p.parse_args()  # FedBABU
     if args.rounds is None:  # FedBABU: K = 320 / tau (Sec. 3)
+        if args.local_epochs < 1:  # FedBABU
+            p.error(f"--local-epochs: must be at least 1 to derive --rounds = 320 // tau, got {args.local_epochs}")  # FedBABU
         args.rounds = max(320 // args.local_epochs, 1)  # FedBABU
     if args.ft_epochs < 0 or min(args.ft_eval_epochs, default=0) < 0 or args.ft_lr < 0:  # FedBABU
         p.error("--ft-epochs, --ft-eval-epochs, --ft-lr: must be >= 0")  # FedBABU

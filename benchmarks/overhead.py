@@ -57,7 +57,7 @@ def fl_rounds(model, client, partition, data, args, sampler, rounds):
         total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items()}
         for k, w in zip(clients, weights):
             client.load_state_dict(model.state_dict())
-            fedavg.local_train(client, partition.train[k], data, args, args.lr, list(model.parameters()))
+            fedavg.local_train(client, partition.train[k], data, args, args.lr, [p.detach() for p in model.parameters()])
             fedavg.accumulate(total, client.state_dict(), w)
             steps += len(list(client_batches(partition.train[k], args.batch_size, args.local_epochs)))
         model.load_state_dict(total)

@@ -41,3 +41,10 @@ def assert_same_model(dir_a, dir_b):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def run_parallel(*commands, workers=2):
+    """Run several (script, *flags) commands, `workers` at a time (the CI machine has 2 cores)."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return [f.result() for f in [pool.submit(run_script, *c) for c in commands]]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fedavg
-from helpers import ROOT, TINY, assert_same_model, metrics, run_script, summary
+from helpers import ROOT, TINY, assert_same_model, metrics, run_parallel, run_script, summary
 
 
 def test_accumulate_is_the_weighted_average():
@@ -56,65 +56,73 @@ def test_fedprox_step_adds_mu_times_distance_to_global():
         assert torch.allclose(q - p, -0.1 * 0.5 * (w - w_t), atol=1e-6)
 
 
-def test_fedprox_mu_zero_equals_fedavg(tmp_path):
-    run_script("fedavg.py", *TINY, "--iid", "--out", tmp_path / "a")
-    run_script("fedavg.py", *TINY, "--iid", "--prox-mu", "0", "--out", tmp_path / "b")
-    assert metrics(tmp_path / "a") == metrics(tmp_path / "b")
-    run_script("fedavg.py", *TINY, "--iid", "--prox-mu", "0.1", "--out", tmp_path / "c")
-    assert metrics(tmp_path / "a") != metrics(tmp_path / "c"), "mu > 0 must change training"
+# End-to-end runs shared by the tests below, two at a time (each subprocess pays torch's import).
+BASE = [*TINY, "--num-clients", "5", "--shards", "2", "--client-test", "--lr-decay-at", "0.5", "--save-model"]
 
 
-def test_seed_reproduces_run_and_outputs(tmp_path):
-    flags = [*TINY, "--num-clients", "5", "--shards", "2", "--client-test"]  # 10 shards of 300 = one class each
-    run_script("fedavg.py", *flags, "--out", tmp_path / "a", "--save-model")
-    run_script("fedavg.py", *flags, "--out", tmp_path / "b", "--save-model")
-    run_script("fedavg.py", *flags, "--seed", "1", "--out", tmp_path / "c")
-    a = metrics(tmp_path / "a")
-    assert a == metrics(tmp_path / "b")
-    assert_same_model(tmp_path / "a", tmp_path / "b")
-    assert a != metrics(tmp_path / "c")
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fedavg")
+    run_parallel(
+        ("fedavg.py", *BASE, "--out", tmp / "a"),
+        ("fedavg.py", *BASE, "--out", tmp / "again"),
+        ("fedavg.py", *BASE, "--prox-mu", "0", "--out", tmp / "mu0"),
+        ("fedavg.py", *BASE, "--prox-mu", "0.1", "--out", tmp / "mu01"),
+        ("fedavg.py", *BASE, "--seed", "1", "--data-seed", "0", "--out", tmp / "seed1"),
+        ("fedavg.py", *BASE, "--data-seed", "1", "--out", tmp / "dseed1"),
+        ("fedavg.py", *BASE, "--out", tmp / "cut", "--stop-after", "2"),
+        ("fedavg.py", "--dataset", "synthetic", "--device", "cpu", "--model", "cnn", "--num-clients", "10",
+         "--frac", "0.5", "--iid", "--rounds", "4", "--local-steps", "4", "--batch-size", "32", "--lr", "0.05",
+         "--eval-every", "4", "--out", tmp / "learn"))
+    return tmp
+
+
+def test_fedprox_mu_zero_equals_fedavg(runs):
+    assert metrics(runs / "a") == metrics(runs / "mu0")
+    assert metrics(runs / "a") != metrics(runs / "mu01"), "mu > 0 must change training"
+
+
+def test_seed_reproduces_run_and_outputs(runs):
+    a = metrics(runs / "a")
+    assert a == metrics(runs / "again")
+    assert_same_model(runs / "a", runs / "again")
+    assert a != metrics(runs / "seed1")
     assert [row["round"] for row in a] == [1, 2, 3, 4]
+    assert [row["lr"] for row in a] == [0.01, 0.01, 0.001, 0.001]  # --lr-decay-at 0.5
     assert {"test_acc", "test_loss", "train_loss", "client_test_acc_mean"} <= set(a[0])
-    config = json.load(open(tmp_path / "a" / "config.json"))
+    config = json.load(open(runs / "a" / "config.json"))
     assert config["shards"] == 2 and config["data_seed"] == 0 and config["model"] == "mlp"
-    part = json.load(open(tmp_path / "a" / "partition.json"))
+    part = json.load(open(runs / "a" / "partition.json"))
     assert len(part["train"]) == 5 and sum(map(sum, part["train"])) == 3000
-    assert all(sum(c > 0 for c in counts) <= 2 for counts in part["train"])
+    assert all(sum(c > 0 for c in counts) <= 2 for counts in part["train"])  # 10 shards of 300 = 1 class each
     assert sum(map(sum, part["test"])) == 1000
-    s = summary(tmp_path / "a")
+    s = summary(runs / "a")
     assert s["test_acc"] == a[-1]["test_acc"] and s["final_round"] == 4 and "device" in s
 
 
-def test_data_seed_fixes_partition_while_seed_varies(tmp_path):
-    run_script("fedavg.py", *TINY, "--alpha", "0.5", "--rounds", "1", "--data-seed", "7", "--out", tmp_path / "a")
-    run_script("fedavg.py", *TINY, "--alpha", "0.5", "--rounds", "1", "--data-seed", "7", "--seed", "3", "--out", tmp_path / "b")
-    run_script("fedavg.py", *TINY, "--alpha", "0.5", "--rounds", "1", "--data-seed", "8", "--out", tmp_path / "c")
-    part = lambda d: json.load(open(tmp_path / d / "partition.json"))["train"]
-    assert part("a") == part("b") != part("c")
+def test_data_seed_fixes_partition_while_seed_varies(runs):
+    part = lambda d: json.load(open(runs / d / "partition.json"))["train"]
+    assert part("a") == part("seed1") != part("dseed1")
 
 
-def test_learns_well_above_chance(tmp_path):
-    run_script("fedavg.py", "--dataset", "synthetic", "--device", "cpu", "--model", "cnn", "--num-clients", "10", "--frac", "0.5",
-               "--iid", "--rounds", "5", "--local-steps", "5", "--lr", "0.05", "--eval-every", "5",
-               "--out", tmp_path / "a")
-    assert summary(tmp_path / "a")["test_acc"] > 0.5  # chance is 0.1
+def test_learns_well_above_chance(runs):
+    assert summary(runs / "learn")["test_acc"] > 0.5  # chance is 0.1
 
 
-def test_stop_and_resume_equals_uninterrupted(tmp_path):
-    flags = [*TINY, "--shards", "2", "--rounds", "5", "--lr-decay-at", "0.5", "--save-model"]
-    run_script("fedavg.py", *flags, "--out", tmp_path / "full")
-    proc = run_script("fedavg.py", *flags, "--out", tmp_path / "cut", "--stop-after", "2")
-    assert "--resume" in proc.stdout and not os.path.exists(tmp_path / "cut" / "summary.json")
-    assert len(metrics(tmp_path / "cut")) == 2
-    run_script("fedavg.py", "--resume", tmp_path / "cut", "--stop-after", "1")  # 3 of 5
-    run_script("fedavg.py", "--resume", tmp_path / "cut")
-    assert metrics(tmp_path / "cut") == metrics(tmp_path / "full")
-    assert_same_model(tmp_path / "cut", tmp_path / "full")
+def test_stop_and_resume_equals_uninterrupted(runs):
+    assert not os.path.exists(runs / "cut" / "summary.json")
+    assert len(metrics(runs / "cut")) == 2
+    proc = run_script("fedavg.py", "--resume", runs / "cut", "--stop-after", "1")  # round 3 of 4
+    assert "--resume" in proc.stdout and len(metrics(runs / "cut")) == 3
+    run_script("fedavg.py", "--resume", runs / "cut")
+    assert metrics(runs / "cut") == metrics(runs / "a")
+    assert_same_model(runs / "cut", runs / "a")
+    assert summary(runs / "cut")["test_acc"] == summary(runs / "a")["test_acc"]
 
 
 def test_ctrl_c_writes_checkpoint_and_resume_finishes(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "fedavg.py", *map(str, TINY), "--iid", "--rounds", "40", "--local-steps", "1",
+    cmd = [sys.executable, "fedavg.py", *map(str, TINY), "--iid", "--rounds", "30", "--local-steps", "1",
            "--out", str(out)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -125,9 +133,9 @@ def test_ctrl_c_writes_checkpoint_and_resume_finishes(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
     ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
-    assert 1 <= ckpt["round"] < 40 and len(metrics(out)) == ckpt["round"]
+    assert 1 <= ckpt["round"] < 30 and len(metrics(out)) == ckpt["round"]
     run_script("fedavg.py", "--resume", out)
-    assert [r["round"] for r in metrics(out)] == list(range(1, 41))
+    assert [r["round"] for r in metrics(out)] == list(range(1, 31))
 
 
 def test_divergence_stops_with_summary(tmp_path):

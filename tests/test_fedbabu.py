@@ -56,6 +56,8 @@ def test_local_train_freezes_head_only_without_train_head(train_head):
 
 def test_body_is_aggregated_exactly_and_head_kept():
     glob, a, b = bn_model(0), bn_model(1), bn_model(2)
+    for m in (a, b):  # distinct running statistics, so that averaging the buffers is checked too
+        m.train()(torch.randn(8, 3, 6, 6))
     head0 = sub(glob, "head")
     weights = fedbabu.client_weights([100, 300], "samples")
     shared = fedbabu.shared_part(glob, False)
@@ -64,9 +66,9 @@ def test_body_is_aggregated_exactly_and_head_kept():
         fedbabu.accumulate(total, fedbabu.shared_part(client, False).state_dict(), w)
     shared.load_state_dict(total)
     sa, sb, sg = a.body.state_dict(), b.body.state_dict(), glob.body.state_dict()
-    for k in sg:  # weights, biases and batch-norm running statistics: 0.25 a + 0.75 b
-        expect = (0.25 * sa[k].float() + 0.75 * sb[k].float()).to(sg[k].dtype)
-        assert torch.allclose(sg[k].float(), expect.float(), atol=1e-6), k
+    assert not torch.equal(sa["1.running_mean"], sb["1.running_mean"])
+    for k in sg:  # weights, biases and batch-norm running statistics: 0.25 a + 0.75 b, in float32
+        assert torch.equal(sg[k], (0.25 * sa[k].float() + 0.75 * sb[k].float()).to(sg[k].dtype)), k
     assert states_equal(sub(glob, "head"), head0)  # not aggregated: the initial head, bitwise
     assert fedbabu.shared_part(glob, True) is glob  # --train-head: FedAvg averages everything
 
@@ -106,15 +108,17 @@ def test_personalize_statistics_over_clients():
 
 def test_nohead_accuracy_by_hand():
     # 1x1x2 images, features = the normalized pixels (body = Flatten); mean 0, std 1/255 -> features = raw pixel values
-    x_tr = torch.tensor([[250, 10], [240, 20], [10, 250], [100, 100]], dtype=torch.uint8).view(4, 1, 1, 2)
+    x_tr = torch.tensor([[250, 10], [240, 20], [4, 100], [100, 100]], dtype=torch.uint8).view(4, 1, 1, 2)
     y_tr = torch.tensor([0, 0, 2, 0])  # client 0: classes {0, 2}; client 1: class 0 only
-    x_te = torch.tensor([[200, 30], [20, 200], [30, 190], [150, 140]], dtype=torch.uint8).view(4, 1, 1, 2)
+    x_te = torch.tensor([[200, 30], [200, 240], [30, 190], [150, 140]], dtype=torch.uint8).view(4, 1, 1, 2)
     y_te = torch.tensor([0, 2, 1, 0])  # the class-1 image cannot be right: no client has a class-1 template
     data = Data(x_tr, y_tr, x_te, y_te, 3, torch.zeros(1, 1, 1, 1), torch.full((1, 1, 1, 1), 1 / 255))
     model = Classifier(nn.Flatten(), 2, 3)
     accs = fedbabu.nohead_accuracy(model, data, [torch.tensor([0, 1, 2]), torch.tensor([3])],
                                    [torch.tensor([0, 1, 2]), torch.tensor([3])])
-    # client 0: templates (245, 15) for 0 and (10, 250) for 2: predicts 0, 2, 2 -> 2/3; client 1: one template -> 1/1
+    # client 0: templates (245, 15) for 0 and (4, 100) for 2. Cosine similarity predicts 0, 2, 2 -> 2/3;
+    # (200, 240) is nearer (245, 15) in Euclidean distance and by dot product, which would give 1/3.
+    # Client 1: one template -> 1/1.
     assert accs == pytest.approx([2 / 3, 1.0])
 
 
@@ -124,10 +128,38 @@ def test_defaults_follow_the_paper(monkeypatch):
     assert args.rounds == 80 and args.shards == 10 and args.client_test  # rounds x tau = 320
     assert (args.dataset, args.model, args.num_clients, args.frac, args.batch_size) == ("cifar100", "mobilenet", 100, 0.1, 50)
     assert (args.lr, args.momentum, args.weight_decay, args.lr_decay_at) == (0.1, 0.9, 0.0, [0.5, 0.75])
+    assert (args.lr_decay, args.augment, args.weighting, args.prox_mu) == (0.1, "crop-flip", "samples", 0.0)
     assert (args.ft_epochs, args.ft_lr, args.ft_part, args.train_head) == (5, 1e-3, "full", False)
+    assert args.ft_eval_epochs == [0, 1, 2, 5, 10]
     monkeypatch.setattr(sys, "argv", ["fedbabu.py", "--device", "cpu", "--no-client-test"])
     args = fedbabu.parse_args()
     assert args.rounds == 32 and not args.client_test
+
+
+@pytest.mark.parametrize("flags,name", [(["--local-epochs", "0"], "--local-epochs"), (["--ft-epochs", "-1"], "--ft-epochs"),
+                                        (["--ft-eval-epochs", "0", "-2"], "--ft-eval-epochs"), (["--ft-lr", "-0.1"], "--ft-lr")])
+def test_bad_flags_exit_2_naming_the_flag(flags, name, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["fedbabu.py", "--device", "cpu", *flags])
+    with pytest.raises(SystemExit) as exit_info:
+        fedbabu.parse_args()
+    assert exit_info.value.code == 2 and name in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name,channels,size,classes,feature_dim,params", [
+    # 4convNet, App. A.1: conv 3->64 (1,792) + 3 x conv 64->64 (36,928) + 4 x BN (128) + linear 256->10 (2,570)
+    ("convnet4", 3, 32, 10, 256, 115_658),
+    # 3convNet: conv 1->64 (640) + 2 x conv 64->64 + 3 x BN + linear 576->62 (35,774)
+    ("convnet3", 1, 28, 62, 576, 110_654),
+    # MobileNet of kuangliu/pytorch-cifar: 3,217,226 parameters with 10 classes
+    ("mobilenet", 3, 32, 10, 1024, 3_217_226),
+])
+def test_paper_architectures(name, channels, size, classes, feature_dim, params):
+    model = MODELS[name](channels, classes, size)
+    assert model.head.in_features == feature_dim and model.head.out_features == classes
+    assert sum(p.numel() for p in model.parameters()) == params
+    bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert bns and not any(m.track_running_stats for m in bns) and not list(model.buffers())  # nothing but weights to average
+    assert model.body(torch.randn(2, channels, size, size)).shape == (2, feature_dim)
 
 
 @pytest.fixture(scope="module")
