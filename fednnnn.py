@@ -22,7 +22,8 @@ Choices the paper leaves open, made here: the normalized entries w are the train
 (model.parameters(): conv and linear weights and biases, batch-norm affine weights); batch-norm
 running means/variances (and num_batches_tracked) are averaged plainly like FedAvg, in both models, and
 are not part of N, E or d. N counts as (near) zero when N <= --norm-eps * E: then E/N is replaced by 1
-(no normalization, Sec. 4.2) and the momentum step still applies. w_{t+1} is computed as
+(Sec. 4.2: "we do not normalize ... and return w_t as is"; the step beta * avg has norm beta * N ~ 0)
+and the momentum term gamma d_t still applies. w_{t+1} is computed as
 w_avg + (d_{t+1} - Delta_avg), equal to w_t + d_{t+1} in exact arithmetic, so that the FedAvg setting
 is fedavg.py bit for bit. No augmentation by default (the paper only normalizes inputs by mean and std).
 N, E and ||w_{t+1} - w_t|| are logged every round, also split into conv / fc (/ other) parameters by

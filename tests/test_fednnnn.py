@@ -1,6 +1,6 @@
 """FedNNNN (fednnnn.py): Algorithm 3's server math on hand-made updates, the paper's models, and
 end-to-end runs (FedAvg reproduced bit for bit, evaluation vs broadcast model, resume with d_t)."""
-import os
+import argparse
 import shutil
 
 import pytest
@@ -45,15 +45,18 @@ def by_hand(w, deltas, weights, names=None):
 
 def test_norms_match_eqs_4_5_and_n_le_e_per_group():
     w, deltas, weights, w_avg, client_sq = hand_round(0)
-    stats = fednnnn.norm_stats(w, w_avg, w_avg, client_sq, weights, KINDS)
+    w_next = {n: w[n] + 3 * (w_avg[n] - w[n]) for n in w}  # a server step 3x the average update
+    stats = fednnnn.norm_stats(w, w_next, w_avg, client_sq, weights, KINDS)
     _, N, E = by_hand(w, deltas, weights)
     assert stats["N"] == pytest.approx(N, rel=1e-9) and stats["E"] == pytest.approx(E, rel=1e-9)
+    assert stats["step_norm"] == pytest.approx(3 * N, rel=1e-9)  # ||w_{t+1} - w_t|| (Eq. 24)
     assert stats["N"] < stats["E"]  # Proposition 1, strict for divergent updates
     for kind in ("conv", "fc", "other"):
         names = [n for n in KINDS if KINDS[n] == kind]
         _, N_g, E_g = by_hand(w, deltas, weights, names)
         assert stats[f"N_{kind}"] == pytest.approx(N_g, rel=1e-9)
         assert stats[f"E_{kind}"] == pytest.approx(E_g, rel=1e-9)
+        assert stats[f"step_norm_{kind}"] == pytest.approx(3 * N_g, rel=1e-9)
         assert stats[f"N_{kind}"] < stats[f"E_{kind}"]
     w1, d1, a1, avg1, sq1 = hand_round(1, m=1)  # one client: N = E
     s1 = fednnnn.norm_stats(w1, avg1, avg1, sq1, a1, KINDS)
@@ -143,11 +146,15 @@ def test_paper_models(name, dim, channels, size):
     assert model.body(x).shape == (3, dim) and model(x).shape == (3, 10)
     layers = [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
     assert all(m.bias is not None for m in layers)  # "all with bias terms"
-    if name == "lenet":
+    types = "".join({nn.Conv2d: "C", nn.BatchNorm2d: "B", nn.ReLU: "R", nn.MaxPool2d: "P", nn.Flatten: "F",
+                     nn.Linear: "L"}[type(m)] for m in model.body)
+    if (channels, size) == {"lenet": (1, 28), "cnn6": (3, 32)}[name]:  # the paper's input: exact size
+        assert sum(p.numel() for p in model.parameters()) == {"lenet": 431080, "cnn6": 1146088}[name]
+    if name == "lenet":  # Table 3: conv5-20, ReLU, pool, conv5-50, ReLU, pool, fc 500, ReLU, fc 10
+        assert types == "CRPCRPFLR" and all(m.kernel_size == (5, 5) for m in layers[:2])
         assert [m.out_channels for m in layers[:2]] == [20, 50] and layers[2].out_features == 500
-        if (channels, size) == (1, 28):
-            assert sum(p.numel() for p in model.parameters()) == 431080  # Table 3: 50*4*4 -> 500 -> 10
-    else:
+    else:  # Table 4: [conv3 + BN + ReLU] x2 and pool per stage, fc 382, ReLU, fc 192, ReLU, fc 10
+        assert types == "CBRCBRP" * 3 + "FLRLR" and all(m.kernel_size == (3, 3) for m in layers[:6])
         assert [m.out_channels for m in layers[:6]] == [32, 32, 64, 64, 128, 128]
         assert [m.out_features for m in layers[6:]] == [382, 192, 10]
         assert len(bns) == 6 and all(b.num_features == c for b, c in zip(bns, [32, 32, 64, 64, 128, 128]))
@@ -158,46 +165,55 @@ BASE = ["--dataset", "synthetic", "--device", "cpu", "--model", "lenet", "--num-
 
 
 def test_beta1_gamma0_no_normalize_reproduces_fedavg(tmp_path):
-    flags = BASE + ["--frac", "0.5", "--local-steps", "3", "--rounds", "2", "--augment", "crop-flip",
+    flags = BASE + ["--frac", "0.5", "--local-steps", "3", "--rounds", "2", "--eval-every", "2", "--augment", "crop-flip",
                     "--quantity", "powerlaw", "--seed", "3", "--save-model"]
     run_script("fedavg.py", *flags, "--out", tmp_path / "fedavg")
     run_script("fednnnn.py", *flags, "--beta", "1", "--gamma", "0", "--no-normalize", "--out", tmp_path / "nnnn")
     a, b = metrics(tmp_path / "fedavg"), metrics(tmp_path / "nnnn")
-    assert [r["round"] for r in a] == [r["round"] for r in b] == [1, 2]
-    for ra, rb in zip(a, b):
-        assert {k: rb[k] for k in ra} == ra  # shared keys identical (test_acc, test_loss, train_loss, lr)
-        assert rb["step_norm"] == rb["N"] < rb["E"]  # FedAvg's server step is the plain average
+    assert [r["round"] for r in a] == [2] and [r["round"] for r in b] == [1, 2]  # + a norms-only row
+    assert {k: b[1][k] for k in a[0]} == a[0]  # shared keys identical (test_acc, test_loss, train_loss, lr)
+    assert all(r["step_norm"] == r["N"] < r["E"] for r in b)  # FedAvg's server step is the plain average
     assert_same_model(tmp_path / "fedavg", tmp_path / "nnnn")
 
 
 def test_fednnnn_resume_evaluation_model_and_learning(tmp_path):
-    flags = BASE + ["--frac", "1", "--local-steps", "5", "--rounds", "4", "--eval-every", "2", "--save-model"]
+    flags = BASE + ["--frac", "1", "--local-steps", "3", "--rounds", "3", "--eval-every", "3", "--save-model"]
     full, part = tmp_path / "full", tmp_path / "part"
     run_script("fednnnn.py", *flags, "--out", full)
-    run_script("fednnnn.py", *flags, "--out", part, "--stop-after", "3")
-    shutil.copy(part / "checkpoint.pt", tmp_path / "round3.pt")
+    run_script("fednnnn.py", *flags, "--out", part, "--stop-after", "2")  # stops after a round without evaluation
+    shutil.copy(part / "checkpoint.pt", tmp_path / "round2.pt")
     run_script("fednnnn.py", "--resume", part)
     rows = metrics(full)
     assert rows == metrics(part)  # interrupted and resumed equals uninterrupted, bitwise
     assert_same_model(full, part)
     c_full, c_part = (torch.load(d / "checkpoint.pt", weights_only=False) for d in (full, part))
     assert all(torch.equal(c_full["momentum"][n], c_part["momentum"][n]) for n in c_full["momentum"])
-    assert [r["round"] for r in rows] == [1, 2, 3, 4]  # norms every round, test metrics every 2nd
-    assert ["test_acc" in r for r in rows] == [False, True, False, True]
+    assert [r["round"] for r in rows] == [1, 2, 3]  # norms every round, test metrics at the evaluation
+    assert ["test_acc" in r for r in rows] == [False, False, True]
     assert all(r["N"] < r["E"] and r["N_conv"] <= r["E_conv"] and r["N_fc"] <= r["E_fc"] for r in rows)
     assert rows[0]["step_norm"] == pytest.approx(0.6 * rows[0]["E"], rel=1e-4)  # d_0 = 0: norm beta*E
-    assert summary(full)["test_acc"] > 0.3  # 10 classes: chance is 0.1
-    # Round 4 from the saved states: evaluation model (model.pt) = w_3 + average update with norm N_4;
-    # broadcast model (checkpoint) = w_3 + d_4, d_4 = gamma d_3 + beta E_4/N_4 (average update).
-    c3, evaluated = torch.load(tmp_path / "round3.pt", weights_only=False), torch.load(full / "model.pt")
-    names = list(c3["momentum"])
-    avg = flat(evaluated, names) - flat(c3["model"], names)
-    N, E = rows[3]["N"], rows[3]["E"]
+    s = summary(full)
+    assert s["test_acc"] > 0.3  # 10 classes: chance is 0.1 (FedAvg with these flags stays near 0.1)
+    # Round 3 from the saved states: evaluation model (model.pt) = w_2 + average update with norm N_3;
+    # broadcast model (checkpoint) = w_2 + d_3, d_3 = gamma d_2 + beta E_3/N_3 (average update).
+    c2, evaluated = torch.load(tmp_path / "round2.pt", weights_only=False), torch.load(full / "model.pt")
+    names = list(c2["momentum"])
+    avg = flat(evaluated, names) - flat(c2["model"], names)
+    N, E = rows[2]["N"], rows[2]["E"]
     assert avg.norm().item() == pytest.approx(N, rel=1e-4)
-    d4 = flat(c_full["momentum"], names)
-    assert torch.allclose(d4, 0.7 * flat(c3["momentum"], names) + 0.6 * E / N * avg, rtol=1e-4, atol=1e-6)
-    assert torch.allclose(flat(c_full["model"], names), flat(c3["model"], names) + d4, rtol=1e-5, atol=1e-6)
-    assert (flat(c_full["model"], names) - flat(evaluated, names)).norm() > 0.1 * N  # two different models
+    d3 = flat(c_full["momentum"], names)
+    assert flat(c2["momentum"], names).norm() > 0.1 * d3.norm()  # resumed with a non-zero d_t
+    assert torch.allclose(d3, 0.7 * flat(c2["momentum"], names) + 0.6 * E / N * avg, rtol=1e-4, atol=1e-6)
+    assert torch.allclose(flat(c_full["model"], names), flat(c2["model"], names) + d3, rtol=1e-5, atol=1e-6)
+    # The reported test metrics are the evaluation model's, not the broadcast model's (Sec. 4.1).
+    data = common.load_data(argparse.Namespace(dataset="synthetic", data_dir=".", device="cpu", data_seed=0))
+    net = common.MODELS["lenet"](data.in_channels, data.num_classes, data.image_size).eval()
+    losses = []
+    for state in (evaluated, c_full["model"]):
+        net.load_state_dict(state)
+        losses.append(common.evaluate(net, data.x_test, data.y_test, data)[1])
+    assert losses[0] == pytest.approx(s["test_loss"], rel=1e-5)
+    assert abs(losses[1] - s["test_loss"]) > 0.02 * s["test_loss"]  # the two models differ (here by ~7%)
 
 
 @pytest.mark.parametrize("flag,value", [("--gamma", "1"), ("--beta", "0")])
