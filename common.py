@@ -920,8 +920,8 @@ VGG11_CFG = [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]  # 
 
 @register_model("vgg11")
 def vgg11(in_channels, num_classes, image_size, **_):
-    """VGG11 with batch norm for CIFAR, as the FedFN paper ran it (FedBABU / FedNTD code bases):
-    conv3x3 (bias) -> batch norm -> ReLU per VGG11_CFG entry, max-pool 2 at "M", then
+    """VGG11 with batch norm for CIFAR (FedFN paper; layout of the FedNTD code base's CIFAR VGG11,
+    its vgg11_bn variant): conv3x3 (bias) -> batch norm -> ReLU per VGG11_CFG entry, max-pool 2 at "M", then
     fc 512*s*s -> 512 -> ReLU -> 512 -> ReLU (body output, d = 512), head linear 512 -> C; no dropout.
     Batch norm follows the FedBABU code base: no running statistics (track_running_stats=False, batch
     statistics in training and evaluation, nothing to aggregate). Conv init N(0, 2/(9*C_out)), bias 0.

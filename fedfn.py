@@ -1,0 +1,311 @@
+"""FedFN: Feature Normalization for Alleviating Data Heterogeneity Problem in Federated Learning
+(Kim, Lee, Oh, Yun; FL@FM-NeurIPS 2023 workshop), on top of FedAvg (McMahan et al., AISTATS 2017).
+
+Idea: under label skew, local models learn large feature norms for their own classes, so local and
+global feature norms drift apart. FedFN feeds the classifier the unit-norm feature instead,
+z = theta_cls f / ||f||_2 (Section 4.1), on clients and at evaluation; everything else is FedAvg.
+(FedLN's FN in fedln.py scales the feature to norm sqrt(d) instead of 1; here it is exactly 1.)
+--no-fn is FedAvg on the same code path (bitwise the same metrics as fedavg.py with the same flags),
+--fr-mu is the feature-norm regularization of Eq. (1) (FedFR, Appendix D.6), --agg scaffold|fedexp
+combines FN with SCAFFOLD / FedEXP (Table 2), --ft-epochs gives FedFN-FT (Appendix D.3), and
+--analyze writes the four factors of Section 3.1 / Appendix B.3 and the mean feature norm.
+
+Reproduce Table 1, s=10 (VGG11 on CIFAR-10; defaults are the paper's FedFN settings):
+    python fedfn.py --dataset cifar10
+    python fedfn.py --dataset cifar10 --no-fn --lr 0.01          # its FedAvg column
+The mission's example, s=2 (Table 1, second row), from an image folder if offline:
+    python fedfn.py --dataset folder --data-dir /path/to/cifar10 --shards 2
+CPU smoke test: python fedfn.py --dataset synthetic --model cnn --num-clients 10 --frac 0.5 --rounds 20 --local-epochs 2
+
+Choices the paper leaves open, made here: no weight decay (the FedBABU code base has none); the last
+batch of a local epoch may be short; F.normalize (norm clamped at 1e-12) so an all-zero ReLU feature
+stays zero instead of NaN; batch norm in vgg11 keeps no running statistics (FedBABU code base), other
+models' batch-norm running statistics are averaged like weights. The four factors use the features
+the head sees (f/||f|| with FN, f with --no-fn) for the class prototypes, and cosine similarity
+throughout (Section 3.1 wording). SCAFFOLD: option II control variates, server step 1, with the
+effective step count K' = (K - rho(1 - rho^K)/(1 - rho))/(1 - rho) for local momentum rho (the
+FedNTD code base of Table 2; K' = K without momentum). FedEXP: extrapolation on parameters only
+(batch-norm buffers averaged), client weights p_k in place of 1/M, and evaluation on the average of
+the last two global iterates (both as in Jhunjhunwala et al. 2023). FedFN-FT fine-tunes the full
+model for --ft-epochs epochs at 0.1 x --lr by default (Table 9) with common.personalize.
+"""
+import argparse
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from common import (AUGMENTATIONS, Run, autocast, build_model, client_batches, evaluate, finish_args,
+                    load_data, lr_at, make_partition, personalize, prepare_batch, rng_state, sample_clients,  # FedFN: personalize (FedFN-FT)
+                    seed_everything, set_rng_state)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", default="cifar10", help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | synthetic")
+    g.add_argument("--data-dir", default="./data", help="download folder, or the image folder (train/<class>/*, test/<class>/*) for --dataset folder")
+    g.add_argument("--augment", default="flip", choices=AUGMENTATIONS, help="on-device augmentation of training batches (FedFN B.2: horizontal flip only)")  # FedFN: flip only
+    g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2)")
+    g.add_argument("--iid", action="store_true", help="uniform random split")
+    g.add_argument("--shards", type=int, default=None, help="s: sort by label, N*s shards, s per client (default: s=10; the paper also runs 2, 3, 5)")  # FedFN: s=10
+    g.add_argument("--classes-per-client", type=int, default=None, help="C: each client holds C classes, each class split evenly among its holders")
+    g.add_argument("--alpha", type=float, default=None, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
+    g.add_argument("--split2", action="store_true", help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
+    g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes: equal, or power law (unbalanced)")
+    g.add_argument("--client-test", action="store_true", help="also evaluate on per-client test sets with each client's label distribution")
+    g.add_argument("--data-seed", type=int, default=None, help="seed of the partition (default: --seed); client sampling uses --seed")
+    g = p.add_argument_group("federation")
+    g.add_argument("--num-clients", type=int, default=100, help="N: number of clients")  # FedFN: the paper's symbols
+    g.add_argument("--frac", type=float, default=0.1, help="r: fraction of clients sampled per round, in (0, 1]")  # FedFN: the paper's symbols
+    g.add_argument("--rounds", type=int, default=320, help="R: communication rounds")  # FedFN: 320 rounds
+    g.add_argument("--local-epochs", type=int, default=15, help="E: local epochs per round (15 for CIFAR-10, 5 for CIFAR-100)")  # FedFN: E=15
+    g.add_argument("--local-steps", type=int, default=None, help="local SGD steps per round instead of --local-epochs")
+    g.add_argument("--batch-size", type=int, default=50, help="B: local batch size")
+    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"], help="aggregation weights: n_k/n, or 1/m")
+    g = p.add_argument_group("optimization")
+    g.add_argument("--model", default="vgg11", help="vgg11 | mobilenet | resnet18 | cnn | ... (see common.MODELS)")  # FedFN: VGG11
+    g.add_argument("--lr", type=float, default=0.03, help="eta: initial local learning rate (FN: 0.03 CIFAR-10 VGG11, 0.5 CIFAR-100 MobileNet, 0.1 ResNet18; FedAvg 0.01)")  # FedFN: tuned FN rate
+    g.add_argument("--momentum", type=float, default=0.9, help="local SGD momentum (reset every round)")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="local L2 weight decay (paper: not stated; FedBABU code: none)")  # FedFN: no weight decay
+    g.add_argument("--lr-decay-at", type=float, nargs="*", default=[0.5, 0.75], help="fractions of the run at which lr is multiplied by --lr-decay (B.2: half and three quarters)")  # FedFN: x0.1 at 1/2, 3/4
+    g.add_argument("--lr-decay", type=float, default=0.1, help="lr multiplier at each --lr-decay-at")
+    g.add_argument("--prox-mu", type=float, default=0.0, help="mu: FedProx proximal term mu/2 ||w - w_t||^2 (0 = FedAvg)")
+    g = p.add_argument_group("FedFN")  # FedFN: the method's flags
+    g.add_argument("--no-fn", dest="fn", action="store_false", help="logits theta_cls f instead of theta_cls f/||f||_2 (FedAvg on this code path)")  # FedFN
+    g.add_argument("--fr-mu", type=float, default=0.0, help="mu of Eq. (1): + mu ||f(x)||_2 on the local loss (FedFR, App. D.6; 0.005 there, use with --no-fn)")  # FedFN: Eq. (1)
+    g.add_argument("--agg", default="fedavg", choices=["fedavg", "scaffold", "fedexp"], help="server algorithm FN is combined with (Table 2)")  # FedFN
+    g.add_argument("--fedexp-eps", type=float, default=1e-3, help="epsilon of FedEXP's server step size (Jhunjhunwala et al. 2023)")  # FedFN
+    g.add_argument("--ft-epochs", type=int, default=0, help="FedFN-FT: fine-tune the final model this many epochs per client (App. D.3: 5; needs --client-test)")  # FedFN: FedFN-FT
+    g.add_argument("--ft-lr", type=float, default=None, help="FedFN-FT fine-tuning lr (default: 0.1 x --lr, Table 9)")  # FedFN: FedFN-FT
+    g.add_argument("--analyze", nargs="?", const="final", default=None, choices=["final", "every"], help="four factors (Sec. 3.1, B.3) + mean feature norm on the test set: at the final evaluation, or at every one")  # FedFN
+    g = p.add_argument_group("run")
+    g.add_argument("--seed", type=int, default=0, help="seed of model init, client sampling and local shuffling")
+    g.add_argument("--device", default=None, help="cuda if available, else cpu")
+    g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
+    g.add_argument("--eval-every", type=int, default=1, help="evaluate every this many rounds (and at the last)")
+    g.add_argument("--checkpoint-every", type=int, default=None, help="write checkpoint.pt every this many rounds (default: at each evaluation; with --agg scaffold it holds every client's c_i)")  # FedFN
+    g.add_argument("--out", default=None, help="run folder (default runs/fedfn__<dataset>__<seed>__<time>)")  # FedFN
+    g.add_argument("--save-model", action="store_true", help="write the final global state_dict to OUT/model.pt")
+    g.add_argument("--resume", default=None, metavar="DIR", help="continue the interrupted run in DIR (its config.json is used)")
+    g.add_argument("--stop-after", type=int, default=None, help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
+    args = p.parse_args()  # FedFN: check the method's flags first
+    if args.ft_epochs < 0 or (args.ft_epochs > 0 and not args.client_test):
+        p.error("--ft-epochs: FedFN-FT needs --client-test (per-client test sets) and a count >= 0")
+    if args.fr_mu < 0 or args.fedexp_eps <= 0:
+        p.error("--fr-mu must be >= 0 and --fedexp-eps > 0")
+    return finish_args(p, args, "fedfn", default_partition=("shards", 10))  # FedFN: s=10 (Table 1)
+
+
+def fn_forward(model, x, fn=True):  # FedFN: Section 4.1, z = theta_cls f / ||f||_2
+    """(logits, feature f): head(f / ||f||_2) with FN, head(f) without (= model(x), FedAvg)."""
+    f = model.body(x)
+    return model.head(F.normalize(f, dim=1) if fn else f), f
+
+
+def local_train(model, indices, data, args, lr, global_params, correction=None):  # FedFN: + SCAFFOLD correction
+    """E epochs (or --local-steps) of SGD on one client; returns (mean training loss tensor, steps K).
+    `correction` (SCAFFOLD): c - c_i per parameter, added to every gradient (Karimireddy et al. 2020, Alg. 1)."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    model.train()
+    loss_sum = torch.zeros((), device=args.device)
+    seen = steps = 0  # FedFN: count K for SCAFFOLD
+    for batch in client_batches(indices, args.batch_size, args.local_epochs, args.local_steps):
+        x, y = prepare_batch(data.x_train[batch], data, args.augment), data.y_train[batch]
+        with autocast(args.device, args.amp):
+            logits, f = fn_forward(model, x, args.fn)  # FedFN: normalized feature into the head
+            loss = F.cross_entropy(logits.float(), y)
+        if args.fr_mu > 0:  # FedFN: FedFR, Eq. (1): L_CE + mu ||f(x; theta_ext)||_2 (batch mean)
+            loss = loss + args.fr_mu * f.float().norm(dim=1).mean()
+        if args.prox_mu > 0:  # FedProx: + mu/2 ||w - w_t||^2 (Li et al. 2020, Eq. 2)
+            loss = loss + args.prox_mu / 2 * sum((w - w0).pow(2).sum() for w, w0 in zip(model.parameters(), global_params))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if correction is not None:  # FedFN: SCAFFOLD, y_i <- y_i - eta_l (g_i(y_i) - c_i + c)
+            for w, c in zip(model.parameters(), correction):
+                w.grad.add_(c)
+        opt.step()
+        loss_sum += loss.detach() * len(batch)
+        seen += len(batch)
+        steps += 1  # FedFN
+    return loss_sum / max(seen, 1), steps  # FedFN: + K
+
+
+def accumulate(total, state, weight):
+    """total += weight * state, entry by entry. Batch-norm running means and variances are averaged
+    with the same weights as the parameters (num_batches_tracked too; it only matters for momentum=None)."""
+    for k, v in state.items():
+        total[k] += weight * v.float()
+
+
+def client_weights(sizes, weighting):
+    """n_k / n over the sampled clients, or 1/m with --weighting uniform."""
+    sizes = torch.as_tensor(sizes, dtype=torch.float64)
+    w = torch.ones_like(sizes) if weighting == "uniform" else sizes
+    return (w / w.sum()).tolist()
+
+
+def effective_steps(steps, momentum):  # FedFN: SCAFFOLD with heavy-ball momentum (FedNTD code, Table 2)
+    """K' with sum of the K momentum updates = K' * (constant gradient): (K - rho(1-rho^K)/(1-rho))/(1-rho)."""
+    if momentum == 0:
+        return float(steps)
+    return (steps - momentum * (1 - momentum ** steps) / (1 - momentum)) / (1 - momentum)
+
+
+def scaffold_client_update(c_i, c, x, y, steps, lr, momentum):  # FedFN: SCAFFOLD option II
+    """Karimireddy et al. 2020, Alg. 1, option II: c_i+ = c_i - c + (x - y_i) / (K eta_l), K -> K' with momentum.
+    Lists of tensors (one per parameter); returns (c_i+, delta c_i = c_i+ - c_i)."""
+    scale = 1.0 / (effective_steps(steps, momentum) * lr)
+    new = [ci - cc + (xx - yy) * scale for ci, cc, xx, yy in zip(c_i, c, x, y)]
+    return new, [n - ci for n, ci in zip(new, c_i)]
+
+
+def scaffold_server_update(c, delta_sum, num_clients):  # FedFN: SCAFFOLD server control variate
+    """SCAFFOLD Alg. 1, server: c <- c + |S|/N * (1/|S|) sum_i delta c_i = c + sum_i delta c_i / N."""
+    return [cc + d / num_clients for cc, d in zip(c, delta_sum)]
+
+
+def fedexp_server_lr(sq_norm_mean, avg_update_sq_norm, eps):  # FedFN: FedEXP step size
+    """Jhunjhunwala et al. 2023: eta_g = max(1, sum_i p_i ||Delta_i||^2 / (2 (||Delta_bar||^2 + eps)))
+    (with p_i = 1/M this is their sum_i ||Delta_i||^2 / (2M(||Delta_bar||^2 + eps)))."""
+    return max(1.0, float(sq_norm_mean) / (2 * (float(avg_update_sq_norm) + eps)))
+
+
+def four_factors(weight, feats, labels, num_classes, fn=True):  # FedFN: Section 3.1 / Appendix B.3
+    """weight [C, d] (theta_cls), feats [n, d] (f(x), un-normalized), labels [n]. Cosine similarities:
+    weight_sim: mean off-diagonal of N(theta_cls)^T N(theta_cls); inter_class_sim: mean off-diagonal over
+    class prototypes (mean feature of the test samples of a class); intra_class_sim: mean over classes of
+    the mean cos(f(x), prototype); proto_weight_align: mean over classes of cos(theta_cls,c, prototype_c);
+    feature_norm: mean ||f(x)||_2. Prototypes average the features the head sees (f/||f|| with FN)."""
+    w = F.normalize(weight.float(), dim=1)
+    head_in = F.normalize(feats, dim=1) if fn else feats
+    classes = [c for c in range(num_classes) if bool((labels == c).any())]
+    protos = F.normalize(torch.stack([head_in[labels == c].mean(0) for c in classes]), dim=1)
+    off = lambda m: m[~torch.eye(len(m), dtype=torch.bool, device=m.device)].mean()
+    intra = [(F.normalize(feats[labels == c], dim=1) @ protos[i]).mean() for i, c in enumerate(classes)]
+    return {"weight_sim": float(off(w @ w.T)), "inter_class_sim": float(off(protos @ protos.T)),
+            "intra_class_sim": float(torch.stack(intra).mean()),
+            "proto_weight_align": float((w[classes] * protos).sum(1).mean()),
+            "feature_norm": float(feats.norm(dim=1).mean())}
+
+
+@torch.no_grad()
+def analyze(model, data, args, batch_size=2000):  # FedFN: the four factors of the global model on D_test
+    model.eval()
+    feats = torch.cat([fn_forward(model, prepare_batch(data.x_test[i:i + batch_size], data), args.fn)[1].float()
+                       for i in range(0, len(data.x_test), batch_size)])
+    return four_factors(model.head.weight, feats, data.y_test, data.num_classes, args.fn)
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    seed_everything(args.seed)
+    data = load_data(args)
+    partition = make_partition(args, data)  # uses its own generator seeded by --data-seed
+    run = Run(args, "fedfn")  # FedFN
+    run.write_partition(partition, data)
+    model = build_model(args.model, data).to(args.device)  # the global model w_t
+    client = build_model(args.model, data).to(args.device)  # one client model, reloaded for every client
+    sampler = np.random.default_rng(args.seed)  # client sampling, independent of the partition
+    sizes = [len(p) for p in partition.train]
+    scaffold, fedexp = args.agg == "scaffold", args.agg == "fedexp"  # FedFN
+    c_global = [torch.zeros_like(w) for w in model.parameters()] if scaffold else None  # FedFN: SCAFFOLD c
+    c_local = {}  # FedFN: SCAFFOLD c_i of each client that has trained (absent = zeros)
+    start = 0
+    if args.resume:
+        ckpt = run.load_checkpoint()
+        model.load_state_dict(ckpt["model"])
+        set_rng_state(ckpt["rng"], sampler)
+        start = ckpt["round"]
+        if scaffold:  # FedFN: control variates travel with the checkpoint
+            c_global, c_local = ckpt["scaffold_c"], ckpt["scaffold_c_local"]
+
+    def checkpoint(rounds_done):
+        state = {"model": model.state_dict(), "rng": rng_state(sampler)}  # FedFN: + method state below
+        if scaffold:  # FedFN: server c and every client's c_i (FedEXP needs nothing beyond w_t)
+            state.update(scaffold_c=c_global, scaffold_c_local=c_local)
+        run.save_checkpoint(rounds_done, state)  # FedFN
+
+    metrics, eval_model = {}, model  # FedFN: eval_model = the model evaluated (FedEXP: averaged iterates)
+    bar = tqdm(range(start, args.rounds), initial=start, total=args.rounds, desc="fedfn", unit="round")  # FedFN
+    for rnd in bar:
+        lr = lr_at(rnd, args)
+        clients = sample_clients(sampler, args.num_clients, args.frac)
+        weights = client_weights([sizes[k] for k in clients], args.weighting)
+        total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items()}
+        train_loss = torch.zeros((), device=args.device)
+        x_old = [w.detach().clone() for w in model.parameters()]  # FedFN: w_t, for SCAFFOLD / FedEXP
+        delta_c_sum = [torch.zeros_like(w) for w in x_old] if scaffold else None  # FedFN
+        sq_norm_mean = torch.zeros((), device=args.device)  # FedFN: FedEXP sum_i p_i ||Delta_i||^2
+        for k, w in zip(clients, weights):
+            client.load_state_dict(model.state_dict())
+            c_k = c_local.get(k, [torch.zeros_like(v) for v in x_old]) if scaffold else None  # FedFN
+            correction = [c - ck for c, ck in zip(c_global, c_k)] if scaffold else None  # FedFN: c - c_i
+            loss, steps = local_train(client, partition.train[k], data, args, lr, list(model.parameters()), correction)  # FedFN
+            train_loss += w * loss  # FedFN
+            y = [v.detach() for v in client.parameters()]  # FedFN: y_i
+            if scaffold:  # FedFN: c_i+ (option II) and the server's sum of delta c_i
+                c_local[k], delta = scaffold_client_update(c_k, c_global, x_old, y, steps, lr, args.momentum)
+                delta_c_sum = [a + d for a, d in zip(delta_c_sum, delta)]
+            if fedexp:  # FedFN: ||Delta_i||^2 = ||w_t - y_i||^2
+                sq_norm_mean += w * sum((a - b).float().pow(2).sum() for a, b in zip(x_old, y))
+            accumulate(total, client.state_dict(), w)
+        model.load_state_dict(total)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (casts back to each entry's dtype)
+        if scaffold:  # FedFN: x <- x + (1/|S|) sum Delta y_i (server step 1, weighted as above); c update
+            c_global = scaffold_server_update(c_global, delta_c_sum, args.num_clients)
+        eval_model = model  # FedFN
+        if fedexp:  # FedFN: w_{t+1} = w_t - eta_g Delta_bar, Delta_bar = w_t - sum_i p_i y_i
+            with torch.no_grad():
+                avg_sq = sum((a - b).float().pow(2).sum() for a, b in zip(model.parameters(), x_old))
+                eta_g = fedexp_server_lr(sq_norm_mean, avg_sq, args.fedexp_eps)
+                for p, x0 in zip(model.parameters(), x_old):
+                    p.copy_(x0 + eta_g * (p - x0))
+                client.load_state_dict(model.state_dict())  # evaluate (w_t + w_{t+1}) / 2, as the FedEXP paper does
+                if rnd > 0:
+                    for p, x0 in zip(client.parameters(), x_old):
+                        p.add_(x0).mul_(0.5)
+                eval_model = client
+        train_loss = train_loss.item()
+        if not np.isfinite(train_loss):
+            run.diverged(rnd + 1, train_loss)
+
+        if (rnd + 1) % args.eval_every == 0 or rnd + 1 == args.rounds:
+            eval_model.eval()  # FedFN
+            forward = lambda x: fn_forward(eval_model, x, args.fn)[0]  # FedFN: FN at evaluation
+            acc, loss = evaluate(forward, data.x_test, data.y_test, data, amp=args.amp)  # FedFN
+            metrics = {"round": rnd + 1, "test_acc": acc, "test_loss": loss, "train_loss": train_loss, "lr": lr}
+            if partition.test is not None:
+                accs = [evaluate(forward, data.x_test[t], data.y_test[t], data, amp=args.amp)[0] for t in partition.test]  # FedFN
+                metrics["client_test_acc_mean"] = float(np.mean(accs))
+            if fedexp:  # FedFN
+                metrics["server_lr"] = eta_g
+            if args.analyze == "every" or (args.analyze and rnd + 1 == args.rounds):  # FedFN
+                metrics.update(analyze(eval_model, data, args))
+            metrics = run.log(metrics)
+            bar.set_postfix(acc=f"{acc:.4f}", loss=f"{train_loss:.3f}")
+            if args.checkpoint_every is None:
+                checkpoint(rnd + 1)
+        if args.checkpoint_every is not None and (rnd + 1) % args.checkpoint_every == 0:
+            checkpoint(rnd + 1)
+        if run.stop_requested or (args.stop_after is not None and rnd + 1 - start >= args.stop_after):
+            if rnd + 1 < args.rounds:
+                checkpoint(rnd + 1)
+                bar.close()
+                print(f"stopped after round {rnd + 1}; continue with: python fedfn.py --resume {run.dir}")  # FedFN
+                raise SystemExit(130 if run.stop_requested else 0)
+    bar.close()
+    model.load_state_dict(eval_model.state_dict())  # FedFN: the evaluated final model (FedEXP: averaged)
+    final = {k: v for k, v in metrics.items() if k != "round"}  # FedFN
+    if args.ft_epochs > 0:  # FedFN: FedFN-FT (App. D.3): fine-tune the final model on each client, FN kept
+        ft_lr = args.ft_lr if args.ft_lr is not None else 0.1 * args.lr
+        res = personalize(client, model.state_dict(), data, partition.train,
+                          partition.test, epochs=args.ft_epochs, eval_epochs=[0], lr=ft_lr, part="full",
+                          batch_size=args.batch_size, augment=args.augment, momentum=args.momentum,
+                          amp=args.amp, forward=lambda m, x: fn_forward(m, x, args.fn)[0])
+        final.update(ft_acc_mean=res["acc_mean"][args.ft_epochs], ft_acc_std=res["acc_std"][args.ft_epochs],
+                     ft_lr=ft_lr, ft_acc_mean_before=res["acc_mean"][0])
+    summary = run.finish({"final_round": args.rounds, **final}, model)  # FedFN
+    print(f"final test accuracy {summary['test_acc']:.4f} after {args.rounds} rounds; outputs in {run.dir}")
+    if args.ft_epochs > 0:  # FedFN
+        print(f"FedFN-FT personalized accuracy {summary['ft_acc_mean']:.4f} +- {summary['ft_acc_std']:.4f}")

@@ -1,0 +1,291 @@
+"""fedfn.py: unit-norm features, SCAFFOLD / FedEXP math, the four factors, --no-fn == fedavg.py,
+interrupted-and-resumed == uninterrupted for every --agg, and learning above chance."""
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fedfn
+from common import Classifier, Data, synthetic_dataset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+AGGS = ["fedavg", "scaffold", "fedexp"]
+# Tiny end-to-end runs: the McMahan CNN, 4 clients, 2 per round, 5 local steps, one evaluation at the end.
+# FN bounds the logits by ||theta_cls,c||, so it wants a large lr early (the paper tunes it up too).
+E2E = ["--dataset", "synthetic", "--device", "cpu", "--model", "cnn", "--num-clients", "4", "--frac", "1",
+       "--shards", "5", "--local-steps", "5", "--batch-size", "32", "--rounds", "3", "--eval-every", "3",
+       "--lr", "0.5", "--lr-decay-at", "0.75", "--save-model"]  # lr x0.1 for round 3, after the resume
+
+
+# ---------------------------------------------------------------------------------------------
+# In-process: feature normalization
+# ---------------------------------------------------------------------------------------------
+def tiny_data(n=24, size=8):
+    x, y, xt, yt = synthetic_dataset(0, n_train=n, n_test=n, size=size)
+    xf = x.float() / 255
+    return Data(x, y, xt, yt, 10, xf.mean((0, 2, 3), keepdim=True), xf.std((0, 2, 3), keepdim=True))
+
+
+def tiny_model(seed=0, size=8):
+    torch.manual_seed(seed)
+    body = nn.Sequential(nn.Flatten(), nn.Linear(3 * size * size, 16), nn.ReLU())
+    return Classifier(body, 16, 10)
+
+
+def tiny_args(**kw):
+    base = dict(lr=0.1, momentum=0.0, weight_decay=0.0, prox_mu=0.0, fr_mu=0.0, fn=True, device="cpu",
+                amp=False, batch_size=8, local_epochs=None, local_steps=1, augment="none")
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_features_reaching_the_head_have_unit_norm():
+    data, model = tiny_data(), tiny_model()
+    seen = []
+    model.head.register_forward_pre_hook(lambda m, inp: seen.append(inp[0].detach()))
+    x = torch.randn(5, 3, 8, 8) * 3
+    logits, f = fedfn.fn_forward(model, x, fn=True)
+    assert torch.allclose(seen[-1].norm(dim=1), torch.ones(5), atol=1e-5)
+    assert f.norm(dim=1).max() > 1.5, "the raw feature is not normalized itself"
+    assert torch.allclose(logits, model.head(f / f.norm(dim=1, keepdim=True)), atol=1e-6)
+    seen.clear()
+    fedfn.local_train(model, torch.arange(24), data, tiny_args(local_steps=3), 0.1, None)  # training path
+    assert len(seen) == 3 and all(torch.allclose(s.norm(dim=1), torch.ones(len(s)), atol=1e-5) for s in seen)
+    logits_nofn, f2 = fedfn.fn_forward(model, x, fn=False)  # --no-fn: exactly model(x)
+    assert torch.equal(logits_nofn, model(x)) and not torch.allclose(seen[-1].norm(dim=1), torch.ones(5))
+
+
+def test_fr_mu_adds_mu_times_feature_norm_gradient():
+    data = tiny_data()
+    grads = []
+    for mu in (0.0, 0.5):
+        model = tiny_model()
+        torch.manual_seed(1)
+        fedfn.local_train(model, torch.arange(8), data, tiny_args(fn=False, fr_mu=mu, batch_size=8), 1.0, None)
+        grads.append([p.detach().clone() for p in model.parameters()])
+    model = tiny_model()  # one step at lr 1 differs by -mu * d mean_x ||f(x)||_2 / d theta (Eq. 1)
+    model.body(fedfn.prepare_batch(data.x_train[:8], data)).norm(dim=1).mean().backward()
+    for a, b, p in zip(grads[0], grads[1], model.parameters()):
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        assert torch.allclose(b - a, -0.5 * g, atol=1e-5)
+
+
+def test_vgg11_layout():
+    from common import MODELS
+    model = MODELS["vgg11"](3, 10, 32)
+    convs = [m for m in model.body.modules() if isinstance(m, nn.Conv2d)]
+    bns = [m for m in model.body.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert [c.out_channels for c in convs] == [64, 128, 256, 256, 512, 512, 512, 512]
+    assert len(bns) == 8 and not any(b.track_running_stats for b in bns)  # FedBABU-style batch norm
+    assert sum(p.numel() for p in model.parameters()) == 9_756_426  # 9,220,480 conv + BN + 2 x fc 512 + head
+    assert model.head.in_features == 512 and model.head.out_features == 10
+    small = MODELS["vgg11"](1, 62, 28).eval()  # EMNIST-size input: the last pool is skipped at 1x1
+    assert small(torch.randn(2, 1, 28, 28)).shape == (2, 62)
+
+
+# ---------------------------------------------------------------------------------------------
+# In-process: SCAFFOLD and FedEXP math on hand-made tensors
+# ---------------------------------------------------------------------------------------------
+def test_effective_steps_of_momentum():
+    assert fedfn.effective_steps(3, 0.0) == 3.0
+    assert fedfn.effective_steps(1, 0.9) == pytest.approx(1.0)  # one step: momentum changes nothing
+    assert fedfn.effective_steps(2, 0.5) == pytest.approx(2.5)  # lr*g + lr*(0.5g + g)
+    assert fedfn.effective_steps(3, 0.5) == pytest.approx(1 + 1.5 + 1.75)
+
+
+def test_scaffold_control_variates_on_hand_made_example():
+    x = [torch.tensor([1.0, 2.0]), torch.tensor([[0.5]])]
+    y = [torch.tensor([0.8, 2.4]), torch.tensor([[0.3]])]
+    c = [torch.tensor([0.1, -0.2]), torch.tensor([[0.05]])]
+    c_i = [torch.tensor([0.3, 0.1]), torch.tensor([[-0.1]])]
+    new, delta = fedfn.scaffold_client_update(c_i, c, x, y, steps=4, lr=0.05, momentum=0.0)
+    # c_i+ = c_i - c + (x - y) / (K lr) = c_i - c + (x - y) * 5
+    assert torch.allclose(new[0], torch.tensor([0.3 - 0.1 + 1.0, 0.1 + 0.2 - 2.0]))
+    assert torch.allclose(new[1], torch.tensor([[-0.1 - 0.05 + 1.0]]))
+    assert torch.allclose(delta[0], new[0] - c_i[0]) and torch.allclose(delta[1], new[1] - c_i[1])
+    # server: c + |S|/N mean_i delta_i = c + sum_i delta_i / N; two clients of N = 10
+    d2 = [torch.tensor([1.0, 1.0]), torch.tensor([[2.0]])]
+    total = [a + b for a, b in zip(delta, d2)]
+    c_new = fedfn.scaffold_server_update(c, total, num_clients=10)
+    assert torch.allclose(c_new[0], c[0] + (delta[0] + d2[0]) / 10)
+    assert torch.allclose(c_new[1], torch.tensor([[0.05 + (0.85 - (-0.1) + 2.0) / 10]]))
+    # with momentum the divisor is K' lr, not K lr
+    new_m, _ = fedfn.scaffold_client_update(c_i, c, x, y, steps=2, lr=0.1, momentum=0.5)
+    assert torch.allclose(new_m[0], c_i[0] - c[0] + (x[0] - y[0]) / (2.5 * 0.1))
+
+
+def test_scaffold_correction_is_added_to_the_gradient():
+    data, steps = tiny_data(), []
+    for corr in (False, True):
+        model = tiny_model()
+        correction = [torch.full_like(p, 0.3) for p in model.parameters()] if corr else None
+        torch.manual_seed(1)
+        steps.append((fedfn.local_train(model, torch.arange(8), data, tiny_args(), 0.5, None, correction)[1],
+                      [p.detach().clone() for p in model.parameters()]))
+    assert steps[0][0] == steps[1][0] == 1
+    for a, b in zip(steps[0][1], steps[1][1]):  # y <- y - lr (g - c_i + c)
+        assert torch.allclose(b - a, torch.full_like(a, -0.5 * 0.3), atol=1e-6)
+
+
+def test_scaffold_one_client_one_step_equals_plain_sgd():
+    """Three rounds of SCAFFOLD (the main loop's per-client steps) with N = 1 and K = 1 give the same
+    model as three plain SGD steps on the same batches, while the control variates are non-zero."""
+    data = tiny_data()
+    args = tiny_args(fn=True, momentum=0.9, weight_decay=1e-3, local_steps=1)
+    sgd, scaf = tiny_model(), tiny_model()
+    opt = torch.optim.SGD(sgd.parameters(), lr=0.1, weight_decay=1e-3)
+    c_global = [torch.zeros_like(p) for p in scaf.parameters()]
+    c_local = {}
+    for rnd in range(3):
+        torch.manual_seed(rnd)
+        fedfn.local_train(sgd, torch.arange(24), data, args, 0.1, None)  # plain SGD step (fresh momentum)
+        x_old = [p.detach().clone() for p in scaf.parameters()]
+        c_k = c_local.get(0, [torch.zeros_like(v) for v in x_old])
+        correction = [c - ck for c, ck in zip(c_global, c_k)]
+        torch.manual_seed(rnd)
+        _, steps = fedfn.local_train(scaf, torch.arange(24), data, args, 0.1, None, correction)
+        assert steps == 1
+        c_local[0], delta = fedfn.scaffold_client_update(c_k, c_global, x_old, [p.detach() for p in scaf.parameters()],
+                                                         steps, 0.1, args.momentum)
+        c_global = fedfn.scaffold_server_update(c_global, delta, num_clients=1)
+    assert max(c.abs().max() for c in c_global) > 1e-3
+    for p, q in zip(sgd.parameters(), scaf.parameters()):
+        assert torch.allclose(p, q, atol=1e-6)
+
+
+def test_fedexp_server_step_matches_formula_and_is_at_least_one():
+    deltas = [torch.tensor([1.0, 0.0]), torch.tensor([-1.0, 0.5])]
+    p = [0.5, 0.5]
+    sq = sum(w * d.pow(2).sum() for w, d in zip(p, deltas))  # 0.5 * 1 + 0.5 * 1.25 = 1.125
+    bar = sum(w * d for w, d in zip(p, deltas))  # [0, 0.25]
+    eta = fedfn.fedexp_server_lr(sq, bar.pow(2).sum(), eps=1e-3)
+    assert eta == pytest.approx(1.125 / (2 * (0.0625 + 1e-3)))  # sum ||D_i||^2 / (2M(||D_bar||^2 + eps))
+    assert eta > 8
+    same = torch.tensor([0.3, -0.4])  # identical updates: ratio 1/2 -> clipped to 1 (FedAvg step)
+    assert fedfn.fedexp_server_lr(same.pow(2).sum(), same.pow(2).sum(), eps=1e-3) == 1.0
+    assert fedfn.fedexp_server_lr(0.0, 0.0, eps=1e-3) == 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# In-process: the four factors on a hand-built model
+# ---------------------------------------------------------------------------------------------
+def test_four_factors_on_hand_built_model():
+    # features are the pixels of 2-channel 1x1 images; mean 0, std 1/255 make the normalized input = the pixel
+    x = torch.tensor([[3, 0], [1, 1], [0, 2], [0, 4]], dtype=torch.uint8).view(4, 2, 1, 1)
+    y = torch.tensor([0, 0, 1, 1])
+    data = Data(x, y, x, y, 2, torch.zeros(1, 2, 1, 1), torch.full((1, 2, 1, 1), 1 / 255))
+    model = Classifier(nn.Flatten(), 2, 2)
+    with torch.no_grad():
+        model.head.weight.copy_(torch.tensor([[1.0, 0.0], [1.0, 1.0]]))
+    s2 = math.sqrt(2)
+    # class 0 with FN: prototype = mean([1,0], [1,1]/s2) ; class 1: [0, 1]
+    p0 = torch.tensor([1 + 1 / s2, 1 / s2]) / 2
+    p0 = p0 / p0.norm()
+    p1 = torch.tensor([0.0, 1.0])
+    want = {"weight_sim": 1 / s2,  # cos([1,0],[1,1])
+            "inter_class_sim": float(p0 @ p1),
+            "intra_class_sim": (float((p0[0] + (p0[0] + p0[1]) / s2) / 2) + 1.0) / 2,
+            "proto_weight_align": (float(p0[0]) + 1 / s2) / 2,
+            "feature_norm": (3 + s2 + 2 + 4) / 4}
+    got = fedfn.analyze(model, data, argparse.Namespace(fn=True))
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, abs=1e-5), k
+    # without FN the prototypes average raw features: class 0 -> [2, 0.5]
+    got = fedfn.analyze(model, data, argparse.Namespace(fn=False))
+    q0 = torch.tensor([2.0, 0.5]) / math.hypot(2.0, 0.5)
+    assert got["inter_class_sim"] == pytest.approx(float(q0[1]), abs=1e-5)
+    assert got["proto_weight_align"] == pytest.approx((float(q0[0]) + 1 / s2) / 2, abs=1e-5)
+
+
+def test_bad_method_flags_exit_2(monkeypatch, capsys):
+    for flags in (["--ft-epochs", "2"], ["--fr-mu", "-1"], ["--fedexp-eps", "0"], ["--agg", "fedprox"]):
+        monkeypatch.setattr(sys, "argv", ["fedfn.py", "--dataset", "synthetic", "--device", "cpu", *flags])
+        with pytest.raises(SystemExit) as e:
+            fedfn.parse_args()
+        assert e.value.code == 2, flags
+    monkeypatch.setattr(sys, "argv", ["fedfn.py", "--dataset", "synthetic", "--device", "cpu", "--out", "x"])
+    args = fedfn.parse_args()  # the paper's defaults
+    assert (args.model, args.shards, args.local_epochs, args.rounds, args.lr, args.lr_decay_at, args.augment,
+            args.fn, args.agg) == ("vgg11", 10, 15, 320, 0.03, [0.5, 0.75], "flip", True, "fedavg")
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end (subprocesses, run in parallel to fit the time budget)
+# ---------------------------------------------------------------------------------------------
+def _run_parallel(jobs, width=4):
+    """jobs: [(script, flags)]; runs at most `width` at once with one thread each; all must succeed."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    pending, running = list(jobs), []
+    while pending or running:
+        while pending and len(running) < width:
+            script, flags = pending.pop(0)
+            running.append(subprocess.Popen([sys.executable, script, *map(str, flags)], cwd=ROOT, env=env,
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        proc = running.pop(0)
+        _, err = proc.communicate()
+        assert proc.returncode == 0, f"{proc.args[1:]} exited {proc.returncode}:\n{err[-3000:]}"
+
+
+def _metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [{k: v for k, v in row.items() if k != "elapsed_s"} for row in rows]
+
+
+def _same_model(a, b):
+    sa, sb = torch.load(os.path.join(a, "model.pt")), torch.load(os.path.join(b, "model.pt"))
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+NOFN = ["--dataset", "synthetic", "--device", "cpu", "--model", "cnn", "--num-clients", "4", "--frac", "0.5",
+        "--shards", "2", "--local-steps", "3", "--batch-size", "16", "--rounds", "4", "--eval-every", "3",
+        "--lr", "0.05", "--momentum", "0.9", "--weight-decay", "5e-4", "--augment", "crop-flip",
+        "--lr-decay-at", "0.5", "--client-test", "--save-model"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fedfn")
+    # the --no-fn run also fine-tunes (FedAvg-FT): that only adds to summary.json, not to metrics.jsonl
+    first = [("fedavg.py", [*NOFN, "--out", d / "fedavg"]),
+             ("fedfn.py", [*NOFN, "--no-fn", "--ft-epochs", "1", "--out", d / "nofn"])]
+    for agg in AGGS:
+        extra = ["--agg", agg, "--analyze"]
+        first += [("fedfn.py", [*E2E, *extra, "--out", d / f"{agg}_full"]),
+                  ("fedfn.py", [*E2E, *extra, "--out", d / f"{agg}_cut", "--stop-after", "1"])]
+    _run_parallel(first)
+    _run_parallel([("fedfn.py", ["--resume", d / f"{agg}_cut"]) for agg in AGGS])
+    return d
+
+
+def test_no_fn_reproduces_fedavg_exactly(runs):
+    a, b = _metrics(runs / "fedavg"), _metrics(runs / "nofn")
+    assert [r["round"] for r in a] == [3, 4] and "client_test_acc_mean" in a[0]
+    assert a == b
+    assert _same_model(runs / "fedavg", runs / "nofn")
+    with open(os.path.join(runs / "nofn", "summary.json")) as f:
+        summary = json.load(f)  # the per-client fine-tuning of --ft-epochs (common.personalize)
+    assert summary["ft_acc_mean_before"] == pytest.approx(a[-1]["client_test_acc_mean"])
+    assert summary["ft_acc_mean"] > summary["ft_acc_mean_before"] + 0.2 and summary["ft_lr"] == pytest.approx(0.005)
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_resumed_equals_uninterrupted_and_learns(runs, agg):
+    full, cut = runs / f"{agg}_full", runs / f"{agg}_cut"
+    assert _metrics(full) == _metrics(cut)
+    assert _same_model(full, cut)
+    ckpt = torch.load(os.path.join(cut, "checkpoint.pt"), weights_only=False)
+    if agg == "scaffold":  # control variates travel with the checkpoint
+        assert len(ckpt["scaffold_c_local"]) >= 2 and any(c.abs().max() > 0 for c in ckpt["scaffold_c"])
+    with open(os.path.join(full, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["test_acc"] > 0.25, f"{agg}: {summary['test_acc']} is not clearly above chance (0.1)"
+    for k in ("weight_sim", "inter_class_sim", "intra_class_sim", "proto_weight_align", "feature_norm"):
+        assert k in summary and math.isfinite(summary[k])
+    if agg == "fedexp":
+        assert summary["server_lr"] >= 1.0
