@@ -977,7 +977,8 @@ def fedln_norm(kind, channels, affine=True, conv=True):
 @register_model("normcnn")
 def normcnn(in_channels, num_classes, image_size, norm="none", ln_affine=True, norm_after_act=True, width=64, **_):
     """Zhang et al. 2024, Table 7: conv5x5-64 (no padding), pool 2, conv5x5-64, pool 2, dense -> 384, head
-    384 -> C; ReLU; no bias terms anywhere, head included (Assumption 1, scale equivariance).
+    384 -> C; ReLU; no bias terms anywhere, head included (Assumption 1, scale equivariance). The dense
+    layer is 1600 -> 384 for 32 x 32 inputs, as in Table 7 (whose "(28, 28, 3)" input row would give 1024).
     norm (none | ln | gn | bn | fn) fills the slot after each ReLU, before pooling (Appendix C.1), or before
     each ReLU with norm_after_act=False (Table 6 "before"); ln_affine: learnable gamma, beta of ln/gn/bn
     (Table 6 "learnable") or none ("static"). fn: no normalization inside, FeatureNorm on the 384-d feature.

