@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fedavg
-from helpers import ROOT, TINY, assert_same_model, metrics, run_parallel, run_script, summary
+from helpers import ROOT, TINY, assert_same_model, metrics, run_batches, run_script, summary
 
 
 def test_accumulate_is_the_weighted_average():
@@ -56,24 +56,24 @@ def test_fedprox_step_adds_mu_times_distance_to_global():
         assert torch.allclose(q - p, -0.1 * 0.5 * (w - w_t), atol=1e-6)
 
 
-# End-to-end runs shared by the tests below, two at a time (each subprocess pays torch's import).
+# End-to-end runs shared by the tests below: two processes, four runs each (one torch import per process).
 BASE = [*TINY, "--num-clients", "5", "--shards", "2", "--client-test", "--lr-decay-at", "0.5", "--save-model"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fedavg")
-    run_parallel(
-        ("fedavg.py", *BASE, "--out", tmp / "a"),
-        ("fedavg.py", *BASE, "--out", tmp / "again"),
-        ("fedavg.py", *BASE, "--prox-mu", "0", "--out", tmp / "mu0"),
-        ("fedavg.py", *BASE, "--prox-mu", "0.1", "--out", tmp / "mu01"),
-        ("fedavg.py", *BASE, "--seed", "1", "--data-seed", "0", "--out", tmp / "seed1"),
-        ("fedavg.py", *BASE, "--data-seed", "1", "--out", tmp / "dseed1"),
-        ("fedavg.py", *BASE, "--out", tmp / "cut", "--stop-after", "2"),
-        ("fedavg.py", "--dataset", "synthetic", "--device", "cpu", "--model", "cnn", "--num-clients", "10",
-         "--frac", "0.5", "--iid", "--rounds", "4", "--local-steps", "4", "--batch-size", "32", "--lr", "0.05",
-         "--eval-every", "4", "--out", tmp / "learn"))
+    run_batches(
+        [["fedavg.py", *BASE, "--out", tmp / "a"],
+         ["fedavg.py", *BASE, "--prox-mu", "0", "--out", tmp / "mu0"],
+         ["fedavg.py", *BASE, "--prox-mu", "0.1", "--out", tmp / "mu01"],
+         ["fedavg.py", *BASE, "--out", tmp / "cut", "--stop-after", "2"]],
+        [["fedavg.py", *BASE, "--seed", "1", "--data-seed", "0", "--out", tmp / "seed1"],
+         ["fedavg.py", *BASE, "--data-seed", "1", "--out", tmp / "dseed1"],
+         ["fedavg.py", "--dataset", "synthetic", "--device", "cpu", "--model", "cnn", "--num-clients", "10",
+          "--frac", "0.5", "--iid", "--rounds", "4", "--local-steps", "4", "--batch-size", "32", "--lr", "0.05",
+          "--eval-every", "4", "--out", tmp / "learn"]])
+    run_script("fedavg.py", *BASE, "--out", tmp / "again")  # its own process: sharing one changes nothing
     return tmp
 
 

@@ -1,10 +1,9 @@
 """fedfn.py: unit-norm features, SCAFFOLD / FedEXP math, the four factors, --no-fn == fedavg.py,
 interrupted-and-resumed == uninterrupted for every --agg, and learning above chance."""
 import argparse
-import json
 import math
 import os
-import subprocess
+import shutil
 import sys
 
 import pytest
@@ -13,14 +12,9 @@ import torch.nn as nn
 
 import fedfn
 from common import Classifier, Data, synthetic_dataset
+from helpers import assert_same_model, metrics, run_parallel, summary
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AGGS = ["fedavg", "scaffold", "fedexp"]
-# Tiny end-to-end runs: the McMahan CNN, 4 clients, 2 per round, 5 local steps, one evaluation at the end.
-# FN bounds the logits by ||theta_cls,c||, so it wants a large lr early (the paper tunes it up too).
-E2E = ["--dataset", "synthetic", "--device", "cpu", "--model", "cnn", "--num-clients", "4", "--frac", "1",
-       "--shards", "5", "--local-steps", "5", "--batch-size", "32", "--rounds", "3", "--eval-every", "3",
-       "--lr", "0.5", "--lr-decay-at", "0.75", "--save-model"]  # lr x0.1 for round 3, after the resume
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,77 +209,65 @@ def test_bad_method_flags_exit_2(monkeypatch, capsys):
 
 
 # ---------------------------------------------------------------------------------------------
-# End to end (subprocesses, run in parallel to fit the time budget)
+# End to end: 8 subprocesses (each pays ~3-5 s of torch import, so every run proves several things).
 # ---------------------------------------------------------------------------------------------
-def _run_parallel(jobs, width=4):
-    """jobs: [(script, flags)]; runs at most `width` at once with one thread each; all must succeed."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    pending, running = list(jobs), []
-    while pending or running:
-        while pending and len(running) < width:
-            script, flags = pending.pop(0)
-            running.append(subprocess.Popen([sys.executable, script, *map(str, flags)], cwd=ROOT, env=env,
-                                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-        proc = running.pop(0)
-        _, err = proc.communicate()
-        assert proc.returncode == 0, f"{proc.args[1:]} exited {proc.returncode}:\n{err[-3000:]}"
-
-
-def _metrics(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [{k: v for k, v in row.items() if k != "elapsed_s"} for row in rows]
-
-
-def _same_model(a, b):
-    sa, sb = torch.load(os.path.join(a, "model.pt")), torch.load(os.path.join(b, "model.pt"))
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
-
-
-NOFN = ["--dataset", "synthetic", "--device", "cpu", "--model", "cnn", "--num-clients", "4", "--frac", "0.5",
-        "--shards", "2", "--local-steps", "3", "--batch-size", "16", "--rounds", "4", "--eval-every", "3",
-        "--lr", "0.05", "--momentum", "0.9", "--weight-decay", "5e-4", "--augment", "crop-flip",
-        "--lr-decay-at", "0.5", "--client-test", "--save-model"]
+# The 2NN MLP, 4 clients, all per round, 5 local steps; FN bounds the logits by ||theta_cls,c||, so it
+# wants a large lr early (the paper tunes it up too). --checkpoint-every 2 of 3 rounds leaves the round-2
+# checkpoint behind the finished run, so a later --resume in a fresh process redoes round 3 (at the
+# decayed lr) from it; evaluating every round makes a resume that restarted from scratch log duplicate rows.
+E2E = ["--dataset", "synthetic", "--device", "cpu", "--model", "mlp", "--num-clients", "4", "--frac", "1",
+       "--shards", "5", "--local-steps", "5", "--batch-size", "32", "--rounds", "3", "--lr", "0.5",
+       "--lr-decay-at", "0.75", "--checkpoint-every", "2", "--analyze", "--save-model"]
+# --no-fn vs fedavg.py: every shared code path on (momentum, weight decay, FedProx, crop-flip, lr decay,
+# per-client test sets); fedfn.py's own defaults differ, so all of them are passed.
+NOFN = ["--dataset", "synthetic", "--device", "cpu", "--model", "mlp", "--num-clients", "4", "--frac", "0.5",
+        "--shards", "2", "--local-steps", "3", "--batch-size", "16", "--rounds", "3", "--eval-every", "2",
+        "--lr", "0.05", "--momentum", "0.9", "--weight-decay", "5e-4", "--prox-mu", "0.01",
+        "--augment", "crop-flip", "--lr-decay-at", "0.5", "--client-test", "--save-model"]
+FACTORS = ("weight_sim", "inter_class_sim", "intra_class_sim", "proto_weight_align", "feature_norm")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("fedfn")
-    # the --no-fn run also fine-tunes (FedAvg-FT): that only adds to summary.json, not to metrics.jsonl
-    first = [("fedavg.py", [*NOFN, "--out", d / "fedavg"]),
-             ("fedfn.py", [*NOFN, "--no-fn", "--ft-epochs", "1", "--out", d / "nofn"])]
-    for agg in AGGS:
-        extra = ["--agg", agg, "--analyze"]
-        first += [("fedfn.py", [*E2E, *extra, "--out", d / f"{agg}_full"]),
-                  ("fedfn.py", [*E2E, *extra, "--out", d / f"{agg}_cut", "--stop-after", "1"])]
-    _run_parallel(first)
-    _run_parallel([("fedfn.py", ["--resume", d / f"{agg}_cut"]) for agg in AGGS])
+    fedavg_py, nofn = d / "fedavg_py", d / "nofn"  # the FN runs are d / <agg>
+    # FedFN-FT rides on the FN + fedavg run, FedAvg-FT on the --no-fn run (summary.json only)
+    extra = {"fedavg": ["--client-test", "--ft-epochs", 1], "scaffold": [], "fedexp": []}
+    run_parallel(("fedavg.py", *NOFN, "--out", fedavg_py),
+                 ("fedfn.py", *NOFN, "--no-fn", "--ft-epochs", 1, "--out", nofn),
+                 *[("fedfn.py", *E2E, "--agg", agg, *extra[agg], "--out", d / agg) for agg in AGGS])
+    for agg in AGGS:  # keep the uninterrupted results, then resume the run folder from its round-2 checkpoint
+        shutil.copytree(d / agg, d / f"{agg}_full")
+    run_parallel(*[("fedfn.py", "--resume", d / agg) for agg in AGGS])
     return d
 
 
 def test_no_fn_reproduces_fedavg_exactly(runs):
-    a, b = _metrics(runs / "fedavg"), _metrics(runs / "nofn")
-    assert [r["round"] for r in a] == [3, 4] and "client_test_acc_mean" in a[0]
+    a, b = metrics(runs / "fedavg_py"), metrics(runs / "nofn")
+    assert [r["round"] for r in a] == [2, 3] and "client_test_acc_mean" in a[0]
     assert a == b
-    assert _same_model(runs / "fedavg", runs / "nofn")
-    with open(os.path.join(runs / "nofn", "summary.json")) as f:
-        summary = json.load(f)  # the per-client fine-tuning of --ft-epochs (common.personalize)
-    assert summary["ft_acc_mean_before"] == pytest.approx(a[-1]["client_test_acc_mean"])
-    assert summary["ft_acc_mean"] > summary["ft_acc_mean_before"] + 0.2 and summary["ft_lr"] == pytest.approx(0.005)
+    assert_same_model(runs / "fedavg_py", runs / "nofn")
+    s = summary(runs / "nofn")  # the per-client fine-tuning of --ft-epochs (common.personalize)
+    assert s["ft_acc_mean_before"] == pytest.approx(a[-1]["client_test_acc_mean"])
+    assert s["ft_acc_mean"] > s["ft_acc_mean_before"] + 0.2 and s["ft_lr"] == pytest.approx(0.005)
 
 
 @pytest.mark.parametrize("agg", AGGS)
 def test_resumed_equals_uninterrupted_and_learns(runs, agg):
-    full, cut = runs / f"{agg}_full", runs / f"{agg}_cut"
-    assert _metrics(full) == _metrics(cut)
-    assert _same_model(full, cut)
-    ckpt = torch.load(os.path.join(cut, "checkpoint.pt"), weights_only=False)
+    full, resumed = runs / f"{agg}_full", runs / agg
+    rows = metrics(full)
+    assert [r["round"] for r in rows] == [1, 2, 3] and metrics(resumed) == rows
+    assert_same_model(full, resumed)
+    ckpt = torch.load(os.path.join(full, "checkpoint.pt"), weights_only=False)
+    assert ckpt["round"] == 2
     if agg == "scaffold":  # control variates travel with the checkpoint
-        assert len(ckpt["scaffold_c_local"]) >= 2 and any(c.abs().max() > 0 for c in ckpt["scaffold_c"])
-    with open(os.path.join(full, "summary.json")) as f:
-        summary = json.load(f)
-    assert summary["test_acc"] > 0.25, f"{agg}: {summary['test_acc']} is not clearly above chance (0.1)"
-    for k in ("weight_sim", "inter_class_sim", "intra_class_sim", "proto_weight_align", "feature_norm"):
-        assert k in summary and math.isfinite(summary[k])
+        assert len(ckpt["scaffold_c_local"]) == 4 and any(c.abs().max() > 0 for c in ckpt["scaffold_c"])
+    s = summary(full)
+    assert s["test_acc"] > 0.25, f"{agg}: {s['test_acc']} is not clearly above chance (0.1)"
+    untimed = lambda x: {k: v for k, v in x.items() if k not in ("elapsed_s", "wall_time_s")}
+    assert all(math.isfinite(s[k]) for k in FACTORS) and untimed(s) == untimed(summary(resumed))
     if agg == "fedexp":
-        assert summary["server_lr"] >= 1.0
+        assert all(r["server_lr"] >= 1.0 for r in rows)
+    if agg == "fedavg":  # FedFN-FT: fine-tunes and evaluates with FN (same accuracy as the FN evaluation)
+        assert s["ft_acc_mean_before"] == pytest.approx(rows[-1]["client_test_acc_mean"])
+        assert s["ft_lr"] == pytest.approx(0.05) and 0 <= s["ft_acc_mean"] <= 1

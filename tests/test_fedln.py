@@ -4,7 +4,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
@@ -14,7 +13,7 @@ import torch.nn as nn
 import common
 import fedln
 from common import Data, FeatureNorm, build_model
-from helpers import ROOT, assert_same_model, metrics, summary
+from helpers import assert_same_model, metrics, run_batches, summary
 
 
 def fake_data(size=32, channels=3, n=64):
@@ -210,30 +209,6 @@ def test_scaffold_option_ii_matches_formula():
 
 
 # --- end to end: each stage is ONE python process that runs the scripts one after another ------------
-DRIVER = """import json, runpy, sys
-for argv in json.loads(sys.argv[1]):
-    print("running", *argv, file=sys.stderr, flush=True)
-    sys.argv = argv
-    try:
-        runpy.run_path(argv[0], run_name="__main__")
-    except SystemExit as e:  # --stop-after exits 0; anything else fails the stage
-        if e.code not in (None, 0):
-            raise
-"""
-
-
-def stages(*commands):
-    """Run the lists of [script, flags...] at the same time, each list in one process (one torch import
-    for several runs: most of a tiny run's CPU is importing torch); fail on a non-zero exit."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", DRIVER, json.dumps([[str(a) for a in c] for c in cmds])],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for cmds in commands]
-    for p in procs:
-        _, err = p.communicate()
-        assert p.returncode == 0, err[-3000:]
-
-
 BASE = ["--dataset", "synthetic", "--device", "cpu", "--batch-size", "8", "--seed", "3"]
 AGGS = [("fedavg", "bn"), ("fedprox", "ln"), ("scaffold", "fn"), ("fedyogi", "bn")]
 EQUAL = [*BASE, "--model", "mlp", "--num-clients", "4", "--frac", "0.5", "--classes-per-client", "2", "--local-steps",
@@ -254,13 +229,13 @@ def runs(tmp_path_factory):
     in test_norm_none_is_the_plain_table7_cnn), the one-class runs, and for each --agg an uninterrupted run
     and one stopped after round 1. Stage 2 (a fresh process): resume the stopped runs."""
     d = tmp_path_factory.mktemp("fedln")
-    stages([["fedavg.py", *EQUAL, "--out", d / "avg"], ["fedln.py", *EQUAL, "--norm", "none", "--agg", "fedavg", "--out", d / "plain"],
+    run_batches([["fedavg.py", *EQUAL, "--out", d / "avg"], ["fedln.py", *EQUAL, "--norm", "none", "--agg", "fedavg", "--out", d / "plain"],
             *[["fedln.py", *LEARN, "--norm", n, "--out", d / n] for n in ("ln", "fn", "none")]],
            [c for agg, norm in AGGS for c in (["fedln.py", *resume_flags(agg, norm), "--out", d / f"{agg}_full"],
                                               ["fedln.py", *resume_flags(agg, norm), "--out", d / f"{agg}_cut",
                                                "--stop-after", "1"])])
     cut = {agg: torch.load(d / f"{agg}_cut" / "checkpoint.pt", weights_only=False) for agg, _ in AGGS}
-    stages([["fedln.py", "--resume", d / f"{agg}_cut"] for agg, _ in AGGS])
+    run_batches([["fedln.py", "--resume", d / f"{agg}_cut"] for agg, _ in AGGS])
     return d, cut
 
 

@@ -1,0 +1,310 @@
+"""anfr.py: weight standardization, NF signal propagation, Table 6 parameter counts, aggregation math,
+DP-SGD clipping and accountant, CSI, and end-to-end runs (every --arch and --agg learns; resume is
+bitwise; FedPer/FedBN keep each client's parts; DP epsilon is logged).
+
+The end-to-end runs are launched once for the module, two subprocesses at a time."""
+import json
+import math
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import anfr
+import common
+from helpers import assert_same_model, metrics, run_script, summary
+
+TINY = ["--dataset", "synthetic", "--device", "cpu", "--depth", "18", "--width", "8", "--image-size", "16",
+        "--num-clients", "3", "--alpha", "1.0", "--rounds", "3", "--local-steps", "5", "--batch-size", "32", "--lr", "0.01"]
+CHANCE = 0.1
+
+
+# ---------------------------------------------------------------------------------------------- models
+def test_scaled_weight_standardization_eq5():
+    torch.manual_seed(0)
+    conv = common.ScaledStdConv2d(5, 7, 3, padding=1, gamma=common.RELU_GAMMA)
+    with torch.no_grad():
+        conv.weight.mul_(3).add_(torch.randn(7, 1, 1, 1))  # arbitrary per-channel mean and scale
+        conv.gain.copy_(torch.rand(7, 1, 1, 1) + 0.5)
+        conv.bias.copy_(torch.randn(7))
+    w = conv.standardized_weight().flatten(1)
+    assert torch.allclose(w.mean(1), torch.zeros(7), atol=1e-6)  # per output channel: mean 0 ...
+    assert torch.allclose(w.std(1, unbiased=False), torch.ones(7), atol=1e-4)  # ... and std 1 before the gain
+    x = torch.randn(2, 5, 6, 6)
+    W = conv.weight
+    mu, var = W.mean((1, 2, 3), keepdim=True), W.var((1, 2, 3), unbiased=False, keepdim=True)
+    w_hat = conv.gain * common.RELU_GAMMA / math.sqrt(5 * 3 * 3) * (W - mu) / torch.sqrt(var + 1e-5)  # Eq. 5 by hand
+    assert torch.allclose(conv(x), F.conv2d(x, w_hat, conv.bias, padding=1), atol=1e-5)
+    assert abs(common.RELU_GAMMA - math.sqrt(2 / (1 - 1 / math.pi))) < 1e-12 and abs(common.RELU_GAMMA - 1.7139588) < 2e-3
+
+
+@pytest.mark.parametrize("depth,stem", [(18, "cifar"), (26, "cifar"), (50, "imagenet")])
+def test_nf_keeps_activation_scale_at_init(depth, stem):
+    torch.manual_seed(0)
+    model = common.resnet(3, 10, 32, depth=depth, width=8, norm="nf", attention="se", stem=stem)
+    blocks = list(model.body.stages)
+    # expected-variance bookkeeping: beta = 1/sqrt(Var), Var += alpha^2, reset to 1 after a transition block
+    var, betas = 1.0, []
+    for b in blocks:
+        betas.append(var ** -0.5)
+        var = (1.0 if b.transition else var) + 0.2 ** 2
+    assert [b.beta for b in blocks] == pytest.approx(betas, abs=1e-12)
+    assert blocks[0].transition == (depth != 18)  # a basic block keeps 8 channels at stride 1
+    layout = common.RESNET_LAYOUT[depth][1]
+    for gains_one in (False, True):  # timm's zero-init last gain, and every gain 1 (branches live)
+        if gains_one:
+            for m in model.modules():
+                if isinstance(m, common.ScaledStdConv2d):
+                    m.gain.data.fill_(1.0)
+        with torch.no_grad():
+            h = model.body.stem(torch.randn(16, 3, 64, 64))
+            i = 0
+            for n in layout:
+                out = torch.nn.Sequential(*blocks[i:i + n])(h)
+                ratio = (out.std() / h.std()).item()
+                assert 0.5 < ratio < 2, (gains_one, i, ratio)
+                h, i = out, i + n
+            assert 0.5 < h.std().item() < 4  # no growth or collapse over the network
+
+
+TABLE6 = [("bn", None, 25.56), ("gn", None, 25.56), ("bn", "se", 28.09), ("nf", None, 25.56),
+          ("nf", "se", 28.09), ("nf", "eca", 25.56), ("nf", "cbam", 28.07)]
+
+
+@pytest.mark.parametrize("norm,attention,millions", TABLE6)
+def test_parameter_counts_table6(norm, attention, millions):
+    with torch.device("meta"):
+        model = common.resnet(3, 1000, 224, depth=50, norm=norm, attention=attention, stem="imagenet")
+    n = sum(p.numel() for p in model.parameters())
+    assert round(n / 1e6, 2) == millions, n
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules()) or norm == "bn"
+
+
+@pytest.mark.parametrize("arch", list(anfr.ARCHS))
+@pytest.mark.parametrize("attention", ["se", "eca", "cbam"])
+def test_every_arch_runs_on_1_and_3_channels(arch, attention):
+    for channels, size in ((1, 12), (3, 16)):
+        model = common.resnet(channels, 7, size, depth=18, width=4, norm=anfr.ARCHS[arch][0],
+                              attention=attention if anfr.ARCHS[arch][1] else None)
+        assert model(torch.randn(2, channels, size, size)).shape == (2, 7)
+        assert isinstance(model.head, torch.nn.Linear) and model.body(torch.randn(2, channels, size, size)).shape == (2, 8 * 4)
+
+
+def test_personal_keys():
+    se = common.resnet(3, 10, 32, depth=18, width=4, norm="bn", attention="se")
+    nf = common.resnet(3, 10, 32, depth=18, width=4, norm="nf", attention="se")
+    assert anfr.personal_keys(se, "fedper") == {"head.weight", "head.bias"}
+    bn = anfr.personal_keys(se, "fedbn")
+    assert "body.stem.1.running_var" in bn and "body.stages.0.n1.weight" in bn and "body.stages.0.conv1.weight" not in bn
+    assert len(bn) == 5 * sum(isinstance(m, torch.nn.BatchNorm2d) for m in se.modules())
+    assert anfr.personal_keys(nf, "fedbn") == set() and anfr.personal_keys(se, "none") == set()
+
+
+# ---------------------------------------------------------------------------------------------- aggregation math
+def test_fedadam_step_by_hand():
+    x, d = {"w": torch.tensor([1.0, -2.0])}, {"w": torch.tensor([0.5, -1.0])}
+    m, v = {"w": torch.tensor([0.1, 0.0])}, {"w": torch.tensor([0.04, 0.0])}
+    new = anfr.fedadam_step(x, d, m, v, lr=0.1, betas=(0.9, 0.99), tau=1e-3)
+    m_ref = torch.tensor([0.9 * 0.1 + 0.1 * 0.5, -0.1])
+    v_ref = torch.tensor([0.99 * 0.04 + 0.01 * 0.25, 0.01])
+    assert torch.allclose(m["w"], m_ref) and torch.allclose(v["w"], v_ref)
+    assert torch.allclose(new["w"], x["w"] + 0.1 * m_ref / (v_ref.sqrt() + 1e-3))
+
+
+def test_scaffold_control_option2():
+    c_i, c = {"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([0.5, 0.5])}
+    x, y = {"w": torch.tensor([3.0, 3.0])}, {"w": torch.tensor([2.0, 4.0])}
+    new = anfr.scaffold_control(c_i, c, x, y, lr_sum=0.5)  # c_i - c + (x - y) / (K eta)
+    assert torch.allclose(new["w"], torch.tensor([1.0 - 0.5 + 2.0, 2.0 - 0.5 - 2.0]))
+
+
+def test_cosine_schedule_and_steps():
+    assert anfr.cosine_lr(1.0, 0, 10) == 1.0 and anfr.cosine_lr(1.0, 5, 10) == pytest.approx(0.5)
+    assert anfr.cosine_lr(1.0, 10, 10) == pytest.approx(0.0) and anfr.cosine_lr(1.0, 12, 10) == pytest.approx(0.0)
+    args = type("A", (), {"local_steps": None, "local_epochs": 2, "batch_size": 32, "dp_noise_multiplier": None})
+    assert anfr.steps_per_round(65, args) == 2 * 2  # the lone 65th sample is skipped (client_batches)
+    assert anfr.steps_per_round(66, args) == 2 * 3
+    assert len(list(common.client_batches(torch.arange(66), 32, epochs=2))) == 6
+
+
+def test_class_selectivity_index():
+    acts = torch.tensor([[4.0, 1.0, 0.0], [0.0, 1.0, 0.0], [2.0, 1.0, 3.0]])  # [classes, channels]
+    csi = anfr.class_selectivity(acts)  # (max - mean of the others) / (max + mean of the others)
+    assert torch.allclose(csi, torch.tensor([(4 - 1) / (4 + 1), 0.0, 1.0]))
+
+
+# ---------------------------------------------------------------------------------------------- differential privacy
+def test_per_sample_clipping_bounds_each_norm():
+    grads = {"a": torch.tensor([[3.0, 0.0], [0.1, 0.0], [0.0, 0.0]]), "b": torch.tensor([[4.0], [0.0], [2.0]])}
+    out = anfr.clip_per_sample(grads, max_norm=1.0)
+    norms = torch.sqrt(out["a"].pow(2).sum(1) + out["b"].pow(2).sum(1))
+    assert torch.allclose(norms, torch.tensor([1.0, 0.1, 1.0]), atol=1e-5)  # 5 -> 1, 0.1 kept, 2 -> 1
+    assert torch.allclose(out["a"][0] / out["b"][0], torch.tensor([0.75, 0.0]))  # direction kept
+
+
+def test_dp_gradients_match_per_sample_loop():
+    torch.manual_seed(0)
+    model = common.resnet(3, 4, 8, depth=18, width=4, norm="nf", attention="eca")
+    x, y = torch.randn(5, 3, 8, 8), torch.tensor([0, 1, 2, 3, 0])
+    ref = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    for i in range(5):  # one sample at a time, clipped to 0.5 by hand
+        model.zero_grad()
+        F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]).backward()
+        norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters()))
+        for n, p in model.named_parameters():
+            ref[n] += p.grad * min(1.0, 0.5 / (norm.item() + 1e-6))
+    anfr.dp_gradients(model, x, y, sigma=0.0, max_norm=0.5, expected_batch=4)
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, ref[n] / 4, atol=1e-6), n
+    torch.manual_seed(1)
+    anfr.dp_gradients(model, x, y, sigma=1.0, max_norm=0.5, expected_batch=4)  # noise N(0, (sigma C)^2) / B
+    noise = torch.cat([(p.grad - ref[n] / 4).flatten() for n, p in model.named_parameters()]) * 4
+    assert 0.45 < noise.std().item() < 0.55
+
+
+def test_rdp_accountant():
+    # RDP of the subsampled Gaussian: values (rounded) of TF Privacy's rdp_accountant test (q=0.01, sigma=2.5, 50 steps)
+    rdp = [50 * anfr.rdp_subsampled_gaussian(0.01, 2.5, a) for a in (1.5, 2.5, 5, 50, 100)]
+    assert rdp == pytest.approx([0.00065, 0.001085, 0.00218075, 0.023846, 167.416307], rel=1e-3)
+    # by hand, alpha = 2: A_2 = (1-q)^2 + 2q(1-q) + q^2 e^{1/sigma^2}
+    q, s = 0.05, 1.1
+    assert anfr.rdp_subsampled_gaussian(q, s, 2) == pytest.approx(math.log(1 + q * q * (math.exp(1 / s ** 2) - 1)), rel=1e-12)
+    assert anfr.rdp_subsampled_gaussian(q, s, 3.0000001) == pytest.approx(anfr.rdp_subsampled_gaussian(q, s, 3), rel=1e-5)
+    # by hand, no subsampling: R(a) = T a / (2 sigma^2), eps = min_a R - (log d + log a)/(a-1) + log((a-1)/a)
+    T, d = 10, 1e-5
+    hand = min(T * a / (2 * s * s) - (math.log(d) + math.log(a)) / (a - 1) + math.log((a - 1) / a) for a in anfr.DP_ORDERS)
+    assert anfr.dp_epsilon(1.0, s, T, d) == pytest.approx(hand, rel=1e-9)
+    e = [anfr.dp_epsilon(0.05, s, t, d) for t in (10, 100, 1000)]
+    assert 0 < e[0] < e[1] < e[2]  # grows with steps
+    assert anfr.dp_epsilon(0.05, 2.0, 100, d) < e[1] < anfr.dp_epsilon(0.05, 0.8, 100, d)  # shrinks with noise
+    assert anfr.dp_epsilon(0.05, s, 0, d) == 0.0
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+def _tamper(run_dir, client):
+    """Shift client `client`'s kept (FedPer/FedBN) floating entries in the checkpoint by 0.5."""
+    path = os.path.join(run_dir, "checkpoint.pt")
+    ckpt = torch.load(path, weights_only=False)
+    ckpt["local"][client] = {k: v + 0.5 if v.is_floating_point() else v for k, v in ckpt["local"][client].items()}
+    torch.save(ckpt, path)
+
+
+def _group(tmp, name, flags, tamper=False, resume=True):
+    """A: uninterrupted; B: 1 round (--stop-after 1), then --resume B (if resume); T (if tamper): a copy of
+    B after round 1 with client 0's local parts shifted, resumed. Returns B's round-1 checkpoint."""
+    a, b, t = tmp / f"{name}_a", tmp / f"{name}_b", tmp / f"{name}_t"
+    run_script("anfr.py", *TINY, *flags, "--save-model", "--out", a)
+    run_script("anfr.py", *TINY, *flags, "--save-model", "--out", b, "--stop-after", "1")
+    ckpt1 = torch.load(os.path.join(b, "checkpoint.pt"), weights_only=False)
+    if tamper:
+        shutil.copytree(b, t)
+        _tamper(t, 0)
+        run_script("anfr.py", "--resume", t)
+    if resume:
+        run_script("anfr.py", "--resume", b)
+    return ckpt1
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every subprocess run of this file, two at a time."""
+    tmp = tmp_path_factory.mktemp("anfr")
+    jobs = {f"arch_{arch}": (lambda arch=arch: run_script(
+        "anfr.py", *TINY, "--arch", arch, "--out", tmp / f"arch_{arch}",
+        *(["--analyze"] if arch == "se" else [])))
+        for arch in ("bn", "gn", "se", "nf", "anfr")}
+    jobs["agg_fedprox"] = lambda: run_script("anfr.py", *TINY, "--agg", "fedprox", "--out", tmp / "agg_fedprox")
+    jobs["agg_fedadam"] = lambda: run_script("anfr.py", *TINY, "--agg", "fedadam", "--server-lr", "0.03", "--out", tmp / "agg_fedadam")
+    jobs["scaffold"] = lambda: _group(tmp, "scaffold", ["--agg", "scaffold", "--attention", "cbam"])
+    # FedAvg with FedPer and DP-SGD: resume, local heads, accountant
+    jobs["fedper"] = lambda: _group(tmp, "fedper", ["--pfl", "fedper", "--attention", "eca", "--rounds", "2",
+                                                    "--dp-noise-multiplier", "0.8"], tamper=True, resume=True)
+    jobs["fedbn"] = lambda: _group(tmp, "fedbn", ["--arch", "se", "--pfl", "fedbn", "--rounds", "2", "--local-steps", "10"],
+                                   tamper=True, resume=False)
+    order = ["scaffold", "fedper", "fedbn", "arch_bn", "arch_gn", "arch_se", "arch_nf", "arch_anfr",
+             "agg_fedprox", "agg_fedadam"]  # the long chains first
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {k: pool.submit(jobs[k]) for k in order}
+        results = {k: f.result() for k, f in futures.items()}
+    for run in sorted(os.listdir(tmp)):  # shown with pytest -s
+        print(run, [round(r["test_acc"], 3) for r in metrics(tmp / run)])
+    return tmp, results
+
+
+@pytest.mark.parametrize("run", ["arch_bn", "arch_gn", "arch_se", "arch_nf", "arch_anfr",
+                                 "agg_fedprox", "scaffold_a", "agg_fedadam"])
+def test_every_arch_and_agg_learns(runs, run):
+    tmp, _ = runs  # --arch runs use FedAvg; --agg runs use ANFR
+    acc = summary(tmp / run)["test_acc"]
+    assert acc > 2 * CHANCE, acc
+
+
+def test_analyze_reports_csi_and_attention_spread(runs):
+    tmp, _ = runs
+    a = summary(tmp / "arch_se")["analysis"]
+    assert 0 <= a["csi_mean"] <= 1 and sum(a["csi_hist"]) == 8 * 8  # one CSI per channel of the last block
+    assert 0 < a["attn_weight_min"] <= a["attn_weight_mean"] <= a["attn_weight_max"] < 1
+    assert a["attn_std_over_channels"] > 0 and a["attn_std_over_classes"] > 0
+
+
+@pytest.mark.parametrize("name", ["fedper", "scaffold"])  # FedAvg (+ FedPer + DP-SGD), SCAFFOLD
+def test_resume_equals_uninterrupted(runs, name):
+    tmp, _ = runs
+    a, b = f"{name}_a", f"{name}_b"
+    assert metrics(tmp / a) == metrics(tmp / b)  # includes the DP accountant's epsilons for fedper
+    assert_same_model(tmp / a, tmp / b)
+    ca = torch.load(tmp / a / "checkpoint.pt", weights_only=False)
+    cb = torch.load(tmp / b / "checkpoint.pt", weights_only=False)
+    rounds = json.load(open(tmp / a / "config.json"))["rounds"]
+    assert ca["client_steps"] == cb["client_steps"] == [rounds * 5] * 3  # each client's scheduler position
+    assert ca["local"] == [None] * 3 or all(torch.equal(x[k], y[k]) for x, y in zip(ca["local"], cb["local"]) for k in x)
+    assert (ca["c"] is None) == (name == "fedper")
+    if ca["c"] is not None:  # SCAFFOLD server and client controls
+        assert all(torch.equal(ca["c"][n], cb["c"][n]) and ca["c"][n].abs().sum() > 0 for n in ca["c"])
+        assert all(torch.equal(x[n], y[n]) for x, y in zip(ca["c_i"], cb["c_i"]) for n in x)
+    for sa, sb in zip(ca["opts"], cb["opts"]):  # each client's AdamW state
+        assert sa["state"] and all(torch.equal(sa["state"][i]["exp_avg_sq"], sb["state"][i]["exp_avg_sq"]) for i in sa["state"])
+
+
+@pytest.mark.parametrize("name,kind", [("fedper", "head"), ("fedbn", "bn")])
+def test_pfl_keeps_local_parts_per_client(runs, name, kind):
+    tmp, results = runs
+    ckpt1 = results[name]  # after round 1
+    a = torch.load(tmp / f"{name}_a" / "checkpoint.pt", weights_only=False)  # after round 2 (the last)
+    t = torch.load(tmp / f"{name}_t" / "checkpoint.pt", weights_only=False)  # same, client 0's parts shifted after round 1
+    keys = sorted(a["local"][0])
+    assert keys and all(k.startswith("head.") for k in keys) == (kind == "head")
+    assert any("running_mean" in k for k in keys) == (kind == "bn")
+    for k in keys:  # never averaged: the global model's entries are still the initial ones
+        assert torch.equal(a["model"][k], ckpt1["model"][k]), k
+    assert not torch.equal(a["local"][0][keys[0]], a["local"][1][keys[0]])  # each client has its own
+    # client 0 continued from its shifted parts, the other clients from their own, bitwise unchanged
+    assert any(not torch.equal(a["local"][0][k], t["local"][0][k]) for k in keys)
+    for c in range(1, len(a["local"])):
+        assert all(torch.equal(a["local"][c][k], t["local"][c][k]) for k in keys), c
+    last = metrics(tmp / f"{name}_a")[-1]
+    assert last["test_acc"] == pytest.approx(np.mean(last["client_test_acc"]))  # personalized accuracy
+    assert name == "fedper" or last["test_acc"] > 2 * CHANCE  # (fedper runs under DP noise here)
+
+
+def test_dp_epsilon_per_client(runs):
+    tmp, _ = runs  # the FedPer run uses DP-SGD with sigma 0.8, C 1, B 32, 5 steps per round
+    rows = metrics(tmp / "fedper_a")
+    sizes = [sum(c) for c in json.load(open(tmp / "fedper_a" / "partition.json"))["train"]]
+    for r, row in enumerate(rows, 1):
+        expect = [anfr.dp_epsilon(32 / n, 0.8, 5 * r, 0.1 / n) for n in sizes]  # delta = 0.1 / |D_i|
+        assert row["dp_epsilon"] == pytest.approx(expect, rel=1e-9)
+        assert row["dp_epsilon_max"] == max(row["dp_epsilon"])
+    assert rows[1]["dp_epsilon_max"] > rows[0]["dp_epsilon_max"] > 0
+    assert torch.load(tmp / "fedper_a" / "checkpoint.pt", weights_only=False)["dp_steps"] == [10] * 3
+
+
+def test_bad_flags_name_the_flag(tmp_path):
+    p = run_script("anfr.py", *TINY, "--arch", "anfr", "--pfl", "fedbn", "--out", tmp_path / "x", check=False)
+    assert p.returncode == 2 and "--pfl fedbn" in p.stderr and "no batch norm" in p.stderr
+    p = run_script("anfr.py", *TINY, "--arch", "se", "--dp-noise-multiplier", "1.0", "--out", tmp_path / "y", check=False)
+    assert p.returncode == 2 and "--dp-noise-multiplier" in p.stderr and "batch norm" in p.stderr

@@ -1,0 +1,274 @@
+"""Fast tests of the reproduction tooling (issue 8): benchmarks/collect.py on hand-made run folders,
+and benchmarks/reproduce/*.sh (bash -n, and every command's flags accepted by its script's parser,
+called in-process on a tiny fake image folder). Seconds, no training."""
+import importlib
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import collect  # noqa: E402
+
+REPRO = os.path.join(ROOT, "benchmarks", "reproduce")
+CLAIM_SCRIPTS = ["fedfn", "fedbabu", "fedln", "fednnnn", "anfr"]
+
+
+# ---------------------------------------------------------------------------------------------
+# collect.py on hand-made run folders
+# ---------------------------------------------------------------------------------------------
+def make_run(root, claim, variant, seed, accs, summary_extra=None, config=None, command=True, finished=True,
+             script="fedln"):
+    """root/claim/variant/seed<k> with metrics.jsonl (one row per accuracy in accs, rounds 1..n),
+    summary.json (final row's test_acc) and config.json."""
+    d = os.path.join(root, claim, variant, f"seed{seed}")
+    os.makedirs(d)
+    with open(os.path.join(d, "metrics.jsonl"), "w") as f:
+        for i, a in enumerate(accs):
+            f.write(json.dumps({"round": i + 1, "test_acc": a, "test_loss": 1.0, "elapsed_s": i}) + "\n")
+    cfg = config or {"dataset": "folder", "data_dir": "/data/cifar10", "model": "normcnn", "rounds": len(accs),
+                     "seed": seed, "data_seed": seed, "out": d, "lr": 0.01, "iid": False, "lr_decay_at": [0.5, 0.75]}
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    if command:
+        with open(os.path.join(d, "command.txt"), "w") as f:
+            f.write(f'python {script}.py --dataset folder --data-dir "$DATA_DIR" --norm {variant} --seed {seed} --out {d}\n')
+    if finished:
+        summary = {"final_round": len(accs), "test_acc": accs[-1], "wall_time_s": 60.0 * (seed + 1),
+                   "device": "cpu (x86_64, 2 threads)", "torch": "2.4.0", "script": script, **(summary_extra or {})}
+        with open(os.path.join(d, "summary.json"), "w") as f:
+            json.dump(summary, f)
+    return d
+
+
+def rows(lines):
+    """variant -> list of cells of the markdown table rows."""
+    out = {}
+    for line in lines:
+        if line.startswith("| ") and not line.startswith("| variant"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            out[cells[0]] = cells
+    return out
+
+
+def test_exact_mean_std_final_round_and_grouping(tmp_path):
+    root = str(tmp_path)
+    # ln: best round (0.9) is never the final one; finals 0.5, 0.6, 0.7
+    make_run(root, "fedln-small", "ln", 0, [0.9, 0.5])
+    make_run(root, "fedln-small", "ln", 1, [0.2, 0.95, 0.6])
+    make_run(root, "fedln-small", "ln", 2, [0.7])
+    make_run(root, "fedln-small", "vanilla", 0, [0.1, 0.3])
+    make_run(root, "fedln-small", "vanilla", 1, [0.4, 0.2])
+    found = collect.gather(root)
+    assert set(found) == {("fedln", "small")}
+    assert set(found[("fedln", "small")]) == {"ln", "vanilla"}
+    r = rows(collect.table("fedln", "small", found[("fedln", "small")]))
+    finals = [0.5, 0.6, 0.7]
+    mean, std = np.mean(finals), np.std(finals, ddof=1)
+    assert r["ln"][1] == f"{100 * mean:.2f} ± {100 * std:.2f}" == "60.00 ± 10.00"
+    assert r["ln"][2] == "78.04 (T10), 77.71 (T4)"  # the paper's number beside it
+    assert r["ln"][3].startswith("3 (0, 1, 2)")
+    assert r["ln"][4] == "2.0"  # mean wall time: (1 + 2 + 3) / 3 minutes
+    assert r["ln"][5] == "cpu (x86_64, 2 threads)" and r["ln"][6] == "2.4.0"
+    assert "--norm ln" in r["ln"][7] and "--seed" not in r["ln"][7] and '"$DATA_DIR"' in r["ln"][7]
+    assert r["vanilla"][1] == "25.00 ± 7.07"  # finals 0.3 and 0.2, not the best 0.4
+    # display order follows the claim (ln before vanilla), then unknown variants
+    table = collect.table("fedln", "small", found[("fedln", "small")])
+    assert [l.split("|")[1].strip() for l in table if l.startswith("| ") and "variant" not in l] == ["ln", "vanilla"]
+
+
+def test_final_accuracy_prefers_summary_then_final_metrics_row(tmp_path):
+    d = make_run(str(tmp_path), "x-small", "a", 0, [0.8, 0.4])
+    run = collect.load_run(d)
+    assert collect.final_accuracy(run) == 0.4
+    del run["summary"]["test_acc"]
+    assert collect.final_accuracy(run) == 0.4  # last metrics row, which is the final round
+    run["summary"]["final_round"] = 5  # the log stops before the final round: no number rather than a wrong one
+    assert collect.final_accuracy(run) is None
+
+
+def test_one_seed_has_no_std_unfinished_and_diverged_left_out(tmp_path):
+    root = str(tmp_path)
+    make_run(root, "fedln-paper", "ln", 0, [0.5, 0.75])
+    make_run(root, "fedln-paper", "ln", 1, [0.5], finished=False)
+    make_run(root, "fedln-paper", "ln", 2, [0.1], summary_extra={"diverged": True, "round": 1})
+    lines = collect.table("fedln", "paper", collect.gather(root)[("fedln", "paper")])
+    r = rows(lines)
+    assert r["ln"][1] == "75.00"  # one finished, non-diverged seed: no std
+    assert r["ln"][3] == "1 (0) + 1 diverged"
+    text = "\n".join(lines)
+    assert "unfinished" in text and "seed1" in text and "diverged at round 1" in text
+
+
+def test_fedbabu_and_fednnnn_columns(tmp_path):
+    root = str(tmp_path)
+    for seed, pers in [(0, 0.7), (1, 0.8)]:
+        make_run(root, "fedbabu-small", "fedbabu", seed, [0.3, 0.2], script="fedbabu", summary_extra={
+            "pers_acc_mean": pers, "init_acc_mean": 0.1, "nohead_acc_mean": 0.5,
+            "pers_acc_mean_by_epoch": {"0": 0.1, "1": 0.6, "2": 0.65, "5": pers, "10": 0.9}})
+    r = rows(collect.table("fedbabu", "small", collect.gather(root)[("fedbabu", "small")]))
+    assert r["fedbabu"][1:3] == ["75.00 ± 7.07", "76.25 (T13)"]
+    assert r["fedbabu"][3:5] == ["10.00 ± 0.00", "62.68 (T12)"]
+    assert r["fedbabu"][7:10] == ["60.00 ± 0.00", "65.00 ± 0.00", "90.00 ± 0.00"]
+    # at 1/4 and 1/2 of the rounds: the last evaluation at or before that round
+    make_run(root, "fednnnn-small", "fednnnn", 0, [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8], script="fednnnn")
+    r = rows(collect.table("fednnnn", "small", collect.gather(root)[("fednnnn", "small")]))
+    assert r["fednnnn"][1:5] == ["80.00", "76.7", "20.00", "40.00"]
+
+
+def test_rebuilt_command_from_config(tmp_path):
+    d = make_run(str(tmp_path), "fedln-small", "ln", 3, [0.5], command=False)
+    cmd = collect.command_of(collect.load_run(d))
+    assert cmd.startswith("python fedln.py ")
+    assert '--data-dir "$DATA_DIR"' in cmd and "--lr-decay-at 0.5 0.75" in cmd and "--lr 0.01" in cmd
+    assert "--seed" not in cmd and "--out" not in cmd and "--data-seed" not in cmd and "--iid" not in cmd
+
+
+def test_collect_main_prints_all_claims(tmp_path, capsys):
+    root = str(tmp_path)
+    make_run(root, "fedln-small", "ln", 0, [0.5])
+    make_run(root, "fedfn-s2-small", "fedfn", 0, [0.5], script="fedfn")
+    make_run(root, "fedfn-s2-paper", "fedfn", 0, [0.6], script="fedfn")
+    assert collect.main([root]) == 0
+    out = capsys.readouterr().out
+    assert out.index("fedfn.md Table 1") < out.index("fedln.md")  # claims in issue order
+    assert "[small]" in out and "[paper]" in out and "77.77" in out
+    assert collect.main([root, "--claim", "fedln"]) == 0
+    assert "fedfn" not in capsys.readouterr().out
+    assert collect.main([str(tmp_path / "empty")]) == 1
+
+
+def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch, capsys):
+    import builtins
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *a, **k):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *a, **k)
+
+    plot = importlib.import_module("plot")
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    assert plot.main([str(tmp_path), "--out", str(tmp_path / "docs")]) == 1
+    assert "pip install -r benchmarks/requirements.txt" in capsys.readouterr().err
+
+
+def test_plot_curves_mean_over_seeds(tmp_path):
+    plot = importlib.import_module("plot")
+    root = str(tmp_path)
+    make_run(root, "fedln-small", "ln", 0, [0.2, 0.4])
+    make_run(root, "fedln-small", "ln", 1, [0.4, 0.6])
+    rounds, mean, std, n = plot.curves(os.path.join(root, "fedln-small"))["ln"]
+    assert list(rounds) == [1, 2] and np.allclose(mean, [30, 50]) and n == 2
+    assert np.allclose(std, [np.std([20, 40], ddof=1)] * 2)
+    pytest.importorskip("matplotlib")
+    assert plot.main([root, "--out", str(tmp_path / "docs")]) == 0
+    assert os.path.getsize(tmp_path / "docs" / "fedln-small.png") > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# benchmarks/reproduce/*.sh
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", CLAIM_SCRIPTS + ["lib"])
+def test_reproduce_script_syntax(name):
+    subprocess.run(["bash", "-n", os.path.join(REPRO, f"{name}.sh")], check=True)
+
+
+def dry_run(name, scale, **env):
+    res = subprocess.run(["bash", os.path.join(REPRO, f"{name}.sh"), scale], capture_output=True, text=True,
+                         env={**os.environ, "DRY_RUN": "1", **env}, check=True)
+    return [shlex.split(line) for line in res.stdout.splitlines()]
+
+
+@pytest.fixture(scope="module")
+def fake_folder(tmp_path_factory):
+    """A CIFAR-10-shaped image folder without images: finish_args only looks at the class folders."""
+    root = tmp_path_factory.mktemp("cifar10")
+    for split in ("train", "test"):
+        for c in ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"):
+            os.makedirs(root / split / c)
+    return str(root)
+
+
+def parse_in_process(argv, monkeypatch):
+    """argv = ["python", "x.py", flags...] -> x.parse_args() with sys.argv set to it."""
+    module = importlib.import_module(os.path.splitext(argv[1])[0])
+    monkeypatch.setattr(sys, "argv", [argv[1], *argv[2:]])
+    return module.parse_args()
+
+
+@pytest.mark.parametrize("scale", ["small", "paper"])
+@pytest.mark.parametrize("name", CLAIM_SCRIPTS)
+def test_reproduce_commands_parse(name, scale, fake_folder, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    commands = dry_run(name, scale)
+    assert commands, f"{name}.sh {scale} printed no command"
+    outs = set()
+    for argv in commands:
+        assert argv[0] == "python" and argv[1] in {f"{m}.py" for m in CLAIM_SCRIPTS}
+        assert argv[argv.index("--data-dir") + 1] == "$DATA_DIR"
+        argv = [fake_folder if a == "$DATA_DIR" else a for a in argv]
+        try:
+            args = parse_in_process(argv, monkeypatch)
+        except SystemExit as e:  # argparse error: the message is on stderr
+            pytest.fail(f"{name}.sh {scale}: {' '.join(argv[1:])} rejected by the parser (exit {e.code})")
+        assert args.dataset == "folder" and args.data_dir == fake_folder
+        out = args.out.split("/")
+        assert out[:2] == ["runs", "reproduce"] and out[2].endswith("-" + scale) and out[4] == f"seed{args.seed}"
+        outs.add(args.out)
+        # collect.py's command rebuilt from this config.json parses back to the same flags
+        cfg = {k: v for k, v in vars(args).items() if k not in ("resume", "stop_after")}
+        rebuilt = shlex.split(collect.rebuild_command(os.path.splitext(argv[1])[0], cfg).replace('"$DATA_DIR"', shlex.quote(fake_folder)))
+        again = parse_in_process(rebuilt, monkeypatch)
+        assert vars(again) == vars(args), f"{name}.sh {scale}: collect.rebuild_command does not round-trip"
+    assert len(outs) == len(commands)  # every run has its own folder
+    seeds = {int(o.rsplit("seed", 1)[1]) for o in outs}
+    assert seeds == {0, 1, 2}  # SEEDS defaults to "0 1 2"
+
+
+def test_reproduce_env_seeds_and_variants(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    cmds = dry_run("fedln", "small", SEEDS="5", VARIANTS="bn")
+    assert len(cmds) == 1 and cmds[0][cmds[0].index("--seed") + 1] == "5"
+    assert cmds[0][cmds[0].index("--out") + 1] == "runs/reproduce/fedln-small/bn/seed5"
+    res = subprocess.run(["bash", os.path.join(REPRO, "fedln.sh"), "large"], capture_output=True, text=True)
+    assert res.returncode == 2 and "usage" in res.stderr
+    res = subprocess.run(["bash", os.path.join(REPRO, "fedln.sh")], capture_output=True, text=True,
+                         env={**os.environ, "DATA_DIR": "/nonexistent"})
+    assert res.returncode == 2 and "DATA_DIR" in res.stderr
+
+
+def test_reproduce_runs_skips_resumes_and_continues_after_a_failure(tmp_path, fake_folder):
+    """The non-dry path of lib.sh with a stand-in interpreter (PYTHON=fake) that logs its arguments."""
+    log = tmp_path / "calls.txt"
+    fake = tmp_path / "fake-python"
+    fake.write_text(f"""#!/usr/bin/env bash
+echo "$*" >> {log}
+out=""; prev=""
+for a in "$@"; do [ "$prev" = --out ] || [ "$prev" = --resume ] && out=$a; prev=$a; done
+case "$out" in */bn/seed1) exit 3 ;; esac
+echo '{{"test_acc": 0.5}}' > "$out/summary.json"
+""")
+    fake.chmod(0o755)
+    runs = tmp_path / "runs"
+    done = runs / "fedln-small" / "ln" / "seed0"
+    done.mkdir(parents=True)
+    (done / "summary.json").write_text("{}")
+    half = runs / "fedln-small" / "fn" / "seed0"
+    half.mkdir(parents=True)
+    (half / "checkpoint.pt").write_text("")
+    env = {**os.environ, "PYTHON": str(fake), "DATA_DIR": fake_folder, "RUNS_DIR": str(runs), "SEEDS": "0 1"}
+    res = subprocess.run(["bash", os.path.join(REPRO, "fedln.sh")], env=env, capture_output=True, text=True)
+    assert res.returncode == 1, res.stderr  # bn/seed1 failed ...
+    calls = log.read_text().splitlines()
+    assert len(calls) == 7  # ... and the rest still ran: 4 variants x 2 seeds, minus the finished ln/seed0
+    assert calls[0].startswith("fedln.py --dataset folder --data-dir " + fake_folder) and "--seed 1" in calls[0]
+    assert calls[1] == f"fedln.py --resume {half}"
+    assert (runs / "fedln-small" / "bn" / "seed0" / "summary.json").exists()
+    assert "--norm none" in (runs / "fedln-small" / "vanilla" / "seed1" / "command.txt").read_text()
+    assert "bn/seed1" in res.stderr
