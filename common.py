@@ -704,6 +704,20 @@ def clone_state(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def accumulate(total, state, weight):
+    """total += weight * state, entry by entry. Batch-norm running means and variances are averaged
+    with the same weights as the parameters (num_batches_tracked too; it only matters for momentum=None)."""
+    for k, v in state.items():
+        total[k] += weight * v.float()
+
+
+def client_weights(sizes, weighting):
+    """Aggregation weights over the sampled clients: n_k / n, or 1/m with --weighting uniform."""
+    sizes = torch.as_tensor(sizes, dtype=torch.float64)
+    w = torch.ones_like(sizes) if weighting == "uniform" else sizes
+    return (w / w.sum()).tolist()
+
+
 def rng_state(sampler):
     state = {"torch": torch.get_rng_state(), "numpy_sampler": sampler.bit_generator.state}
     if torch.cuda.is_available():

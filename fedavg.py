@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from common import (AUGMENTATIONS, Run, autocast, build_model, client_batches, evaluate, finish_args,
-                    load_data, lr_at, make_partition, prepare_batch, rng_state, sample_clients,
-                    seed_everything, set_rng_state)
+from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights,
+                    evaluate, finish_args, load_data, lr_at, make_partition, prepare_batch, rng_state,
+                    sample_clients, seed_everything, set_rng_state)
 
 
 def parse_args():
@@ -94,20 +94,6 @@ def local_train(model, indices, data, args, lr, global_params):
     return loss_sum / max(seen, 1)
 
 
-def accumulate(total, state, weight):
-    """total += weight * state, entry by entry. Batch-norm running means and variances are averaged
-    with the same weights as the parameters (num_batches_tracked too; it only matters for momentum=None)."""
-    for k, v in state.items():
-        total[k] += weight * v.float()
-
-
-def client_weights(sizes, weighting):
-    """n_k / n over the sampled clients, or 1/m with --weighting uniform."""
-    sizes = torch.as_tensor(sizes, dtype=torch.float64)
-    w = torch.ones_like(sizes) if weighting == "uniform" else sizes
-    return (w / w.sum()).tolist()
-
-
 if __name__ == "__main__":
     args = parse_args()
     seed_everything(args.seed)
@@ -140,7 +126,7 @@ if __name__ == "__main__":
         for k, w in zip(clients, weights):
             client.load_state_dict(model.state_dict())
             train_loss += w * local_train(client, partition.train[k], data, args, lr, [p.detach() for p in model.parameters()])
-            accumulate(total, client.state_dict(), w)
+            accumulate(total, client.state_dict(), w)  # batch-norm running statistics are averaged like weights
         model.load_state_dict(total)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (casts back to each entry's dtype)
         train_loss = train_loss.item()
         if not np.isfinite(train_loss):

@@ -41,9 +41,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from common import (AUGMENTATIONS, Run, autocast, build_model, client_batches, evaluate, finish_args,
-                    load_data, lr_at, make_partition, personalize, prepare_batch, rng_state,  # FedBABU: personalize
-                    sample_clients, seed_everything, set_rng_state)  # FedBABU: (re-wrapped)
+from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights,
+                    evaluate, finish_args, load_data, lr_at, make_partition, prepare_batch, rng_state,
+                    sample_clients, seed_everything, set_rng_state,
+                    personalize)  # FedBABU: Algorithm 2 fine-tuning
 
 
 def parse_args():
@@ -122,20 +123,6 @@ def local_train(model, indices, data, args, lr, global_params):
         loss_sum += loss.detach() * len(batch)
         seen += len(batch)
     return loss_sum / max(seen, 1)
-
-
-def accumulate(total, state, weight):
-    """total += weight * state, entry by entry. Batch-norm running means and variances are averaged
-    with the same weights as the parameters (num_batches_tracked too; it only matters for momentum=None)."""
-    for k, v in state.items():
-        total[k] += weight * v.float()
-
-
-def client_weights(sizes, weighting):
-    """n_k / n over the sampled clients, or 1/m with --weighting uniform."""
-    sizes = torch.as_tensor(sizes, dtype=torch.float64)
-    w = torch.ones_like(sizes) if weighting == "uniform" else sizes
-    return (w / w.sum()).tolist()
 
 
 def shared_part(model, train_head):  # FedBABU

@@ -50,9 +50,10 @@ import torch.nn as nn  # FedLN: nn.Sequential to append FeatureNorm
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from common import (AUGMENTATIONS, FeatureNorm, Run, autocast, build_model, client_batches, evaluate,  # FedLN: FeatureNorm
-                    finish_args, load_data, lr_at, make_partition, prepare_batch, rng_state, sample_clients,
-                    seed_everything, set_rng_state)
+from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights,
+                    evaluate, finish_args, load_data, lr_at, make_partition, prepare_batch, rng_state,
+                    sample_clients, seed_everything, set_rng_state,
+                    FeatureNorm)  # FedLN: sqrt(d)-scaled feature normalization
 
 NORM_MODELS = ("normcnn", "resnet18", "resnet50")  # FedLN: models with normalization slots (--norm ln | gn | bn)
 
@@ -152,20 +153,6 @@ def local_train(model, indices, data, args, lr, global_params, correction=None):
     return loss_sum / max(seen, 1)
 
 
-def accumulate(total, state, weight):
-    """total += weight * state, entry by entry. Batch-norm running means and variances are averaged
-    with the same weights as the parameters (num_batches_tracked too; it only matters for momentum=None)."""
-    for k, v in state.items():
-        total[k] += weight * v.float()
-
-
-def client_weights(sizes, weighting):
-    """n_k / n over the sampled clients, or 1/m with --weighting uniform."""
-    sizes = torch.as_tensor(sizes, dtype=torch.float64)
-    w = torch.ones_like(sizes) if weighting == "uniform" else sizes
-    return (w / w.sum()).tolist()
-
-
 def scaffold_control(c_k, c, x, y, steps, lr):
     """FedLN: SCAFFOLD Option II (Karimireddy et al. 2020, Alg. 1), per parameter name:
     c_k+ = c_k - c + (x - y_k) / (K eta_l), with x the global and y_k the client's parameters."""
@@ -236,7 +223,7 @@ if __name__ == "__main__":
             client.load_state_dict(model.state_dict())
             correction = [server["c"][n] - server["c_k"][k][n] for n in names] if args.agg == "scaffold" else None  # FedLN
             train_loss += w * local_train(client, partition.train[k], data, args, lr, [p.detach() for p in model.parameters()], correction)  # FedLN: + correction
-            accumulate(total, client.state_dict(), w)
+            accumulate(total, client.state_dict(), w)  # batch-norm running statistics are averaged like weights
             if args.agg == "scaffold":  # FedLN: Option II update of c_k, and c's increment (Alg. 1)
                 c_new = scaffold_control(server["c_k"][k], server["c"], model.state_dict(), client.state_dict(), args.local_steps, lr)
                 for n in names:

@@ -40,9 +40,9 @@ import torch.nn as nn  # FedNNNN: module types for the conv / fc split
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from common import (AUGMENTATIONS, Run, autocast, build_model, client_batches, evaluate, finish_args,
-                    load_data, lr_at, make_partition, prepare_batch, rng_state, sample_clients,
-                    seed_everything, set_rng_state)
+from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights,
+                    evaluate, finish_args, load_data, lr_at, make_partition, prepare_batch, rng_state,
+                    sample_clients, seed_everything, set_rng_state)
 
 
 def parse_args():
@@ -120,20 +120,6 @@ def local_train(model, indices, data, args, lr, global_params):
         loss_sum += loss.detach() * len(batch)
         seen += len(batch)
     return loss_sum / max(seen, 1)
-
-
-def accumulate(total, state, weight):
-    """total += weight * state, entry by entry. Batch-norm running means and variances are averaged
-    with the same weights as the parameters (num_batches_tracked too; it only matters for momentum=None)."""
-    for k, v in state.items():
-        total[k] += weight * v.float()
-
-
-def client_weights(sizes, weighting):
-    """n_k / n over the sampled clients, or 1/m with --weighting uniform."""
-    sizes = torch.as_tensor(sizes, dtype=torch.float64)
-    w = torch.ones_like(sizes) if weighting == "uniform" else sizes
-    return (w / w.sum()).tolist()
 
 
 def param_kinds(model):  # FedNNNN
@@ -237,7 +223,7 @@ if __name__ == "__main__":
         for k, w in zip(clients, weights):
             client.load_state_dict(model.state_dict())
             train_loss += w * local_train(client, partition.train[k], data, args, lr, list(model.parameters()))
-            accumulate(total, client.state_dict(), w)
+            accumulate(total, client.state_dict(), w)  # batch-norm running statistics are averaged like weights
             client_sq.append(sq_norms(client.state_dict(), global_state, names))  # FedNNNN: Eq. 2
         client_sq = torch.stack(client_sq)  # FedNNNN: [m, T]
         w_t = {n: global_state[n] for n in names}  # FedNNNN

@@ -18,8 +18,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fedavg  # noqa: E402
-from common import (build_model, client_batches, load_data, make_partition, prepare_batch,  # noqa: E402
-                    sample_clients)
+from common import (accumulate, build_model, client_batches, client_weights, load_data, make_partition,  # noqa: E402
+                    prepare_batch, sample_clients)
 
 
 def parse_args():
@@ -53,12 +53,12 @@ def fl_rounds(model, client, partition, data, args, sampler, rounds):
     steps = 0
     for _ in range(rounds):
         clients = sample_clients(sampler, args.num_clients, args.frac)
-        weights = fedavg.client_weights([len(partition.train[k]) for k in clients], args.weighting)
+        weights = client_weights([len(partition.train[k]) for k in clients], args.weighting)
         total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items()}
         for k, w in zip(clients, weights):
             client.load_state_dict(model.state_dict())
             fedavg.local_train(client, partition.train[k], data, args, args.lr, [p.detach() for p in model.parameters()])
-            fedavg.accumulate(total, client.state_dict(), w)
+            accumulate(total, client.state_dict(), w)
             steps += len(list(client_batches(partition.train[k], args.batch_size, args.local_epochs)))
         model.load_state_dict(total)
     return steps

@@ -10,6 +10,8 @@ import time
 import pytest
 import torch
 
+import common
+
 import fedavg
 from helpers import ROOT, TINY, assert_same_model, metrics, run_batches, run_script, summary
 
@@ -20,16 +22,16 @@ def test_accumulate_is_the_weighted_average():
                "bn.num_batches_tracked": torch.tensor(4)},
               {"w": torch.tensor([[5., 6.], [7., 8.]]), "bn.running_mean": torch.tensor([3., 4., 2.]),
                "bn.num_batches_tracked": torch.tensor(8)}]
-    for state, w in zip(states, fedavg.client_weights([100, 300], "samples")):
-        fedavg.accumulate(total, state, w)
+    for state, w in zip(states, common.client_weights([100, 300], "samples")):
+        common.accumulate(total, state, w)
     assert torch.equal(total["w"], torch.tensor([[4., 5.], [6., 7.]]))  # 0.25 * a + 0.75 * b
     assert torch.equal(total["bn.running_mean"], torch.tensor([2.5, 3., 2.]))  # statistics averaged too
     assert total["bn.num_batches_tracked"] == 7
 
 
 def test_client_weights():
-    assert fedavg.client_weights([100, 300], "samples") == [0.25, 0.75]
-    assert fedavg.client_weights([100, 300, 50, 50], "uniform") == [0.25] * 4
+    assert common.client_weights([100, 300], "samples") == [0.25, 0.75]
+    assert common.client_weights([100, 300, 50, 50], "uniform") == [0.25] * 4
 
 
 def _one_step(prox_mu, lr=0.1):

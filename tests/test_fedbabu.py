@@ -5,6 +5,8 @@ import sys
 
 import pytest
 import torch
+
+import common
 import torch.nn as nn
 
 import fedbabu
@@ -59,11 +61,11 @@ def test_body_is_aggregated_exactly_and_head_kept():
     for m in (a, b):  # distinct running statistics, so that averaging the buffers is checked too
         m.train()(torch.randn(8, 3, 6, 6))
     head0 = sub(glob, "head")
-    weights = fedbabu.client_weights([100, 300], "samples")
+    weights = common.client_weights([100, 300], "samples")
     shared = fedbabu.shared_part(glob, False)
     total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in shared.state_dict().items()}
     for client, w in zip([a, b], weights):
-        fedbabu.accumulate(total, fedbabu.shared_part(client, False).state_dict(), w)
+        common.accumulate(total, fedbabu.shared_part(client, False).state_dict(), w)
     shared.load_state_dict(total)
     sa, sb, sg = a.body.state_dict(), b.body.state_dict(), glob.body.state_dict()
     assert not torch.equal(sa["1.running_mean"], sb["1.running_mean"])

@@ -22,7 +22,7 @@ def hand_round(seed, m=3, w=None, dtype=torch.float64):
         w = {n: torch.randn(s, generator=g, dtype=dtype) for n, s in SHAPES.items()}
     deltas = [{n: torch.randn(s, generator=g, dtype=dtype) for n, s in SHAPES.items()} for _ in range(m)]
     sizes = torch.randint(10, 100, (m,), generator=g)
-    weights = fednnnn.client_weights(sizes.tolist(), "samples")
+    weights = common.client_weights(sizes.tolist(), "samples")
     return w, deltas, weights, *aggregate(w, deltas, weights)
 
 
