@@ -20,14 +20,18 @@ CPU smoke test: python fedfn.py --dataset synthetic --model cnn --num-clients 10
 Choices the paper leaves open, made here: no weight decay (the FedBABU code base has none); the last
 batch of a local epoch may be short; F.normalize (norm clamped at 1e-12) so an all-zero ReLU feature
 stays zero instead of NaN; batch norm in vgg11 keeps no running statistics (FedBABU code base), other
-models' batch-norm running statistics are averaged like weights. The four factors use the features
-the head sees (f/||f|| with FN, f with --no-fn) for the class prototypes, and cosine similarity
-throughout (Section 3.1 wording). SCAFFOLD: option II control variates, server step 1, with the
-effective step count K' = (K - rho(1 - rho^K)/(1 - rho))/(1 - rho) for local momentum rho (the
-FedNTD code base of Table 2; K' = K without momentum). FedEXP: extrapolation on parameters only
-(batch-norm buffers averaged), client weights p_k in place of 1/M, and evaluation on the average of
-the last two global iterates (both as in Jhunjhunwala et al. 2023). FedFN-FT fine-tunes the full
-model for --ft-epochs epochs at 0.1 x --lr by default (Table 9) with common.personalize.
+models' batch-norm running statistics are averaged like weights. The four factors build the class
+prototypes from the features the head sees (f/||f|| with FN: the paper's normalized prototype; f with
+--no-fn) and use cosine similarity for all four. Factor 4 is a cosine in Section 3.1, while App. B.3
+says "inner product" in the loose notation it also uses for factor 2, whose stated range [-1, 1]
+implies normalized vectors; a raw inner product would not be comparable between FN and --no-fn either.
+SCAFFOLD: option II control variates, server step 1, with the effective step count
+K' = (K - rho(1 - rho^K)/(1 - rho))/(1 - rho) for local momentum rho (the FedNTD code base of Table 2;
+K' = K without momentum). FedEXP: Jhunjhunwala et al. 2023, Alg. 1, evaluated (as they report it) on
+the average of the last two global iterates; extrapolation on parameters only (batch-norm buffers
+averaged) and client weights p_k in place of 1/M (equal for the paper's balanced shards). FedFN-FT
+fine-tunes the full model for --ft-epochs epochs at 0.1 x --lr by default (Table 9) with
+common.personalize.
 """
 import argparse
 
@@ -242,7 +246,7 @@ if __name__ == "__main__":
             client.load_state_dict(model.state_dict())
             c_k = c_local.get(k, [torch.zeros_like(v) for v in x_old]) if scaffold else None  # FedFN
             correction = [c - ck for c, ck in zip(c_global, c_k)] if scaffold else None  # FedFN: c - c_i
-            loss, steps = local_train(client, partition.train[k], data, args, lr, list(model.parameters()), correction)  # FedFN
+            loss, steps = local_train(client, partition.train[k], data, args, lr, x_old, correction)  # FedFN: x_old = detached w_t
             train_loss += w * loss  # FedFN
             y = [v.detach() for v in client.parameters()]  # FedFN: y_i
             if scaffold:  # FedFN: c_i+ (option II) and the server's sum of delta c_i

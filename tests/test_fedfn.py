@@ -204,19 +204,22 @@ def test_bad_method_flags_exit_2(monkeypatch, capsys):
         assert e.value.code == 2, flags
     monkeypatch.setattr(sys, "argv", ["fedfn.py", "--dataset", "synthetic", "--device", "cpu", "--out", "x"])
     args = fedfn.parse_args()  # the paper's defaults
-    assert (args.model, args.shards, args.local_epochs, args.rounds, args.lr, args.lr_decay_at, args.augment,
-            args.fn, args.agg) == ("vgg11", 10, 15, 320, 0.03, [0.5, 0.75], "flip", True, "fedavg")
+    assert (args.model, args.num_clients, args.frac, args.shards, args.local_epochs, args.batch_size, args.rounds,
+            args.lr, args.momentum, args.weight_decay, args.lr_decay_at, args.lr_decay, args.augment, args.fn,
+            args.agg) == ("vgg11", 100, 0.1, 10, 15, 50, 320, 0.03, 0.9, 0.0, [0.5, 0.75], 0.1, "flip", True, "fedavg")
 
 
 # ---------------------------------------------------------------------------------------------
-# End to end: 8 subprocesses (each pays ~3-5 s of torch import, so every run proves several things).
+# End to end: 8 subprocesses; each costs ~6 s of CPU before it trains (importing torch, and torch._dynamo
+# at the first optimizer), so every run proves several things.
 # ---------------------------------------------------------------------------------------------
-# The 2NN MLP, 4 clients, all per round, 5 local steps; FN bounds the logits by ||theta_cls,c||, so it
-# wants a large lr early (the paper tunes it up too). --checkpoint-every 2 of 3 rounds leaves the round-2
-# checkpoint behind the finished run, so a later --resume in a fresh process redoes round 3 (at the
-# decayed lr) from it; evaluating every round makes a resume that restarted from scratch log duplicate rows.
+# The 2NN MLP, 4 clients, all per round, 2 local steps: ~0.8 accuracy after 3 rounds, so FedFN-FT has
+# something to gain (FN bounds the logits by ||theta_cls,c||, so it wants a large lr early; the paper
+# tunes it up too). --checkpoint-every 2 of 3 rounds leaves the round-2 checkpoint behind the finished
+# run, so a later --resume in a fresh process redoes round 3 (at the decayed lr) from it; evaluating
+# every round makes a resume that restarted from scratch log duplicate rows.
 E2E = ["--dataset", "synthetic", "--device", "cpu", "--model", "mlp", "--num-clients", "4", "--frac", "1",
-       "--shards", "5", "--local-steps", "5", "--batch-size", "32", "--rounds", "3", "--lr", "0.5",
+       "--shards", "5", "--local-steps", "2", "--batch-size", "32", "--rounds", "3", "--lr", "0.5",
        "--lr-decay-at", "0.75", "--checkpoint-every", "2", "--analyze", "--save-model"]
 # --no-fn vs fedavg.py: every shared code path on (momentum, weight decay, FedProx, crop-flip, lr decay,
 # per-client test sets); fedfn.py's own defaults differ, so all of them are passed.
@@ -267,7 +270,7 @@ def test_resumed_equals_uninterrupted_and_learns(runs, agg):
     untimed = lambda x: {k: v for k, v in x.items() if k not in ("elapsed_s", "wall_time_s")}
     assert all(math.isfinite(s[k]) for k in FACTORS) and untimed(s) == untimed(summary(resumed))
     if agg == "fedexp":
-        assert all(r["server_lr"] >= 1.0 for r in rows)
-    if agg == "fedavg":  # FedFN-FT: fine-tunes and evaluates with FN (same accuracy as the FN evaluation)
-        assert s["ft_acc_mean_before"] == pytest.approx(rows[-1]["client_test_acc_mean"])
-        assert s["ft_lr"] == pytest.approx(0.05) and 0 <= s["ft_acc_mean"] <= 1
+        assert all(r["server_lr"] >= 1.0 for r in rows) and any(r["server_lr"] > 1.1 for r in rows)
+    if agg == "fedavg":  # FedFN-FT: evaluates with FN (the same accuracy as the last evaluation) and helps
+        assert s["ft_acc_mean_before"] == pytest.approx(rows[-1]["client_test_acc_mean"]) and s["test_acc"] < 0.95
+        assert s["ft_acc_mean"] > s["ft_acc_mean_before"] + 0.1 and s["ft_lr"] == pytest.approx(0.05)
