@@ -40,9 +40,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from common import (AUGMENTATIONS, Run, autocast, build_model, client_batches, evaluate, finish_args,
-                    load_data, lr_at, make_partition, personalize, prepare_batch, rng_state, sample_clients,  # FedFN: personalize (FedFN-FT)
-                    seed_everything, set_rng_state)
+from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights,
+                    evaluate, finish_args, load_data, lr_at, make_partition, prepare_batch, rng_state,
+                    sample_clients, seed_everything, set_rng_state,
+                    personalize)  # FedFN: FedFN-FT (Appendix D.3)
 
 
 def parse_args():
@@ -134,20 +135,6 @@ def local_train(model, indices, data, args, lr, global_params, correction=None):
         seen += len(batch)
         steps += 1  # FedFN
     return loss_sum / max(seen, 1), steps  # FedFN: + K
-
-
-def accumulate(total, state, weight):
-    """total += weight * state, entry by entry. Batch-norm running means and variances are averaged
-    with the same weights as the parameters (num_batches_tracked too; it only matters for momentum=None)."""
-    for k, v in state.items():
-        total[k] += weight * v.float()
-
-
-def client_weights(sizes, weighting):
-    """n_k / n over the sampled clients, or 1/m with --weighting uniform."""
-    sizes = torch.as_tensor(sizes, dtype=torch.float64)
-    w = torch.ones_like(sizes) if weighting == "uniform" else sizes
-    return (w / w.sum()).tolist()
 
 
 def effective_steps(steps, momentum):  # FedFN: SCAFFOLD with heavy-ball momentum (FedNTD code, Table 2)
@@ -254,7 +241,7 @@ if __name__ == "__main__":
                 delta_c_sum = [a + d for a, d in zip(delta_c_sum, delta)]
             if fedexp:  # FedFN: ||Delta_i||^2 = ||w_t - y_i||^2
                 sq_norm_mean += w * sum((a - b).float().pow(2).sum() for a, b in zip(x_old, y))
-            accumulate(total, client.state_dict(), w)
+            accumulate(total, client.state_dict(), w)  # batch-norm running statistics are averaged like weights
         model.load_state_dict(total)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (casts back to each entry's dtype)
         if scaffold:  # FedFN: x <- x + (1/|S|) sum Delta y_i (server step 1, weighted as above); c update
             c_global = scaffold_server_update(c_global, delta_c_sum, args.num_clients)
