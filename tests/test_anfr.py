@@ -2,12 +2,11 @@
 DP-SGD clipping and accountant, CSI, and end-to-end runs (every --arch and --agg learns; resume is
 bitwise; FedPer/FedBN keep each client's parts; DP epsilon is logged).
 
-The end-to-end runs are launched once for the module, two subprocesses at a time."""
+The end-to-end runs are launched once for the module, in two processes at a time."""
 import json
 import math
 import os
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -16,10 +15,10 @@ import torch.nn.functional as F
 
 import anfr
 import common
-from helpers import assert_same_model, metrics, run_script, summary
+from helpers import assert_same_model, metrics, run_batches, run_script, summary
 
 TINY = ["--dataset", "synthetic", "--device", "cpu", "--depth", "18", "--width", "8", "--image-size", "16",
-        "--num-clients", "3", "--alpha", "1.0", "--rounds", "3", "--local-steps", "5", "--batch-size", "32", "--lr", "0.01"]
+        "--num-clients", "3", "--alpha", "1.0", "--rounds", "3", "--local-steps", "5", "--batch-size", "32", "--lr", "0.03"]
 CHANCE = 0.1
 
 
@@ -193,46 +192,32 @@ def _tamper(run_dir, client):
     torch.save(ckpt, path)
 
 
-def _group(tmp, name, flags, tamper=False, resume=True):
-    """A: uninterrupted; B: 1 round (--stop-after 1), then --resume B (if resume); T (if tamper): a copy of
-    B after round 1 with client 0's local parts shifted, resumed. Returns B's round-1 checkpoint."""
-    a, b, t = tmp / f"{name}_a", tmp / f"{name}_b", tmp / f"{name}_t"
-    run_script("anfr.py", *TINY, *flags, "--save-model", "--out", a)
-    run_script("anfr.py", *TINY, *flags, "--save-model", "--out", b, "--stop-after", "1")
-    ckpt1 = torch.load(os.path.join(b, "checkpoint.pt"), weights_only=False)
-    if tamper:
-        shutil.copytree(b, t)
-        _tamper(t, 0)
-        run_script("anfr.py", "--resume", t)
-    if resume:
-        run_script("anfr.py", "--resume", b)
-    return ckpt1
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every subprocess run of this file, two at a time."""
+    """Every end-to-end run of this file, in two processes at a time (helpers.run_batches: one torch
+    import per batch). X_a: uninterrupted; X_b: --stop-after 1, then --resume; X_t: a copy of X_b after
+    round 1 with client 0's FedPer/FedBN parts shifted by 0.5, then --resume."""
     tmp = tmp_path_factory.mktemp("anfr")
-    jobs = {f"arch_{arch}": (lambda arch=arch: run_script(
-        "anfr.py", *TINY, "--arch", arch, "--out", tmp / f"arch_{arch}",
-        *(["--analyze"] if arch == "se" else [])))
-        for arch in ("bn", "gn", "se", "nf", "anfr")}
-    jobs["agg_fedprox"] = lambda: run_script("anfr.py", *TINY, "--agg", "fedprox", "--out", tmp / "agg_fedprox")
-    jobs["agg_fedadam"] = lambda: run_script("anfr.py", *TINY, "--agg", "fedadam", "--server-lr", "0.03", "--out", tmp / "agg_fedadam")
-    jobs["scaffold"] = lambda: _group(tmp, "scaffold", ["--agg", "scaffold", "--attention", "cbam"])
-    # FedAvg with FedPer and DP-SGD: resume, local heads, accountant
-    jobs["fedper"] = lambda: _group(tmp, "fedper", ["--pfl", "fedper", "--attention", "eca", "--rounds", "2",
-                                                    "--dp-noise-multiplier", "0.8"], tamper=True, resume=True)
-    jobs["fedbn"] = lambda: _group(tmp, "fedbn", ["--arch", "se", "--pfl", "fedbn", "--rounds", "2", "--local-steps", "10"],
-                                   tamper=True, resume=False)
-    order = ["scaffold", "fedper", "fedbn", "arch_bn", "arch_gn", "arch_se", "arch_nf", "arch_anfr",
-             "agg_fedprox", "agg_fedadam"]  # the long chains first
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {k: pool.submit(jobs[k]) for k in order}
-        results = {k: f.result() for k, f in futures.items()}
+    cmd = lambda out, *flags: ["anfr.py", *TINY, *flags, "--out", str(tmp / out)]
+    arch = [cmd(f"arch_{a}", "--arch", a, *(["--analyze"] if a == "se" else []),
+                *(["--lr", "0.01"] if a == "gn" else [])) for a in ("bn", "gn", "se", "nf", "anfr")]  # GN wants a smaller lr
+    groups = {"scaffold": ["--agg", "scaffold", "--attention", "cbam"],
+              # FedAvg with FedPer and DP-SGD: resume, local heads, accountant
+              "fedper": ["--pfl", "fedper", "--attention", "eca", "--rounds", "2", "--dp-noise-multiplier", "0.8"],
+              "fedbn": ["--arch", "se", "--pfl", "fedbn", "--rounds", "2", "--local-steps", "10"]}
+    pairs = [x for g, f in groups.items() for x in (cmd(f"{g}_a", *f, "--save-model"),
+                                                     cmd(f"{g}_b", *f, "--save-model", "--stop-after", "1"))]
+    run_batches(arch + [cmd("agg_fedprox", "--agg", "fedprox")],
+                [cmd("agg_fedadam", "--agg", "fedadam", "--server-lr", "0.1")] + pairs)
+    ckpt1 = {g: torch.load(tmp / f"{g}_b" / "checkpoint.pt", weights_only=False) for g in groups}  # after round 1
+    for g in ("fedper", "fedbn"):
+        shutil.copytree(tmp / f"{g}_b", tmp / f"{g}_t")
+        _tamper(tmp / f"{g}_t", 0)
+    resume = lambda g: ["anfr.py", "--resume", str(tmp / g)]
+    run_batches([resume("scaffold_b"), resume("fedper_b")], [resume("fedper_t"), resume("fedbn_t")])
     for run in sorted(os.listdir(tmp)):  # shown with pytest -s
         print(run, [round(r["test_acc"], 3) for r in metrics(tmp / run)])
-    return tmp, results
+    return tmp, ckpt1
 
 
 @pytest.mark.parametrize("run", ["arch_bn", "arch_gn", "arch_se", "arch_nf", "arch_anfr",
@@ -272,8 +257,8 @@ def test_resume_equals_uninterrupted(runs, name):
 
 @pytest.mark.parametrize("name,kind", [("fedper", "head"), ("fedbn", "bn")])
 def test_pfl_keeps_local_parts_per_client(runs, name, kind):
-    tmp, results = runs
-    ckpt1 = results[name]  # after round 1
+    tmp, ckpt1 = runs
+    ckpt1 = ckpt1[name]  # after round 1
     a = torch.load(tmp / f"{name}_a" / "checkpoint.pt", weights_only=False)  # after round 2 (the last)
     t = torch.load(tmp / f"{name}_t" / "checkpoint.pt", weights_only=False)  # same, client 0's parts shifted after round 1
     keys = sorted(a["local"][0])
@@ -308,3 +293,12 @@ def test_bad_flags_name_the_flag(tmp_path):
     assert p.returncode == 2 and "--pfl fedbn" in p.stderr and "no batch norm" in p.stderr
     p = run_script("anfr.py", *TINY, "--arch", "se", "--dp-noise-multiplier", "1.0", "--out", tmp_path / "y", check=False)
     assert p.returncode == 2 and "--dp-noise-multiplier" in p.stderr and "batch norm" in p.stderr
+
+
+def test_init_from_loads_matching_entries(tmp_path):
+    src = common.resnet(3, 1000, 32, depth=18, width=4, norm="nf", attention="se")
+    torch.save(src.state_dict(), tmp_path / "w.pt")
+    dst = common.resnet(3, 10, 32, depth=18, width=4, norm="nf", attention="se")
+    loaded, total = anfr.load_pretrained(dst, str(tmp_path / "w.pt"))
+    assert total - loaded == 2  # the 1000-class head (weight, bias) is skipped, everything else copied
+    assert all(torch.equal(v, src.body.state_dict()[k]) for k, v in dst.body.state_dict().items())

@@ -1,0 +1,473 @@
+"""ANFR: An Architecture Built for Federated Learning: Addressing Data Heterogeneity through Adaptive
+Normalization-Free Feature Recalibration (Siomos et al., under review at ICML 2025).
+
+Idea: the method is the backbone, not the aggregation. ANFR = an NF-ResNet (Scaled Weight
+Standardization, Eq. 5: no activation normalization, so no client batch statistics to mismatch or
+average) plus channel attention (SE / ECA / CBAM) in the SE-ResNet position. It is compared with
+BN-, GN-, SE- and NF-ResNets (--arch, all options of the one ResNet in common.py) under FedAvg,
+FedProx, SCAFFOLD and FedAdam (--agg, Table 1), FedPer and FedBN (--pfl, Table 2), and DP-SGD (Sec. 4.3).
+
+Reproduce (CPU, synthetic data, about a minute):
+    python anfr.py --dataset synthetic --arch anfr --depth 18 --width 16 --rounds 10 --local-steps 10
+CIFAR-10 split-2 from scratch, Appendix B.3 / Table 9 (a GPU; --arch bn|gn|se|nf|anfr, --agg ...):
+    python anfr.py --dataset cifar10 --arch anfr --agg scaffold
+Measured results and hardware: README.md, "ANFR".
+
+Choices the paper leaves open, made here (README lists them): the from-scratch CIFAR-10 recipe of
+Appendix B.3 (split-2, 5 clients, all every round, 100 rounds of 1 epoch, batch 32, AdamW lr 1e-3,
+weight decay 0.01 (PyTorch's default), cosine decay, clipping 1.0) but 32x32 inputs with the CIFAR
+stem (the paper resizes to 224 with the ImageNet stem: --image-size 224 --stem imagenet) and
+crop+flip instead of random-resized crops. Each client keeps its AdamW state and its cosine
+scheduler position (its step counter; the schedule spans rounds x its steps per round) between rounds
+(Appendix A.2). No validation-based early stopping: the final round is reported (as Table 11).
+pFL accuracy is the final round's mean over clients on per-client test splits (the paper: best local
+models). FedAdam: beta1 0.9, beta2 0.99, tau 1e-3, server lr 1e-3; SCAFFOLD: option II with the
+correction applied after each AdamW step (as NVFlare, which the paper used). DP-SGD: Poisson sampling
+of rate B/|D_i| (as Opacus), RDP accountant written here. Batch-norm running statistics are averaged
+like weights (FedBN keeps them local).
+"""
+import argparse
+import math
+import os
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.func import functional_call, grad_and_value, vmap  # ANFR: per-sample gradients for DP-SGD
+from tqdm import tqdm
+
+from common import (AUGMENTATIONS, Run, autocast, build_model, client_batches, client_weights, evaluate, finish_args,
+                    load_data, make_partition, prepare_batch, rng_state, sample_clients,
+                    seed_everything, set_rng_state)
+
+ARCHS = {"bn": ("bn", False), "gn": ("gn", False), "se": ("bn", True), "nf": ("nf", False), "anfr": ("nf", True)}  # ANFR: --arch -> (norm, attention?)
+DP_ORDERS = [1 + x / 10 for x in range(1, 100)] + list(range(12, 64))  # ANFR: Renyi orders (those of Opacus)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", default="cifar10", help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | synthetic")
+    g.add_argument("--data-dir", default="./data", help="download folder, or the image folder (train/<class>/*, test/<class>/*) for --dataset folder")
+    g.add_argument("--augment", default="crop-flip", choices=AUGMENTATIONS, help="on-device augmentation of training batches (at the stored size)")
+    g.add_argument("--image-size", type=int, default=None, help="ANFR: resize every batch to this size after augmentation (the paper: 224; default: keep)")  # ANFR
+    g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2)")
+    g.add_argument("--iid", action="store_true", help="uniform random split")
+    g.add_argument("--shards", type=int, default=None, help="S: sort by label, N*S shards, S per client")
+    g.add_argument("--classes-per-client", type=int, default=None, help="C: each client holds C classes, each class split evenly among its holders")
+    g.add_argument("--alpha", type=float, default=None, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
+    g.add_argument("--split2", action="store_true", help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each; the default, Appendix A.1)")
+    g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes: equal, or power law (unbalanced)")
+    g.add_argument("--client-test", action="store_true", help="also evaluate on per-client test sets with each client's label distribution (always on with --pfl)")
+    g.add_argument("--data-seed", type=int, default=None, help="seed of the partition (default: --seed); client sampling uses --seed")
+    g = p.add_argument_group("federation")
+    g.add_argument("--num-clients", type=int, default=5, help="C: number of clients (split-2: 5)")  # ANFR
+    g.add_argument("--frac", type=float, default=1.0, help="fraction of clients sampled per round, in (0, 1] (paper: all)")  # ANFR
+    g.add_argument("--rounds", type=int, default=100, help="T: communication rounds (Appendix A.1: 100)")  # ANFR
+    g.add_argument("--local-epochs", type=int, default=1, help="E: local epochs per round (Appendix A.1: 1)")  # ANFR
+    g.add_argument("--local-steps", type=int, default=None, help="local steps per round instead of --local-epochs")
+    g.add_argument("--batch-size", type=int, default=32, help="B: local batch size (Appendix A.1: 32)")  # ANFR
+    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"], help="aggregation weights: n_k/n, or 1/m")
+    g.add_argument("--agg", default="fedavg", choices=["fedavg", "fedprox", "scaffold", "fedadam"], help="ANFR: aggregation method (Table 1)")  # ANFR
+    g.add_argument("--pfl", default="none", choices=["none", "fedper", "fedbn"], help="ANFR: personalization (Table 2): FedPer keeps each head local, FedBN each batch norm")  # ANFR
+    g = p.add_argument_group("model (the one ResNet of common.py)")
+    g.add_argument("--arch", default="anfr", choices=list(ARCHS), help="ANFR: bn | gn (group norm) | se (bn + attention) | nf (NF-ResNet, Eq. 5) | anfr (nf + attention)")  # ANFR
+    g.add_argument("--depth", type=int, default=50, choices=[18, 26, 50], help="ANFR: ResNet depth (18: basic blocks; 26, 50: bottlenecks; paper: 50)")  # ANFR
+    g.add_argument("--width", type=int, default=64, help="ANFR: base channel count (64 = standard ResNet)")  # ANFR
+    g.add_argument("--stem", default="cifar", choices=["cifar", "imagenet"], help="ANFR: conv3x3 stem for 32x32 inputs, or conv7x7 + max-pool (paper, at 224)")  # ANFR
+    g.add_argument("--attention", default="se", choices=["se", "eca", "cbam"], help="ANFR: channel attention of --arch se and anfr (Table 5); SE reduction r=16")  # ANFR
+    g.add_argument("--init-from", default=None, metavar="PATH", help="ANFR: start from this state dict (entries whose name and shape match; the paper: ImageNet weights)")  # ANFR
+    g = p.add_argument_group("optimization")
+    g.add_argument("--lr", type=float, default=1e-3, help="eta: local AdamW learning rate, cosine-decayed over the run (Appendix B.3: 1e-3)")  # ANFR
+    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW decoupled weight decay (not given in the paper; PyTorch's default)")  # ANFR
+    g.add_argument("--clip", type=float, default=1.0, help="ANFR: local gradient-norm clipping (Appendix A.1: 1.0; 0 = off)")  # ANFR
+    g.add_argument("--prox-mu", type=float, default=0.01, help="mu: FedProx proximal term mu/2 ||w - w_t||^2 with --agg fedprox (tuned in {1e-3, 1e-2, ...})")  # ANFR
+    g.add_argument("--server-lr", type=float, default=1e-3, help="ANFR: FedAdam server learning rate eta (Appendix A.2 range 5e-4..1e-1)")  # ANFR
+    g.add_argument("--server-betas", type=float, nargs=2, default=[0.9, 0.99], help="ANFR: FedAdam beta1 beta2 (Reddi et al. 2021)")  # ANFR
+    g.add_argument("--server-tau", type=float, default=1e-3, help="ANFR: FedAdam adaptivity tau (Reddi et al. 2021)")  # ANFR
+    g = p.add_argument_group("differential privacy (Section 4.3)")
+    g.add_argument("--dp-noise-multiplier", type=float, default=None, help="ANFR: sigma; enables DP-SGD on clients (paper: 1.1); architectures without batch norm only")  # ANFR
+    g.add_argument("--dp-max-grad-norm", type=float, default=1.0, help="ANFR: C, per-sample gradient norm bound of DP-SGD (paper: 1.0)")  # ANFR
+    g = p.add_argument_group("run")
+    g.add_argument("--seed", type=int, default=0, help="seed of model init, client sampling and local shuffling")
+    g.add_argument("--device", default=None, help="cuda if available, else cpu")
+    g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes (not with DP)")
+    g.add_argument("--eval-every", type=int, default=1, help="evaluate every this many rounds (and at the last)")
+    g.add_argument("--checkpoint-every", type=int, default=None, help="write checkpoint.pt every this many rounds (default: at each evaluation)")
+    g.add_argument("--analyze", action="store_true", help="ANFR: class selectivity index and attention-weight spread of the last attention module (Sec. 3.4) in summary.json")  # ANFR
+    g.add_argument("--out", default=None, help="run folder (default runs/anfr__<dataset>__<seed>__<time>)")
+    g.add_argument("--save-model", action="store_true", help="write the final global state_dict to OUT/model.pt")
+    g.add_argument("--resume", default=None, metavar="DIR", help="continue the interrupted run in DIR (its config.json is used)")
+    g.add_argument("--stop-after", type=int, default=None, help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
+    p.set_defaults(model="resnet")  # ANFR: common.resnet with the options of --arch
+    args = p.parse_args()
+    args.client_test = args.client_test or args.pfl != "none"  # ANFR: pFL is evaluated on per-client test sets
+    args = finish_args(p, args, "anfr", default_partition=("split2", True))  # ANFR
+    if not args.resume:  # ANFR: checks of this script's flags
+        has_bn = ARCHS[args.arch][0] == "bn"
+        if args.pfl == "fedbn" and not has_bn:
+            p.error(f"--pfl fedbn: --arch {args.arch} has no batch norm to keep local; use --arch bn or se, or --pfl fedper")
+        if args.dp_noise_multiplier is not None and has_bn:
+            p.error(f"--dp-noise-multiplier: DP-SGD needs per-sample gradients, which batch norm (--arch {args.arch}) mixes; use --arch gn, nf or anfr")
+        if args.dp_noise_multiplier is not None and (args.dp_noise_multiplier < 0 or args.dp_max_grad_norm <= 0):
+            p.error("--dp-noise-multiplier: needs sigma >= 0 and --dp-max-grad-norm > 0")
+        if args.agg == "fedprox" and args.prox_mu <= 0:
+            p.error(f"--prox-mu: --agg fedprox needs mu > 0, got {args.prox_mu}")
+        if args.init_from is not None and not os.path.isfile(args.init_from):
+            p.error(f"--init-from: no file {args.init_from}")
+        if args.width < 1 or (args.image_size is not None and args.image_size < 8):
+            p.error("--width / --image-size: must be >= 1 / >= 8")
+    return args
+
+
+def build(args, data):  # ANFR: the architecture of --arch from the one ResNet in common.py
+    norm, attention = ARCHS[args.arch]
+    return build_model("resnet", data, depth=args.depth, width=args.width, norm=norm, stem=args.stem,
+                       attention=args.attention if attention else None)
+
+
+def resize(x, size):  # ANFR: --image-size
+    return x if size is None or x.shape[-1] == size else F.interpolate(x, size=(size, size), mode="bilinear", antialias=True)
+
+
+def load_pretrained(model, path):  # ANFR: --init-from
+    """Copy the entries of the state dict at `path` whose name and shape match (e.g. not a 1000-class head)."""
+    src = torch.load(path, map_location="cpu", weights_only=False)
+    src = src.get("model", src) if isinstance(src.get("model", None), dict) else src  # a checkpoint.pt works too
+    own = model.state_dict()
+    match = {k: v for k, v in src.items() if k in own and own[k].shape == v.shape}
+    model.load_state_dict(match, strict=False)
+    return len(match), len(own)
+
+
+def cosine_lr(lr, step, total):  # ANFR: cosine decay over the run, at the client's own step counter
+    return lr * 0.5 * (1 + math.cos(math.pi * min(step, total) / max(total, 1)))
+
+
+def steps_per_round(n, args):  # ANFR: the length of one client's local run (for its cosine schedule)
+    if args.local_steps is not None:
+        return args.local_steps
+    if args.dp_noise_multiplier is not None:
+        return args.local_epochs * max(1, round(n / args.batch_size))  # Poisson batches: 1/q steps per epoch
+    return args.local_epochs * (math.ceil(n / args.batch_size) - (1 if n > 1 and n % args.batch_size == 1 else 0))
+
+
+def poisson_batches(indices, q, steps):  # ANFR: DP-SGD sampling: each sample joins each batch w.p. q
+    for _ in range(steps):
+        yield indices[torch.rand(len(indices), device=indices.device) < q]
+
+
+def personal_keys(model, pfl):  # ANFR: the state-dict entries each client keeps and the server never averages
+    """FedPer (Arivazhagan et al. 2019): the head, found as model.head; FedBN (Li et al. 2021): every entry
+    (weight, bias, running mean/var, count) of every batch-norm module."""
+    if pfl == "fedper":
+        return {"head." + k for k in model.head.state_dict()}
+    if pfl == "fedbn":
+        return {f"{name}.{k}" for name, m in model.named_modules()
+                if isinstance(m, nn.modules.batchnorm._BatchNorm) for k in m.state_dict()}
+    return set()
+
+
+def clip_per_sample(grads, max_norm):  # ANFR: DP-SGD clipping (Abadi et al. 2016), factor as Opacus
+    """grads: {name: [B, ...]}; each sample's gradient (over all tensors) scaled to norm <= max_norm."""
+    norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in grads.values()))
+    factor = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    return {n: g * factor.view(-1, *[1] * (g.dim() - 1)) for n, g in grads.items()}
+
+
+def dp_gradients(model, x, y, sigma, max_norm, expected_batch):  # ANFR: DP-SGD step gradient into p.grad
+    """Per-sample gradients with torch.func, clipped to C, summed, plus N(0, sigma^2 C^2) noise, divided by the
+    expected batch size q|D_i| (as Opacus). Returns the batch's mean loss."""
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    buffers = dict(model.named_buffers())
+
+    def loss_one(prm, xi, yi):
+        return F.cross_entropy(functional_call(model, (prm, buffers), (xi[None],)), yi[None])
+
+    if len(y) > 0:
+        grads, losses = vmap(grad_and_value(loss_one), in_dims=(None, 0, 0))(params, x, y)
+        summed = {n: g.sum(0) for n, g in clip_per_sample(grads, max_norm).items()}
+    else:  # an empty Poisson batch: noise only
+        summed, losses = {n: torch.zeros_like(p) for n, p in params.items()}, torch.zeros(1, device=y.device)
+    for n, p in model.named_parameters():
+        p.grad = (summed[n] + sigma * max_norm * torch.randn_like(p)) / expected_batch
+    return losses.mean().detach()
+
+
+def _log_add(a, b):
+    if a == -math.inf:
+        return b
+    return max(a, b) + math.log1p(math.exp(-abs(a - b)))
+
+
+def _log_sub(a, b):  # log(exp(a) - exp(b)), a >= b
+    return a if b == -math.inf else (-math.inf if a == b else a + math.log1p(-math.exp(b - a)))
+
+
+def _log_erfc(x):
+    r = math.erfc(x)
+    return math.log(r) if r > 0 else -x * x - math.log(x) - 0.5 * math.log(math.pi) + math.log1p(-0.5 / x ** 2 + 0.75 / x ** 4)
+
+
+def rdp_subsampled_gaussian(q, sigma, alpha):  # ANFR: Renyi DP of one DP-SGD step
+    """RDP at order alpha of the Gaussian mechanism (noise sigma) on a Poisson subsample of rate q
+    (Mironov, Talwar & Zhang 2019, Sec. 3.3): log(A_alpha) / (alpha - 1), A_alpha = E_{z~mu0}[(mu(z)/mu0(z))^alpha],
+    mu = (1-q) mu0 + q mu1; integer alpha by the binomial sum, fractional alpha by their two-series formula."""
+    if q == 0:
+        return 0.0
+    if sigma == 0:
+        return math.inf
+    if q == 1:
+        return alpha / (2 * sigma ** 2)
+    if float(alpha).is_integer():  # A = sum_k C(a,k) (1-q)^(a-k) q^k exp((k^2 - k) / (2 sigma^2))
+        log_a = -math.inf
+        for k in range(int(alpha) + 1):
+            log_a = _log_add(log_a, math.log(math.comb(int(alpha), k)) + k * math.log(q) + (alpha - k) * math.log(1 - q)
+                             + (k * k - k) / (2 * sigma ** 2))
+        return log_a / (alpha - 1)
+    log_a0, log_a1, k, coef = -math.inf, -math.inf, 0, 1.0  # coef = binom(alpha, k), generalized
+    z0 = sigma ** 2 * math.log(1 / q - 1) + 0.5
+    while True:
+        j = alpha - k
+        log_coef = math.log(abs(coef))
+        log_s0 = log_coef + k * math.log(q) + j * math.log(1 - q) + (k * k - k) / (2 * sigma ** 2) \
+            + math.log(0.5) + _log_erfc((k - z0) / (math.sqrt(2) * sigma))
+        log_s1 = log_coef + j * math.log(q) + k * math.log(1 - q) + (j * j - j) / (2 * sigma ** 2) \
+            + math.log(0.5) + _log_erfc((z0 - j) / (math.sqrt(2) * sigma))
+        if coef > 0:
+            log_a0, log_a1 = _log_add(log_a0, log_s0), _log_add(log_a1, log_s1)
+        else:
+            log_a0, log_a1 = _log_sub(log_a0, log_s0), _log_sub(log_a1, log_s1)
+        coef *= (alpha - k) / (k + 1)
+        k += 1
+        if max(log_s0, log_s1) < -30:
+            return _log_add(log_a0, log_a1) / (alpha - 1)
+
+
+def dp_epsilon(q, sigma, steps, delta, orders=DP_ORDERS):  # ANFR: the accountant's epsilon
+    """epsilon at delta after `steps` compositions: min over orders of RDP -> (eps, delta)-DP with the
+    conversion of Balle et al. 2020 (as Opacus): eps = R - (log delta + log a)/(a - 1) + log((a - 1)/a)."""
+    if steps == 0:
+        return 0.0
+    a = np.array(orders, dtype=float)
+    rdp = steps * np.array([rdp_subsampled_gaussian(q, sigma, o) for o in orders])
+    eps = rdp - (np.log(delta) + np.log(a)) / (a - 1) + np.log((a - 1) / a)
+    return float(np.nanmin(eps))
+
+
+def scaffold_control(c_i, c, x, y, lr_sum):  # ANFR: SCAFFOLD (Karimireddy et al. 2020) Eq. 4, option II
+    """c_i+ = c_i - c + (x - y_i) / (K eta); with a decaying lr, K eta = the sum of the K step sizes."""
+    return {n: c_i[n] - c[n] + (x[n] - y[n]) / lr_sum for n in c_i}
+
+
+def fedadam_step(x, delta, m, v, lr, betas, tau):  # ANFR: FedAdam (Reddi et al. 2021, Algorithm 2)
+    """m = b1 m + (1-b1) Delta; v = b2 v + (1-b2) Delta^2; x + lr m / (sqrt(v) + tau). m, v updated in place."""
+    for n in delta:
+        m[n].mul_(betas[0]).add_(delta[n], alpha=1 - betas[0])
+        v[n].mul_(betas[1]).addcmul_(delta[n], delta[n], value=1 - betas[1])
+    return {n: x[n] + lr * m[n] / (v[n].sqrt() + tau) for n in delta}
+
+
+def class_selectivity(mean_act):  # ANFR: CSI (Morcos et al. 2018), Section 3.4
+    """mean_act [classes, channels] (non-negative): (mu_max - mu_-max) / (mu_max + mu_-max) per channel."""
+    mu_max = mean_act.max(0).values
+    mu_rest = (mean_act.sum(0) - mu_max) / (mean_act.shape[0] - 1)
+    return (mu_max - mu_rest) / (mu_max + mu_rest).clamp_min(1e-12)
+
+
+@torch.no_grad()
+def analyze(model, data, image_size, batch_size=500):  # ANFR: --analyze, on the test set (Section 3.4, Figs. 2-3)
+    """CSI of the channels after the last attention module (the ReLU'd features that feed the head) and
+    the spread of that module's channel weights over channels and classes."""
+    model.eval()
+    attn = [m for m in model.body.modules() if hasattr(m, "weights")]  # SE / ECA / CBAM modules, in order
+    seen = []
+    hook = attn[-1].register_forward_hook(lambda m, inp, out: seen.append(m.weights(inp[0]).flatten(1))) if attn else None
+    k = data.num_classes
+    act, wts, count = 0, 0, torch.zeros(k, device=data.y_test.device)
+    for i in range(0, len(data.x_test), batch_size):
+        x, y = resize(prepare_batch(data.x_test[i:i + batch_size], data), image_size), data.y_test[i:i + batch_size]
+        onehot = F.one_hot(y, k).float().T  # [k, B]
+        act = act + onehot @ model.body(x).float()
+        wts = wts + (onehot @ seen.pop().float() if attn else 0)
+        count += onehot.sum(1)
+    if hook:
+        hook.remove()
+    csi = class_selectivity(act / count[:, None].clamp_min(1))
+    out = {"csi_mean": csi.mean().item(), "csi_median": csi.median().item(), "csi_frac_above_0.75": (csi > 0.75).float().mean().item(),
+           "csi_hist": torch.histc(csi, 10, 0, 1).tolist()}
+    if attn:
+        w = wts / count[:, None].clamp_min(1)  # [classes, channels] class-mean attention weights
+        out.update({"attn_weight_mean": w.mean().item(), "attn_std_over_channels": w.std(1).mean().item(),
+                    "attn_std_over_classes": w.std(0).mean().item(), "attn_weight_min": w.min().item(), "attn_weight_max": w.max().item()})
+    return out
+
+
+def local_train(model, opt, batches, data, args, first_step, total, prox_pairs, correction, dp_batch=None):
+    """Local AdamW steps continuing the client's optimizer and cosine schedule; FedProx pulls the shared
+    parameters to w_t (`prox_pairs`: (w, w_t)); SCAFFOLD `correction` (params, c - c_i) is applied after
+    each step. Returns (mean training loss, steps taken, sum of step lrs)."""
+    model.train()
+    loss_sum = torch.zeros((), device=args.device)
+    step, lr_sum, seen = first_step, 0.0, 0
+    for batch in batches:
+        lr = cosine_lr(args.lr, step, total)  # ANFR: the client's own scheduler (Appendix A.2)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        x, y = resize(prepare_batch(data.x_train[batch], data, args.augment), args.image_size), data.y_train[batch]
+        if args.dp_noise_multiplier is None:
+            with autocast(args.device, args.amp):
+                loss = F.cross_entropy(model(x).float(), y)
+            if args.agg == "fedprox":  # FedProx: + mu/2 ||w - w_t||^2 (Li et al. 2020, Eq. 2)
+                loss = loss + args.prox_mu / 2 * sum((w - w0).pow(2).sum() for w, w0 in prox_pairs)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if args.clip > 0:  # ANFR: gradient-norm clipping (Appendix A.1)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        else:  # ANFR: DP-SGD (Section 4.3); the proximal term touches no data, so it is added after the noise
+            loss = dp_gradients(model, x, y, args.dp_noise_multiplier, args.dp_max_grad_norm, dp_batch)  # dp_batch = q |D_i|
+            if args.agg == "fedprox":
+                for w, w0 in prox_pairs:
+                    w.grad += args.prox_mu * (w.detach() - w0)
+        opt.step()
+        if correction is not None:  # ANFR: SCAFFOLD y <- y - lr (c - c_i) (Karimireddy et al. 2020, Eq. 3)
+            with torch.no_grad():
+                for p, d in zip(*correction):
+                    p.sub_(lr * d)
+        loss_sum += loss.detach() * len(batch)
+        seen, step, lr_sum = seen + len(batch), step + 1, lr_sum + lr
+    return loss_sum / max(seen, 1), step - first_step, lr_sum
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    seed_everything(args.seed)
+    data = load_data(args)
+    partition = make_partition(args, data)  # uses its own generator seeded by --data-seed
+    run = Run(args, "anfr")
+    run.write_partition(partition, data)
+    model = build(args, data).to(args.device)  # the global model w_t  # ANFR
+    client = build(args, data).to(args.device)  # one client model, reloaded for every client  # ANFR
+    if args.init_from and not args.resume:  # ANFR
+        print("--init-from: loaded %d of %d entries" % load_pretrained(model, args.init_from))
+    sampler = np.random.default_rng(args.seed)  # client sampling, independent of the partition
+    sizes = [len(p) for p in partition.train]
+    n_clients = len(sizes)
+    # ANFR: per-client state kept between rounds: AdamW state, scheduler position, FedPer/FedBN parts, SCAFFOLD c_i, DP steps
+    opts = [torch.optim.AdamW(client.parameters(), lr=args.lr, weight_decay=args.weight_decay) for _ in range(n_clients)]
+    total_steps = [args.rounds * steps_per_round(n, args) for n in sizes]
+    client_steps, dp_steps = [0] * n_clients, [0] * n_clients
+    local_keys = personal_keys(model, args.pfl)
+    local = [None] * n_clients
+    shared = [k for k in model.state_dict() if k not in local_keys]  # averaged entries (BN running stats too)
+    shared_params = [n for n, _ in model.named_parameters() if n not in local_keys]
+    zeros = lambda: {n: torch.zeros_like(p, dtype=torch.float) for n, p in model.named_parameters() if n in shared_params}
+    c, c_i = (zeros(), [None] * n_clients) if args.agg == "scaffold" else (None, None)  # ANFR: SCAFFOLD controls
+    m, v = (zeros(), zeros()) if args.agg == "fedadam" else (None, None)  # ANFR: FedAdam moments
+    start = 0
+    if args.resume:
+        ckpt = run.load_checkpoint()
+        model.load_state_dict(ckpt["model"])
+        set_rng_state(ckpt["rng"], sampler)
+        for opt, state in zip(opts, ckpt["opts"]):  # ANFR: the clients' AdamW states
+            opt.load_state_dict(state)
+        client_steps, dp_steps, local = ckpt["client_steps"], ckpt["dp_steps"], ckpt["local"]  # ANFR
+        c, c_i, m, v = ckpt["c"], ckpt["c_i"], ckpt["m"], ckpt["v"]  # ANFR
+        start = ckpt["round"]
+
+    def checkpoint(rounds_done):
+        run.save_checkpoint(rounds_done, {"model": model.state_dict(), "rng": rng_state(sampler),  # ANFR: + all client/server state
+                                          "opts": [o.state_dict() for o in opts], "client_steps": client_steps,
+                                          "dp_steps": dp_steps, "local": local, "c": c, "c_i": c_i, "m": m, "v": v})
+
+    def load_client(k):  # ANFR: w_t, then client k's own FedPer/FedBN entries
+        client.load_state_dict(model.state_dict())
+        if local[k] is not None:
+            client.load_state_dict(local[k], strict=False)
+
+    metrics = {}
+    bar = tqdm(range(start, args.rounds), initial=start, total=args.rounds, desc="anfr", unit="round")
+    for rnd in bar:
+        clients = sample_clients(sampler, args.num_clients, args.frac)
+        weights = client_weights([sizes[k] for k in clients], args.weighting)
+        total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items() if k in shared}
+        dc_sum = zeros() if c is not None else None
+        train_loss = torch.zeros((), device=args.device)
+        x_params = {n: p.detach().clone() for n, p in model.named_parameters() if n in shared_params}
+        for k, w in zip(clients, weights):
+            load_client(k)
+            if args.dp_noise_multiplier is None:
+                batches = client_batches(partition.train[k], args.batch_size, args.local_epochs, args.local_steps)
+            else:  # ANFR: Poisson sampling of rate q = B / |D_i|
+                batches = poisson_batches(partition.train[k], min(1.0, args.batch_size / sizes[k]), steps_per_round(sizes[k], args))
+            correction, named, global_named = None, dict(client.named_parameters()), dict(model.named_parameters())
+            prox_pairs = [(named[n], global_named[n].detach()) for n in shared_params]  # FedProx: not the local parts
+            if c is not None:  # ANFR: SCAFFOLD
+                c_k = c_i[k] if c_i[k] is not None else zeros()
+                correction = ([named[n] for n in shared_params], [c[n] - c_k[n] for n in shared_params])
+            loss, steps, lr_sum = local_train(client, opts[k], batches, data, args, client_steps[k], total_steps[k],
+                                              prox_pairs, correction, dp_batch=min(args.batch_size, sizes[k]))
+            client_steps[k] += steps
+            dp_steps[k] += steps if args.dp_noise_multiplier is not None else 0
+            train_loss += w * loss
+            state = client.state_dict()
+            for key in shared:
+                total[key] += w * state[key].float()
+            if local_keys:  # ANFR: FedPer / FedBN: these entries stay with client k
+                local[k] = {key: state[key].clone() for key in local_keys}
+            if c is not None:  # ANFR: SCAFFOLD c_i+ (Eq. 4), and its change for the server
+                new = scaffold_control(c_k, c, x_params, {n: state[n].float() for n in shared_params}, max(lr_sum, 1e-12))
+                for n in shared_params:
+                    dc_sum[n] += new[n] - c_k[n]
+                c_i[k] = new
+        if args.agg == "fedadam":  # ANFR: Delta = sum_k w_k y_k - x; parameters by server Adam, BN statistics averaged
+            total.update(fedadam_step(x_params, {n: total[n] - x_params[n] for n in shared_params}, m, v,
+                                      args.server_lr, args.server_betas, args.server_tau))
+        model.load_state_dict(total, strict=False)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (SCAFFOLD: eta_g = 1); local entries untouched
+        if c is not None:  # ANFR: SCAFFOLD c <- c + 1/N sum_{i in S} (c_i+ - c_i) (Eq. 5)
+            for n in shared_params:
+                c[n] += dc_sum[n] / n_clients
+        train_loss = train_loss.item()
+        if not np.isfinite(train_loss):
+            run.diverged(rnd + 1, train_loss)
+
+        if (rnd + 1) % args.eval_every == 0 or rnd + 1 == args.rounds:
+            model.eval()
+            fwd = lambda net: (lambda x: net(resize(x, args.image_size)))  # ANFR: --image-size
+            eval_bs = 2000 if (args.image_size or data.image_size) <= 64 else 200
+            acc, loss = evaluate(fwd(model), data.x_test, data.y_test, data, batch_size=eval_bs, amp=args.amp)
+            lr_now = cosine_lr(args.lr, client_steps[clients[0]], total_steps[clients[0]])
+            metrics = {"round": rnd + 1, "test_acc": acc, "test_loss": loss, "train_loss": train_loss, "lr": lr_now}
+            if partition.test is not None:
+                accs = []
+                for k, t in enumerate(partition.test):
+                    net = model
+                    if local_keys:  # ANFR: personalized model of client k
+                        load_client(k)
+                        client.eval()
+                        net = client
+                    accs.append(evaluate(fwd(net), data.x_test[t], data.y_test[t], data, batch_size=eval_bs, amp=args.amp)[0])
+                metrics["client_test_acc_mean"] = float(np.mean(accs))
+                metrics["client_test_acc"] = accs
+                if local_keys:  # ANFR: pFL reports the personalized models (the global one lacks the local parts)
+                    metrics["global_test_acc"], metrics["test_acc"] = acc, float(np.mean(accs))
+            if args.dp_noise_multiplier is not None:  # ANFR: epsilon at delta = 0.1/|D_i| for each client
+                eps = [dp_epsilon(min(1.0, args.batch_size / n), args.dp_noise_multiplier, s, 0.1 / n) for n, s in zip(sizes, dp_steps)]
+                metrics["dp_epsilon"], metrics["dp_epsilon_max"] = eps, max(eps)
+            metrics = run.log(metrics)
+            bar.set_postfix(acc=f"{metrics['test_acc']:.4f}", loss=f"{train_loss:.3f}")
+            if args.checkpoint_every is None:
+                checkpoint(rnd + 1)
+        if args.checkpoint_every is not None and (rnd + 1) % args.checkpoint_every == 0:
+            checkpoint(rnd + 1)
+        if run.stop_requested or (args.stop_after is not None and rnd + 1 - start >= args.stop_after):
+            if rnd + 1 < args.rounds:
+                checkpoint(rnd + 1)
+                bar.close()
+                print(f"stopped after round {rnd + 1}; continue with: python anfr.py --resume {run.dir}")
+                raise SystemExit(130 if run.stop_requested else 0)
+    bar.close()
+    extra = {"analysis": analyze(model, data, args.image_size)} if args.analyze else {}  # ANFR: global model (Sec. 3.4)
+    summary = run.finish({"final_round": args.rounds, **{k: v for k, v in metrics.items() if k != "round"}, **extra}, model)
+    print(f"final test accuracy {summary['test_acc']:.4f} after {args.rounds} rounds; outputs in {run.dir}")
