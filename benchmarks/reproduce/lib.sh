@@ -1,0 +1,83 @@
+# Shared by benchmarks/reproduce/*.sh (sourced, not run). Each claim script calls `setup "$@"` and
+# then `run CLAIM VARIANT SCRIPT FLAGS...` once per compared variant.
+#
+# Environment:
+#   DATA_DIR  unpacked CIFAR-10 image folder (train/<class>/*, test/<class>/*); required unless DRY_RUN=1
+#   SEEDS     seeds to run, default "0 1 2" (each seed also seeds the partition: --data-seed = --seed)
+#   VARIANTS  run only these variants (space-separated names), default all
+#   RUNS_DIR  where runs go (relative to the repository root), default runs/reproduce:
+#             RUNS_DIR/<claim>-<scale>/<variant>/seed<k>
+#   DRY_RUN=1 print the commands (one per line, shell-quoted, DATA_DIR left as "$DATA_DIR"), run nothing
+#   PYTHON    interpreter, default python
+# A run whose summary.json exists is skipped; one with a checkpoint.pt but no summary.json is
+# resumed (--resume), so an interrupted script can simply be started again.
+set -euo pipefail
+
+setup() {
+  SCALE=${1:-small}
+  case "$SCALE" in
+    small|paper) ;;
+    *) echo "usage: DATA_DIR=/path/to/cifar10 [SEEDS=\"0 1 2\"] bash $0 [small|paper]" >&2; exit 2 ;;
+  esac
+  SEEDS=${SEEDS:-"0 1 2"}
+  VARIANTS=${VARIANTS:-}
+  RUNS_DIR=${RUNS_DIR:-runs/reproduce}
+  PYTHON=${PYTHON:-python}
+  DRY_RUN=${DRY_RUN:-0}
+  FAILED=0
+  if [ -n "${DATA_DIR:-}" ] && [ -d "$DATA_DIR" ]; then
+    DATA_DIR=$(cd "$DATA_DIR" && pwd)  # absolute: we change directory next
+  fi
+  cd "$(dirname "${BASH_SOURCE[0]}")/../.."  # the repository root: the method scripts live there
+  if [ "$DRY_RUN" != 1 ]; then
+    if [ -z "${DATA_DIR:-}" ] || [ ! -d "$DATA_DIR/train" ] || [ ! -d "$DATA_DIR/test" ]; then
+      echo "DATA_DIR must be an unpacked CIFAR-10 image folder with train/ and test/ (got '${DATA_DIR:-}')" >&2
+      exit 2
+    fi
+    if [ "$SCALE" = small ]; then
+      export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # the small configs were sized for one CPU thread per run
+    fi
+  fi
+}
+
+# run CLAIM VARIANT SCRIPT FLAGS...: one run per seed into $RUNS_DIR/CLAIM-$SCALE/VARIANT/seed<k>.
+run() {
+  local claim=$1 variant=$2 script=$3
+  shift 3
+  if [ -n "$VARIANTS" ] && [[ " $VARIANTS " != *" $variant "* ]]; then
+    return 0
+  fi
+  local seed out shown
+  for seed in $SEEDS; do
+    out="$RUNS_DIR/$claim-$SCALE/$variant/seed$seed"
+    local cmd=("$PYTHON" "$script" --dataset folder --data-dir "${DATA_DIR:-\$DATA_DIR}" "$@" --seed "$seed" --out "$out")
+    # the command as written in the claim script, with DATA_DIR symbolic (collect.py shows it)
+    shown="python $script --dataset folder --data-dir \"\$DATA_DIR\" $(printf '%q ' "$@")--seed $seed --out $out"
+    if [ "$DRY_RUN" = 1 ]; then
+      echo "$shown"
+      continue
+    fi
+    if [ -f "$out/summary.json" ]; then
+      echo "== $out: done (summary.json exists), skipped"
+      continue
+    fi
+    if [ -f "$out/checkpoint.pt" ]; then
+      echo "== $out: resuming"
+      "$PYTHON" "$script" --resume "$out" || { echo "!! $out: exited with status $?" >&2; FAILED=1; }
+    else
+      echo "== $out"
+      echo "   $shown"
+      mkdir -p "$out"
+      echo "$shown" > "$out/command.txt"
+      "${cmd[@]}" || { echo "!! $out: exited with status $? (see $out; summary.json says if it diverged)" >&2; FAILED=1; }
+    fi
+  done
+}
+
+# finish: call last; non-zero exit status if any run failed (the others still ran).
+finish() {
+  if [ "$DRY_RUN" != 1 ]; then
+    echo "runs are in $RUNS_DIR; tables: python benchmarks/collect.py $RUNS_DIR"
+  fi
+  return "$FAILED"
+}
