@@ -251,3 +251,46 @@ def test_folder_dataset_read_only_caches_in_home(tmp_path, monkeypatch):
     common.folder_dataset(str(tmp_path / "ds"))
     assert not os.path.exists(tmp_path / "ds" / ".cleanfl-cache.pt")
     assert list((tmp_path / "home" / ".cache" / "cleanfl").glob("folder-*.pt"))
+
+
+# ------------------------------------------------------------------ torchvision datasets (no download)
+class FakeTorchvision:
+    """Stand-ins with the storage layout of each torchvision dataset class (checked offline)."""
+
+    @staticmethod
+    def make(kind):
+        class DS:
+            def __init__(self, root, train=True, split=None, download=False):
+                g = np.random.default_rng(0)  # the same pixels every time: the test rebuilds them
+                n = 4 if split == "test" or (split != "train" and not train) else 6  # EMNIST: split="byclass"
+                if kind == "hwc":  # CIFAR-10/100: numpy [N, H, W, 3], list targets
+                    self.data, self.targets = g.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8), list(range(n))
+                elif kind == "nchw":  # SVHN: numpy [N, 3, H, W], numpy labels
+                    self.data, self.labels = g.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8), np.arange(n)
+                else:  # MNIST family: uint8 tensor [N, H, W]
+                    self.data = torch.arange(n * 28 * 28, dtype=torch.int64).reshape(n, 28, 28).remainder(251).to(torch.uint8)
+                    self.targets = torch.arange(n)
+        return DS
+
+
+@pytest.mark.parametrize("name,cls,kind", [("cifar10", "CIFAR10", "hwc"), ("cifar100", "CIFAR100", "hwc"),
+                                           ("svhn", "SVHN", "nchw"), ("mnist", "MNIST", "hw"),
+                                           ("fashionmnist", "FashionMNIST", "hw"), ("emnist", "EMNIST", "hw")])
+def test_torchvision_datasets_become_uint8_nchw(name, cls, kind, monkeypatch):
+    import torchvision.datasets as tvd
+    fake = FakeTorchvision.make(kind)
+    monkeypatch.setattr(tvd, cls, fake)
+    x_tr, y_tr, x_te, y_te = common.torchvision_dataset(name, "unused")
+    channels, size = (3, 32) if kind != "hw" else (1, 28)
+    assert x_tr.shape == (6, channels, size, size) and x_te.shape == (4, channels, size, size)
+    assert x_tr.dtype == torch.uint8 and y_tr.dtype == torch.long and y_tr.tolist() == list(range(6))
+    raw = fake("r", train=True, split="train").data
+    raw = torch.as_tensor(raw)
+    if kind == "hwc":
+        assert torch.equal(x_tr[2, :, 5, 7], raw[2, 5, 7, :])
+    elif kind == "nchw":
+        assert torch.equal(x_tr, raw)
+    elif name == "emnist":  # EMNIST is stored transposed: the loader turns it upright
+        assert torch.equal(x_tr[1, 0], raw[1].T)
+    else:
+        assert torch.equal(x_tr[1, 0], raw[1])
