@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad_and_value, vmap  # ANFR: per-sample gradients for DP-SGD
 from tqdm import tqdm
 
-from common import (AUGMENTATIONS, Run, autocast, build_model, client_batches, client_weights, evaluate, finish_args,
-                    load_data, make_partition, prepare_batch, rng_state, sample_clients,
+from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights,
+                    evaluate, finish_args, load_data, make_partition, prepare_batch, rng_state, sample_clients,
                     seed_everything, set_rng_state)
 
 ARCHS = {"bn": ("bn", False), "gn": ("gn", False), "se": ("bn", True), "nf": ("nf", False), "anfr": ("nf", True)}  # ANFR: --arch -> (norm, attention?)
@@ -105,19 +105,16 @@ def parse_args():
     args.client_test = args.client_test or args.pfl != "none"  # ANFR: pFL is evaluated on per-client test sets
     args = finish_args(p, args, "anfr", default_partition=("split2", True))  # ANFR
     if not args.resume:  # ANFR: checks of this script's flags
-        has_bn = ARCHS[args.arch][0] == "bn"
-        if args.pfl == "fedbn" and not has_bn:
-            p.error(f"--pfl fedbn: --arch {args.arch} has no batch norm to keep local; use --arch bn or se, or --pfl fedper")
-        if args.dp_noise_multiplier is not None and has_bn:
-            p.error(f"--dp-noise-multiplier: DP-SGD needs per-sample gradients, which batch norm (--arch {args.arch}) mixes; use --arch gn, nf or anfr")
-        if args.dp_noise_multiplier is not None and (args.dp_noise_multiplier < 0 or args.dp_max_grad_norm <= 0):
-            p.error("--dp-noise-multiplier: needs sigma >= 0 and --dp-max-grad-norm > 0")
-        if args.agg == "fedprox" and args.prox_mu <= 0:
-            p.error(f"--prox-mu: --agg fedprox needs mu > 0, got {args.prox_mu}")
-        if args.init_from is not None and not os.path.isfile(args.init_from):
-            p.error(f"--init-from: no file {args.init_from}")
-        if args.width < 1 or (args.image_size is not None and args.image_size < 8):
-            p.error("--width / --image-size: must be >= 1 / >= 8")
+        dp, has_bn = args.dp_noise_multiplier is not None, ARCHS[args.arch][0] == "bn"
+        for bad, msg in [
+                (args.pfl == "fedbn" and not has_bn, f"--pfl fedbn: --arch {args.arch} has no batch norm to keep local; use --arch bn or se, or --pfl fedper"),
+                (dp and has_bn, f"--dp-noise-multiplier: DP-SGD needs per-sample gradients, which batch norm (--arch {args.arch}) mixes; use --arch gn, nf or anfr"),
+                (dp and (args.dp_noise_multiplier < 0 or args.dp_max_grad_norm <= 0), "--dp-noise-multiplier: needs sigma >= 0 and --dp-max-grad-norm > 0"),
+                (args.agg == "fedprox" and args.prox_mu <= 0, f"--prox-mu: --agg fedprox needs mu > 0, got {args.prox_mu}"),
+                (args.init_from is not None and not os.path.isfile(args.init_from), f"--init-from: no file {args.init_from}"),
+                (args.width < 1 or (args.image_size is not None and args.image_size < 8), "--width / --image-size: must be >= 1 / >= 8")]:
+            if bad:
+                p.error(msg)
     return args
 
 
@@ -195,14 +192,8 @@ def dp_gradients(model, x, y, sigma, max_norm, expected_batch):  # ANFR: DP-SGD 
     return losses.mean().detach()
 
 
-def _log_add(a, b):
-    if a == -math.inf:
-        return b
-    return max(a, b) + math.log1p(math.exp(-abs(a - b)))
-
-
 def _log_sub(a, b):  # log(exp(a) - exp(b)), a >= b
-    return a if b == -math.inf else (-math.inf if a == b else a + math.log1p(-math.exp(b - a)))
+    return a + math.log1p(-math.exp(b - a)) if b < a else -math.inf
 
 
 def _log_erfc(x):
@@ -221,28 +212,19 @@ def rdp_subsampled_gaussian(q, sigma, alpha):  # ANFR: Renyi DP of one DP-SGD st
     if q == 1:
         return alpha / (2 * sigma ** 2)
     if float(alpha).is_integer():  # A = sum_k C(a,k) (1-q)^(a-k) q^k exp((k^2 - k) / (2 sigma^2))
-        log_a = -math.inf
-        for k in range(int(alpha) + 1):
-            log_a = _log_add(log_a, math.log(math.comb(int(alpha), k)) + k * math.log(q) + (alpha - k) * math.log(1 - q)
-                             + (k * k - k) / (2 * sigma ** 2))
-        return log_a / (alpha - 1)
-    log_a0, log_a1, k, coef = -math.inf, -math.inf, 0, 1.0  # coef = binom(alpha, k), generalized
+        a = int(alpha)
+        return float(np.logaddexp.reduce([math.log(math.comb(a, k)) + k * math.log(q) + (a - k) * math.log(1 - q)
+                                          + (k * k - k) / (2 * sigma ** 2) for k in range(a + 1)])) / (alpha - 1)
+    log_a, k, coef = [-math.inf, -math.inf], 0, 1.0  # the two series A_0, A_1; coef = binom(alpha, k), generalized
     z0 = sigma ** 2 * math.log(1 / q - 1) + 0.5
-    while True:
-        j = alpha - k
-        log_coef = math.log(abs(coef))
-        log_s0 = log_coef + k * math.log(q) + j * math.log(1 - q) + (k * k - k) / (2 * sigma ** 2) \
-            + math.log(0.5) + _log_erfc((k - z0) / (math.sqrt(2) * sigma))
-        log_s1 = log_coef + j * math.log(q) + k * math.log(1 - q) + (j * j - j) / (2 * sigma ** 2) \
-            + math.log(0.5) + _log_erfc((z0 - j) / (math.sqrt(2) * sigma))
-        if coef > 0:
-            log_a0, log_a1 = _log_add(log_a0, log_s0), _log_add(log_a1, log_s1)
-        else:
-            log_a0, log_a1 = _log_sub(log_a0, log_s0), _log_sub(log_a1, log_s1)
+    while True:  # term k of A_0 (i = k, j = alpha - k) and of A_1 (i = alpha - k, j = k)
+        s = [math.log(abs(coef)) + i * math.log(q) + j * math.log(1 - q) + (i * i - i) / (2 * sigma ** 2)
+             + math.log(0.5) + _log_erfc(e / (math.sqrt(2) * sigma)) for i, j, e in ((k, alpha - k, k - z0), (alpha - k, k, z0 - alpha + k))]
+        log_a = [float(np.logaddexp(a, t)) if coef > 0 else _log_sub(a, t) for a, t in zip(log_a, s)]
         coef *= (alpha - k) / (k + 1)
         k += 1
-        if max(log_s0, log_s1) < -30:
-            return _log_add(log_a0, log_a1) / (alpha - 1)
+        if max(s) < -30:
+            return float(np.logaddexp(*log_a)) / (alpha - 1)
 
 
 def dp_epsilon(q, sigma, steps, delta, orders=DP_ORDERS):  # ANFR: the accountant's epsilon
@@ -412,8 +394,7 @@ if __name__ == "__main__":
             dp_steps[k] += steps if args.dp_noise_multiplier is not None else 0
             train_loss += w * loss
             state = client.state_dict()
-            for key in shared:
-                total[key] += w * state[key].float()
+            accumulate(total, {key: state[key] for key in shared}, w)  # the shared entries (BN statistics too)
             if local_keys:  # ANFR: FedPer / FedBN: these entries stay with client k
                 local[k] = {key: state[key].clone() for key in local_keys}
             if c is not None:  # ANFR: SCAFFOLD c_i+ (Eq. 4), and its change for the server
@@ -442,11 +423,9 @@ if __name__ == "__main__":
             if partition.test is not None:
                 accs = []
                 for k, t in enumerate(partition.test):
-                    net = model
                     if local_keys:  # ANFR: personalized model of client k
                         load_client(k)
-                        client.eval()
-                        net = client
+                    net = client.eval() if local_keys else model
                     accs.append(evaluate(fwd(net), data.x_test[t], data.y_test[t], data, batch_size=eval_bs, amp=args.amp)[0])
                 metrics["client_test_acc_mean"] = float(np.mean(accs))
                 metrics["client_test_acc"] = accs

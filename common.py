@@ -700,10 +700,6 @@ def resnet50(in_channels, num_classes, image_size, **options):
 # ----------------------------------------------------------------------------------------------
 # State: averaging helpers, checkpoints, run directory
 # ----------------------------------------------------------------------------------------------
-def clone_state(model):
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 def accumulate(total, state, weight):
     """total += weight * state, entry by entry. Batch-norm running means and variances are averaged
     with the same weights as the parameters (num_batches_tracked too; it only matters for momentum=None)."""

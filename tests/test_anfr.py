@@ -6,7 +6,11 @@ The end-to-end runs are launched once for the module, in two processes at a time
 import json
 import math
 import os
+import runpy
 import shutil
+import signal
+import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -15,10 +19,10 @@ import torch.nn.functional as F
 
 import anfr
 import common
-from helpers import assert_same_model, metrics, run_batches, run_script, summary
+from helpers import ROOT, assert_same_model, metrics, run_batches, summary
 
 TINY = ["--dataset", "synthetic", "--device", "cpu", "--depth", "18", "--width", "8", "--image-size", "16",
-        "--num-clients", "3", "--alpha", "1.0", "--rounds", "3", "--local-steps", "5", "--batch-size", "32", "--lr", "0.03"]
+        "--num-clients", "3", "--alpha", "1.0", "--rounds", "3", "--local-steps", "5", "--batch-size", "16", "--lr", "0.03"]
 CHANCE = 0.1
 
 
@@ -192,29 +196,48 @@ def _tamper(run_dir, client):
     torch.save(ckpt, path)
 
 
+def _run_here(*argv):
+    """Run a script in this process (torch is imported already), restoring what a run changes."""
+    handler, old_argv = signal.getsignal(signal.SIGINT), sys.argv
+    try:
+        sys.argv = list(map(str, argv))
+        runpy.run_path(os.path.join(ROOT, argv[0]), run_name="__main__")
+    except SystemExit as e:  # as helpers.run_batches: a non-zero exit fails, and does not end pytest
+        if e.code not in (None, 0):
+            raise AssertionError(f"{argv} exited {e.code}") from None
+    finally:
+        sys.argv = old_argv
+        signal.signal(signal.SIGINT, handler)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every end-to-end run of this file, in two processes at a time (helpers.run_batches: one torch
-    import per batch). X_a: uninterrupted; X_b: --stop-after 1, then --resume; X_t: a copy of X_b after
-    round 1 with client 0's FedPer/FedBN parts shifted by 0.5, then --resume."""
+    """Every end-to-end run of this file, in two processes at a time: this one and one of
+    helpers.run_batches (most of a tiny run's CPU is importing torch). X_a: uninterrupted; X_b: --stop-after 1, then --resume (fedbn_b: not resumed); X_t: a
+    copy of X_b after round 1 with client 0's FedPer/FedBN parts shifted by 0.5, then --resume."""
     tmp = tmp_path_factory.mktemp("anfr")
     cmd = lambda out, *flags: ["anfr.py", *TINY, *flags, "--out", str(tmp / out)]
-    arch = [cmd(f"arch_{a}", "--arch", a, *(["--analyze"] if a == "se" else []),
+    arch = [cmd(f"arch_{a}", "--arch", a, "--eval-every", "3", *(["--analyze"] if a == "se" else []),
                 *(["--lr", "0.01"] if a == "gn" else [])) for a in ("bn", "gn", "se", "nf", "anfr")]  # GN wants a smaller lr
-    groups = {"scaffold": ["--agg", "scaffold", "--attention", "cbam"],
+    groups = {"scaffold": ["--agg", "scaffold", "--attention", "cbam", "--rounds", "2"],  # _a is also a learning run
               # FedAvg with FedPer and DP-SGD: resume, local heads, accountant
               "fedper": ["--pfl", "fedper", "--attention", "eca", "--rounds", "2", "--dp-noise-multiplier", "0.8"],
-              "fedbn": ["--arch", "se", "--pfl", "fedbn", "--rounds", "2", "--local-steps", "10"]}
+              "fedbn": ["--arch", "se", "--pfl", "fedbn", "--rounds", "2", "--local-steps", "10", "--eval-every", "2"]}
     pairs = [x for g, f in groups.items() for x in (cmd(f"{g}_a", *f, "--save-model"),
                                                      cmd(f"{g}_b", *f, "--save-model", "--stop-after", "1"))]
-    run_batches(arch + [cmd("agg_fedprox", "--agg", "fedprox")],
-                [cmd("agg_fedadam", "--agg", "fedadam", "--server-lr", "0.1")] + pairs)
-    ckpt1 = {g: torch.load(tmp / f"{g}_b" / "checkpoint.pt", weights_only=False) for g in groups}  # after round 1
+    resume = lambda g: ["anfr.py", "--resume", str(tmp / g)]
+    with ThreadPoolExecutor(1) as pool:  # one process for the pairs, while this one (torch imported) does the rest
+        pending = pool.submit(run_batches, pairs + [resume("scaffold_b")])
+        for c in arch + [cmd("agg_fedprox", "--agg", "fedprox", "--eval-every", "3"),
+                         cmd("agg_fedadam", "--agg", "fedadam", "--server-lr", "0.1", "--eval-every", "3")]:
+            _run_here(*c)
+        pending.result()
+    ckpt1 = {g: torch.load(tmp / f"{g}_b" / "checkpoint.pt", weights_only=False) for g in ("fedper", "fedbn")}  # after round 1
     for g in ("fedper", "fedbn"):
         shutil.copytree(tmp / f"{g}_b", tmp / f"{g}_t")
         _tamper(tmp / f"{g}_t", 0)
-    resume = lambda g: ["anfr.py", "--resume", str(tmp / g)]
-    run_batches([resume("scaffold_b"), resume("fedper_b")], [resume("fedper_t"), resume("fedbn_t")])
+    for g in ("fedper_b", "fedper_t", "fedbn_t"):  # one short round each: cheaper here than a new torch import
+        _run_here(*resume(g))
     for run in sorted(os.listdir(tmp)):  # shown with pytest -s
         print(run, [round(r["test_acc"], 3) for r in metrics(tmp / run)])
     return tmp, ckpt1
@@ -277,22 +300,25 @@ def test_pfl_keeps_local_parts_per_client(runs, name, kind):
 
 
 def test_dp_epsilon_per_client(runs):
-    tmp, _ = runs  # the FedPer run uses DP-SGD with sigma 0.8, C 1, B 32, 5 steps per round
+    tmp, _ = runs  # the FedPer run uses DP-SGD with sigma 0.8, C 1, B 16, 5 steps per round
     rows = metrics(tmp / "fedper_a")
     sizes = [sum(c) for c in json.load(open(tmp / "fedper_a" / "partition.json"))["train"]]
     for r, row in enumerate(rows, 1):
-        expect = [anfr.dp_epsilon(32 / n, 0.8, 5 * r, 0.1 / n) for n in sizes]  # delta = 0.1 / |D_i|
+        expect = [anfr.dp_epsilon(16 / n, 0.8, 5 * r, 0.1 / n) for n in sizes]  # delta = 0.1 / |D_i|
         assert row["dp_epsilon"] == pytest.approx(expect, rel=1e-9)
         assert row["dp_epsilon_max"] == max(row["dp_epsilon"])
     assert rows[1]["dp_epsilon_max"] > rows[0]["dp_epsilon_max"] > 0
     assert torch.load(tmp / "fedper_a" / "checkpoint.pt", weights_only=False)["dp_steps"] == [10] * 3
 
 
-def test_bad_flags_name_the_flag(tmp_path):
-    p = run_script("anfr.py", *TINY, "--arch", "anfr", "--pfl", "fedbn", "--out", tmp_path / "x", check=False)
-    assert p.returncode == 2 and "--pfl fedbn" in p.stderr and "no batch norm" in p.stderr
-    p = run_script("anfr.py", *TINY, "--arch", "se", "--dp-noise-multiplier", "1.0", "--out", tmp_path / "y", check=False)
-    assert p.returncode == 2 and "--dp-noise-multiplier" in p.stderr and "batch norm" in p.stderr
+def test_bad_flags_name_the_flag(tmp_path, monkeypatch, capsys):  # parse_args in this process: no torch import
+    for flags, words in ((["--arch", "anfr", "--pfl", "fedbn"], ("--pfl fedbn", "no batch norm")),
+                         (["--arch", "se", "--dp-noise-multiplier", "1.0"], ("--dp-noise-multiplier", "batch norm"))):
+        monkeypatch.setattr("sys.argv", ["anfr.py", *TINY, *flags, "--out", str(tmp_path / "x")])
+        with pytest.raises(SystemExit) as e:
+            anfr.parse_args()
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and all(w in err for w in words), err
 
 
 def test_init_from_loads_matching_entries(tmp_path):
