@@ -473,7 +473,7 @@ def sample_clients(rng, num_clients, frac):
 
 def lr_at(round_idx, args):
     """Step decay: lr * decay^(number of --lr-decay-at fractions of the run already passed)."""
-    passed = sum(round_idx >= int(f * args.rounds) for f in args.lr_decay_at)
+    passed = sum(round_idx >= f * args.rounds for f in args.lr_decay_at)  # never before round 1 of 1
     return args.lr * args.lr_decay ** passed
 
 

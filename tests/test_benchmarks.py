@@ -243,8 +243,10 @@ def test_reproduce_env_seeds_and_variants(monkeypatch):
     assert res.returncode == 2 and "DATA_DIR" in res.stderr
 
 
-def test_reproduce_runs_skips_resumes_and_continues_after_a_failure(tmp_path, fake_folder):
-    """The non-dry path of lib.sh with a stand-in interpreter (PYTHON=fake) that logs its arguments."""
+@pytest.mark.parametrize("jobs", [1, 3])
+def test_reproduce_runs_skips_resumes_and_continues_after_a_failure(tmp_path, fake_folder, jobs):
+    """The non-dry path of lib.sh with a stand-in interpreter (PYTHON=fake) that logs its arguments;
+    JOBS=3 runs them in the background, three at a time, each logging to its run folder."""
     log = tmp_path / "calls.txt"
     fake = tmp_path / "fake-python"
     fake.write_text(f"""#!/usr/bin/env bash
@@ -262,13 +264,19 @@ echo '{{"test_acc": 0.5}}' > "$out/summary.json"
     half = runs / "fedln-small" / "fn" / "seed0"
     half.mkdir(parents=True)
     (half / "checkpoint.pt").write_text("")
-    env = {**os.environ, "PYTHON": str(fake), "DATA_DIR": fake_folder, "RUNS_DIR": str(runs), "SEEDS": "0 1"}
+    env = {**os.environ, "PYTHON": str(fake), "DATA_DIR": fake_folder, "RUNS_DIR": str(runs), "SEEDS": "0 1",
+           "JOBS": str(jobs)}
     res = subprocess.run(["bash", os.path.join(REPRO, "fedln.sh")], env=env, capture_output=True, text=True)
     assert res.returncode == 1, res.stderr  # bn/seed1 failed ...
     calls = log.read_text().splitlines()
     assert len(calls) == 7  # ... and the rest still ran: 4 variants x 2 seeds, minus the finished ln/seed0
-    assert calls[0].startswith("fedln.py --dataset folder --data-dir " + fake_folder) and "--seed 1" in calls[0]
-    assert calls[1] == f"fedln.py --resume {half}"
+    first = next(c for c in calls if "/ln/seed1" in c)  # in order when JOBS=1
+    assert first.startswith("fedln.py --dataset folder --data-dir " + fake_folder) and "--seed 1" in first
+    assert f"fedln.py --resume {half}" in calls
+    if jobs == 1:
+        assert calls[0] == first and calls[1] == f"fedln.py --resume {half}"
+    else:
+        assert "resuming" in (half / "log.txt").read_text() and "bn/seed1" in (runs / "fedln-small/bn/seed1/log.txt").read_text()
     assert (runs / "fedln-small" / "bn" / "seed0" / "summary.json").exists()
     assert "--norm none" in (runs / "fedln-small" / "vanilla" / "seed1" / "command.txt").read_text()
     assert "bn/seed1" in res.stderr

@@ -294,3 +294,13 @@ def test_torchvision_datasets_become_uint8_nchw(name, cls, kind, monkeypatch):
         assert torch.equal(x_tr[1, 0], raw[1].T)
     else:
         assert torch.equal(x_tr[1, 0], raw[1])
+
+
+def test_lr_decays_at_fractions_of_the_run():
+    args = argparse.Namespace(lr=0.1, lr_decay=0.1, lr_decay_at=[0.5, 0.75], rounds=320)
+    lrs = [common.lr_at(r, args) for r in (0, 159, 160, 239, 240, 319)]
+    assert lrs == pytest.approx([0.1, 0.1, 0.01, 0.01, 0.001, 0.001])
+    args.rounds = 5  # half of 5 rounds is 2.5: the decay starts with the 4th round (index 3)
+    assert [common.lr_at(r, args) for r in range(5)] == pytest.approx([0.1, 0.1, 0.1, 0.01, 0.001])
+    args.rounds = 1  # a one-round run never reaches "half of the run"
+    assert common.lr_at(0, args) == 0.1

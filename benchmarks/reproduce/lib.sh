@@ -9,6 +9,8 @@
 #             RUNS_DIR/<claim>-<scale>/<variant>/seed<k>
 #   DRY_RUN=1 print the commands (one per line, shell-quoted, DATA_DIR left as "$DATA_DIR"), run nothing
 #   PYTHON    interpreter, default python
+#   JOBS      runs at a time, default 1; with JOBS>1 runs go to the background (one GPU holds several
+#             small runs) and each one's output goes to <run folder>/log.txt instead of the terminal
 # A run whose summary.json exists is skipped; one with a checkpoint.pt but no summary.json is
 # resumed (--resume), so an interrupted script can simply be started again.
 set -euo pipefail
@@ -24,7 +26,9 @@ setup() {
   RUNS_DIR=${RUNS_DIR:-runs/reproduce}
   PYTHON=${PYTHON:-python}
   DRY_RUN=${DRY_RUN:-0}
+  JOBS=${JOBS:-1}
   FAILED=0
+  FAILURES=$(mktemp)  # background runs report failures here
   if [ -n "${DATA_DIR:-}" ] && [ -d "$DATA_DIR" ]; then
     DATA_DIR=$(cd "$DATA_DIR" && pwd)  # absolute: we change directory next
   fi
@@ -37,6 +41,22 @@ setup() {
     if [ "$SCALE" = small ]; then
       export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # the small configs were sized for one CPU thread per run
     fi
+  fi
+}
+
+# _run_one OUT SHOWN SCRIPT CMD...: resume OUT if it has a checkpoint, else start CMD; failures go to $FAILURES.
+_run_one() {
+  local out=$1 shown=$2 script=$3
+  shift 3
+  if [ -f "$out/checkpoint.pt" ]; then
+    echo "== $out: resuming"
+    "$PYTHON" "$script" --resume "$out" || { echo "!! $out: exited with status $?" | tee -a "$FAILURES" >&2; }
+  else
+    echo "== $out"
+    echo "   $shown"
+    mkdir -p "$out"
+    echo "$shown" > "$out/command.txt"
+    "$@" || { echo "!! $out: exited with status $? (see $out; summary.json says if it diverged)" | tee -a "$FAILURES" >&2; }
   fi
 }
 
@@ -61,21 +81,25 @@ run() {
       echo "== $out: done (summary.json exists), skipped"
       continue
     fi
-    if [ -f "$out/checkpoint.pt" ]; then
-      echo "== $out: resuming"
-      "$PYTHON" "$script" --resume "$out" || { echo "!! $out: exited with status $?" >&2; FAILED=1; }
-    else
-      echo "== $out"
-      echo "   $shown"
+    if [ "$JOBS" -gt 1 ]; then
+      while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n || true; done
+      echo "== $out (background, output in $out/log.txt)"
       mkdir -p "$out"
-      echo "$shown" > "$out/command.txt"
-      "${cmd[@]}" || { echo "!! $out: exited with status $? (see $out; summary.json says if it diverged)" >&2; FAILED=1; }
+      _run_one "$out" "$shown" "$script" "${cmd[@]}" > "$out/log.txt" 2>&1 &
+    else
+      _run_one "$out" "$shown" "$script" "${cmd[@]}"
     fi
   done
 }
 
 # finish: call last; non-zero exit status if any run failed (the others still ran).
 finish() {
+  wait  # background runs (JOBS>1)
+  if [ -s "$FAILURES" ]; then
+    FAILED=1
+    [ "$JOBS" -gt 1 ] && cat "$FAILURES" >&2
+  fi
+  rm -f "$FAILURES"
   if [ "$DRY_RUN" != 1 ]; then
     echo "runs are in $RUNS_DIR; tables: python benchmarks/collect.py $RUNS_DIR"
   fi
