@@ -1,106 +1,105 @@
-"""FL overhead: fedavg.py's round loop versus a centralized loop doing the same SGD steps.
+"""FL overhead of every method script: its round loop versus a centralized run of the same SGD steps.
 
-Both loops use the same model, batch size, optimizer, on-device data and augmentation
-(fedavg.local_train for every client; one model and one optimizer for the centralized loop), so the
-ratio measures only what federation adds: reloading the global state into the one client model,
-a fresh optimizer per client, weighted accumulation of client states and the server update.
+Each script runs twice, as a subprocess, with the same device, data, model, batch size, optimizer,
+augmentation and method flags:
+  FL           N clients (IID), m = C*N of them per round, K local steps each, 2R rounds
+  centralized  one client holding all the data, 2 rounds of R*m*K local steps each
+Both evaluate after their first and last round only (--eval-every R, resp. 1) and never checkpoint in
+between. metrics.jsonl stamps each evaluation with elapsed_s, so the time between the two rows is R
+federated rounds, resp. one centralized pass over the same R*m*K steps, plus one test-set evaluation
+each (the first half of each run is the warm-up: allocator, cudnn autotuning, caches). The ratio
+FL / centralized is what federation adds: loading the global state into the one client model, a
+fresh optimizer per client, the weighted sums and the method's own server step (FedNNNN's
+normalization and momentum, FedBABU's frozen head, ...). The one evaluation on each side pulls the
+ratio slightly towards 1 (on the synthetic data's 1,000 test images it is a small part of the time).
 
-    python benchmarks/overhead.py --dataset synthetic --model cnn --device cpu
-    python benchmarks/overhead.py --dataset folder --data-dir /path/to/cifar10 --device cuda
+    python benchmarks/overhead.py --dataset folder --data-dir /path/to/cifar10 --device cpu
+    python benchmarks/overhead.py --dataset folder --data-dir /path/to/cifar10 --device cuda --scripts fedavg fedfn
 """
 import argparse
+import json
 import os
+import subprocess
 import sys
-import time
+import tempfile
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import fedavg  # noqa: E402
-from common import (accumulate, build_model, client_batches, client_weights, load_data, make_partition,  # noqa: E402
-                    prepare_batch, sample_clients)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Per script: the model flags (small models, so the CPU numbers take minutes; the model and any
+# method flag can be changed with --model-flags) and flags that switch off work after the loop.
+SCRIPTS = {
+    "fedavg": ["--model", "cnn"],
+    "fedbabu": ["--model", "convnet4-tiny", "--no-client-test"],  # no per-client fine-tuning after the loop
+    "fedfn": ["--model", "cnn"],
+    "fedln": ["--model", "normcnn", "--width", "16", "--norm", "ln"],
+    "fednnnn": ["--model", "convnet4-tiny"],
+    "anfr": ["--depth", "18", "--width", "8", "--arch", "anfr"],
+}
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dataset", default="synthetic", help="as in fedavg.py")
-    p.add_argument("--data-dir", default="./data", help="as in fedavg.py")
-    p.add_argument("--model", default="cnn", help="model name from common.MODELS")
-    p.add_argument("--num-clients", type=int, default=100, help="K")
-    p.add_argument("--frac", type=float, default=0.1, help="C: fraction of clients per round")
-    p.add_argument("--local-epochs", type=int, default=1, help="E")
+    p.add_argument("--scripts", nargs="+", default=list(SCRIPTS), choices=list(SCRIPTS), help="method scripts to time")
+    p.add_argument("--dataset", default="synthetic", help="as in the scripts (folder needs --data-dir)")
+    p.add_argument("--data-dir", default="./data", help="as in the scripts")
+    p.add_argument("--num-clients", type=int, default=100, help="N")
+    p.add_argument("--frac", type=float, default=0.1, help="C: fraction of clients per round (m = C*N)")
+    p.add_argument("--local-steps", type=int, default=10, help="K: local SGD steps per client and round")
     p.add_argument("--batch-size", type=int, default=50, help="B")
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds (after one warm-up round)")
+    p.add_argument("--rounds", type=int, default=2, help="R: timed FL rounds (after R warm-up rounds)")
+    p.add_argument("--repeats", type=int, default=3, help="FL and centralized timings, alternated, this many times")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
-    p.add_argument("--amp", action="store_true", help="bfloat16 autocast")
-    p.add_argument("--repeats", type=int, default=3, help="alternate FL and centralized timings this many times")
-    a = p.parse_args()
-    a.iid, a.shards, a.classes_per_client, a.alpha, a.split2 = False, 2, None, None, False
-    a.quantity, a.client_test, a.data_seed, a.seed = "equal", False, 0, 0
-    a.lr, a.momentum, a.weight_decay, a.prox_mu, a.local_steps, a.augment = 0.01, 0.9, 5e-4, 0.0, None, "crop-flip"
-    a.weighting = "samples"
-    return a
+    p.add_argument("--amp", action="store_true", help="bfloat16 autocast in both runs")
+    p.add_argument("--model-flags", default=None, help="replace the per-script model flags of SCRIPTS, e.g. \"--model vgg11\"")
+    args = p.parse_args()
+    if args.rounds < 1 or args.repeats < 1 or args.local_steps < 1:
+        p.error("--rounds, --repeats and --local-steps must be at least 1")
+    return args
 
 
-def sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
+def between_evaluations(script, flags, out):
+    """Run `script` with `flags`; seconds between its first and last metrics.jsonl rows."""
+    cmd = [sys.executable, os.path.join(ROOT, f"{script}.py"), *map(str, flags), "--checkpoint-every", 10 ** 9, "--out", out]
+    res = subprocess.run(list(map(str, cmd)), cwd=ROOT, capture_output=True, text=True)
+    if res.returncode != 0:
+        sys.exit(f"{script}.py failed ({res.returncode}):\n{' '.join(map(str, cmd))}\n{res.stderr[-3000:]}")
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return rows[-1]["elapsed_s"] - rows[0]["elapsed_s"]
 
 
-def fl_rounds(model, client, partition, data, args, sampler, rounds):
-    """fedavg.py's round loop (without evaluation); returns the number of SGD steps taken."""
-    steps = 0
-    for _ in range(rounds):
-        clients = sample_clients(sampler, args.num_clients, args.frac)
-        weights = client_weights([len(partition.train[k]) for k in clients], args.weighting)
-        total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items()}
-        for k, w in zip(clients, weights):
-            client.load_state_dict(model.state_dict())
-            fedavg.local_train(client, partition.train[k], data, args, args.lr, [p.detach() for p in model.parameters()])
-            accumulate(total, client.state_dict(), w)
-            steps += len(list(client_batches(partition.train[k], args.batch_size, args.local_epochs)))
-        model.load_state_dict(total)
-    return steps
-
-
-def centralized(model, data, args, steps):
-    """The same number of SGD steps on one model with one optimizer, batches from all the data."""
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
-    model.train()
-    indices = torch.arange(len(data.y_train), device=args.device)
-    for batch in client_batches(indices, args.batch_size, steps=steps):
-        x, y = prepare_batch(data.x_train[batch], data, args.augment), data.y_train[batch]
-        with torch.autocast(torch.device(args.device).type, torch.bfloat16, enabled=args.amp):
-            loss = torch.nn.functional.cross_entropy(model(x).float(), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+def time_script(script, args, tmp):
+    """Median FL seconds, centralized seconds and their ratios over args.repeats alternated pairs."""
+    m = max(int(args.frac * args.num_clients), 1)
+    steps = args.rounds * m * args.local_steps
+    base = ["--dataset", args.dataset, "--data-dir", args.data_dir, "--device", args.device, "--iid",
+            "--batch-size", args.batch_size, "--seed", 0, *(["--amp"] if args.amp else []),
+            *(args.model_flags.split() if args.model_flags else SCRIPTS[script])]
+    fl_flags = [*base, "--num-clients", args.num_clients, "--frac", args.frac, "--local-steps", args.local_steps,
+                "--rounds", 2 * args.rounds, "--eval-every", args.rounds]
+    central_flags = [*base, "--num-clients", 1, "--frac", 1, "--local-steps", steps, "--rounds", 2, "--eval-every", 1]
+    fl, central = [], []
+    for i in range(args.repeats):
+        fl.append(between_evaluations(script, fl_flags, os.path.join(tmp, f"{script}-fl-{i}")))
+        central.append(between_evaluations(script, central_flags, os.path.join(tmp, f"{script}-central-{i}")))
+    return fl, central, steps
 
 
 if __name__ == "__main__":
     args = parse_args()
-    torch.manual_seed(0)
-    data = load_data(args)
-    partition = make_partition(args, data)
-    model, client = build_model(args.model, data).to(args.device), build_model(args.model, data).to(args.device)
-    sampler = np.random.default_rng(0)
-    fl_rounds(model, client, partition, data, args, sampler, 1)  # warm-up (allocator, cudnn autotune)
-    ratios, fl_times, central_times = [], [], []
-    for _ in range(args.repeats):
-        sync(args.device)
-        t0 = time.perf_counter()
-        steps = fl_rounds(model, client, partition, data, args, sampler, args.rounds)
-        sync(args.device)
-        t1 = time.perf_counter()
-        centralized(client, data, args, steps)
-        sync(args.device)
-        t2 = time.perf_counter()
-        fl_times.append(t1 - t0)
-        central_times.append(t2 - t1)
-        ratios.append((t1 - t0) / (t2 - t1))
-    dev = torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else f"cpu x{torch.get_num_threads()} threads"
-    print(f"device {dev}, torch {torch.__version__}, model {args.model}, {steps} SGD steps of batch {args.batch_size} "
-          f"per timing ({args.rounds} rounds x {max(int(round(args.frac * args.num_clients)), 1)} clients)")
-    print(f"FL {np.median(fl_times):.3f} s, centralized {np.median(central_times):.3f} s, "
-          f"overhead ratio median {np.median(ratios):.3f} (all: {', '.join(f'{r:.3f}' for r in ratios)})")
+    dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"cpu, {torch.get_num_threads()} threads"
+    m = max(int(args.frac * args.num_clients), 1)
+    print(f"device {dev}, torch {torch.__version__}, {args.dataset}, B={args.batch_size}, "
+          f"{args.rounds} rounds x {m} clients x {args.local_steps} steps per timing, {args.repeats} repeats")
+    print("| script | model flags | SGD steps per timing | FL (s) | centralized (s) | FL / centralized, median (all) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    with tempfile.TemporaryDirectory() as tmp:
+        for script in args.scripts:
+            fl, central, steps = time_script(script, args, tmp)
+            ratios = [a / b for a, b in zip(fl, central)]
+            flags = args.model_flags or " ".join(SCRIPTS[script])
+            print(f"| {script}.py | `{flags}` | {steps} | {np.median(fl):.2f} | {np.median(central):.2f} | "
+                  f"**{np.median(ratios):.2f}** ({', '.join(f'{r:.2f}' for r in ratios)}) |", flush=True)

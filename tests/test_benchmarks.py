@@ -280,3 +280,36 @@ echo '{{"test_acc": 0.5}}' > "$out/summary.json"
     assert (runs / "fedln-small" / "bn" / "seed0" / "summary.json").exists()
     assert "--norm none" in (runs / "fedln-small" / "vanilla" / "seed1" / "command.txt").read_text()
     assert "bn/seed1" in res.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# overhead.py: every script, FL versus one client doing the same steps
+# ---------------------------------------------------------------------------------------------
+def test_overhead_times_each_script_against_the_same_steps_centralized(tmp_path):
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "overhead.py"), "--scripts", "fedavg", "fednnnn",
+           "--device", "cpu", "--num-clients", "4", "--frac", "0.5", "--local-steps", "3", "--rounds", "2",
+           "--repeats", "2"]
+    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr
+    table = [line for line in res.stdout.splitlines() if line.startswith("| fed")]
+    assert [line.split("|")[1].strip() for line in table] == ["fedavg.py", "fednnnn.py"]
+    for line in table:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        steps, fl, central = int(cells[2]), float(cells[3]), float(cells[4])
+        assert steps == 2 * 2 * 3 and fl > 0 and central > 0  # R rounds x m clients x K steps
+        ratios = [float(r) for r in cells[5].split("(")[1].rstrip(")").split(", ")]
+        assert len(ratios) == 2 and all(0.2 < r < 5 for r in ratios)
+    bad = subprocess.run([*cmd[:2], "--rounds", "0"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--rounds" in bad.stderr
+
+
+def test_round_time_splits_rounds_from_evaluation():
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "round_time.py"), "--models", "cnn", "--precisions", "fp32",
+           "--dataset", "synthetic", "--device", "cpu", "--num-clients", "4", "--frac", "0.5", "--local-epochs", "2",
+           "--rounds", "2"]
+    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr
+    row = [c.strip() for c in next(line for line in res.stdout.splitlines() if line.startswith("| cnn")).strip("|").split("|")]
+    assert row[:2] == ["cnn", "fp32"] and float(row[2]) > 0  # a round of 2 clients x 2 epochs takes time
+    bad = subprocess.run([*cmd[:2], "--rounds", "1"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--rounds" in bad.stderr
