@@ -16,7 +16,9 @@ Reproduce (CPU, synthetic data, about a minute):
     python fednnnn.py --dataset synthetic --model lenet --num-clients 10 --rounds 10 --local-steps 10
 CIFAR-10 non-IID-B (Table 2, 76.7% in the paper; the defaults), from the image folder (no internet needed):
     python fednnnn.py --dataset folder --data-dir /path/to/cifar10
-Measured results and hardware: README.md, "Results".
+Measured (benchmarks/reproduce/fednnnn.sh small: 8-channel 4convNet, s=2, 150 rounds; real CIFAR-10,
+seeds 0-1, 2-core CPU, about 6 min a run): FedNNNN 41.3, Norm-Norm 39.1, Momentum 37.2, FedAvg 36.4
+(paper, Table 2: 76.7, 76.7, 74.3, 72.6). Details: README "Results".
 
 Choices the paper leaves open, made here: the normalized entries w are the trainable parameters
 (model.parameters(): conv and linear weights and biases, batch-norm affine weights); batch-norm

@@ -67,8 +67,14 @@ def between_evaluations(script, flags, out):
     if res.returncode != 0:
         sys.exit(f"{script}.py failed ({res.returncode}):\n{' '.join(map(str, cmd))}\n{res.stderr[-3000:]}")
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    return rows[-1]["elapsed_s"] - rows[0]["elapsed_s"]
+        return seconds_between_evaluations([json.loads(line) for line in f])
+
+
+def seconds_between_evaluations(rows):
+    """elapsed_s of the last evaluation row minus the first one (rows without test_acc, such as
+    fednnnn.py's per-round norm rows, are not evaluations)."""
+    evaluated = [r for r in rows if "test_acc" in r]
+    return evaluated[-1]["elapsed_s"] - evaluated[0]["elapsed_s"]
 
 
 def time_script(script, args, tmp):

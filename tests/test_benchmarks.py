@@ -285,6 +285,13 @@ echo '{{"test_acc": 0.5}}' > "$out/summary.json"
 # ---------------------------------------------------------------------------------------------
 # overhead.py: every script, FL versus one client doing the same steps
 # ---------------------------------------------------------------------------------------------
+def test_overhead_times_evaluation_rows_only():
+    import overhead
+    rows = [{"round": 1, "train_loss": 1.0, "elapsed_s": 1.0}, {"round": 2, "test_acc": 0.1, "elapsed_s": 2.5},
+            {"round": 3, "train_loss": 1.0, "elapsed_s": 4.0}, {"round": 4, "test_acc": 0.2, "elapsed_s": 6.0}]
+    assert overhead.seconds_between_evaluations(rows) == 3.5  # rounds 2 -> 4, not 1 -> 4
+
+
 def test_overhead_times_each_script_against_the_same_steps_centralized(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "overhead.py"), "--scripts", "fedavg", "fednnnn",
            "--device", "cpu", "--num-clients", "4", "--frac", "0.5", "--local-steps", "3", "--rounds", "2",
