@@ -814,7 +814,7 @@ def device_name(device):
     if torch.device(device).type == "cuda":
         return torch.cuda.get_device_name(torch.device(device))
     import platform
-    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} threads)"
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -304,3 +304,8 @@ def test_lr_decays_at_fractions_of_the_run():
     assert [common.lr_at(r, args) for r in range(5)] == pytest.approx([0.1, 0.1, 0.1, 0.01, 0.001])
     args.rounds = 1  # a one-round run never reaches "half of the run"
     assert common.lr_at(0, args) == 0.1
+
+
+def test_cpu_device_name_says_cores_and_torch_threads():
+    name = common.device_name("cpu")
+    assert f"{os.cpu_count()} cores" in name and f"{torch.get_num_threads()} torch threads" in name
