@@ -27,6 +27,8 @@ import numpy as np
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from common import device_name  # noqa: E402
 
 # Per script: the model flags (small models, so the CPU numbers take minutes; the model and any
 # method flag can be changed with --model-flags) and flags that switch off work after the loop.
@@ -61,11 +63,11 @@ def parse_args():
 
 
 def between_evaluations(script, flags, out):
-    """Run `script` with `flags`; seconds between its first and last metrics.jsonl rows."""
-    cmd = [sys.executable, os.path.join(ROOT, f"{script}.py"), *map(str, flags), "--checkpoint-every", 10 ** 9, "--out", out]
-    res = subprocess.run(list(map(str, cmd)), cwd=ROOT, capture_output=True, text=True)
+    """Run `script` with `flags`; seconds between its first and last evaluation rows of metrics.jsonl."""
+    cmd = [str(a) for a in [sys.executable, os.path.join(ROOT, f"{script}.py"), *flags, "--checkpoint-every", 10 ** 9, "--out", out]]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if res.returncode != 0:
-        sys.exit(f"{script}.py failed ({res.returncode}):\n{' '.join(map(str, cmd))}\n{res.stderr[-3000:]}")
+        sys.exit(f"{script}.py failed ({res.returncode}):\n{' '.join(cmd)}\n{res.stderr[-3000:]}")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return seconds_between_evaluations([json.loads(line) for line in f])
 
@@ -77,16 +79,21 @@ def seconds_between_evaluations(rows):
     return evaluated[-1]["elapsed_s"] - evaluated[0]["elapsed_s"]
 
 
-def time_script(script, args, tmp):
-    """Median FL seconds, centralized seconds and their ratios over args.repeats alternated pairs."""
-    m = max(int(args.frac * args.num_clients), 1)
-    steps = args.rounds * m * args.local_steps
+def run_flags(script, args):
+    """(FL flags, centralized flags, SGD steps per timing) of `script`: the same work on both sides."""
+    steps = args.rounds * max(int(args.frac * args.num_clients), 1) * args.local_steps  # R * m * K
     base = ["--dataset", args.dataset, "--data-dir", args.data_dir, "--device", args.device, "--iid",
             "--batch-size", args.batch_size, "--seed", 0, *(["--amp"] if args.amp else []),
             *(args.model_flags.split() if args.model_flags else SCRIPTS[script])]
     fl_flags = [*base, "--num-clients", args.num_clients, "--frac", args.frac, "--local-steps", args.local_steps,
                 "--rounds", 2 * args.rounds, "--eval-every", args.rounds]
     central_flags = [*base, "--num-clients", 1, "--frac", 1, "--local-steps", steps, "--rounds", 2, "--eval-every", 1]
+    return fl_flags, central_flags, steps
+
+
+def time_script(script, args, tmp):
+    """FL seconds, centralized seconds (args.repeats alternated pairs) and SGD steps per timing."""
+    fl_flags, central_flags, steps = run_flags(script, args)
     fl, central = [], []
     for i in range(args.repeats):
         fl.append(between_evaluations(script, fl_flags, os.path.join(tmp, f"{script}-fl-{i}")))
@@ -96,9 +103,8 @@ def time_script(script, args, tmp):
 
 if __name__ == "__main__":
     args = parse_args()
-    dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"cpu, {torch.get_num_threads()} threads"
     m = max(int(args.frac * args.num_clients), 1)
-    print(f"device {dev}, torch {torch.__version__}, {args.dataset}, B={args.batch_size}, "
+    print(f"device {device_name(args.device)}, torch {torch.__version__}, {args.dataset}, B={args.batch_size}, "
           f"{args.rounds} rounds x {m} clients x {args.local_steps} steps per timing, {args.repeats} repeats")
     print("| script | model flags | SGD steps per timing | FL (s) | centralized (s) | FL / centralized, median (all) |")
     print("| --- | --- | --- | --- | --- | --- |")

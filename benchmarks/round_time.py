@@ -18,7 +18,8 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overhead import between_evaluations  # noqa: E402
+from overhead import between_evaluations  # noqa: E402  (puts the repository root on sys.path)
+from common import device_name  # noqa: E402
 
 
 def parse_args():
@@ -41,8 +42,7 @@ def parse_args():
 
 if __name__ == "__main__":
     args = parse_args()
-    dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"cpu, {torch.get_num_threads()} threads"
-    print(f"device {dev}, torch {torch.__version__}, {args.dataset}, N={args.num_clients}, f={args.frac}, "
+    print(f"device {device_name(args.device)}, torch {torch.__version__}, {args.dataset}, N={args.num_clients}, f={args.frac}, "
           f"E={args.local_epochs}, B={args.batch_size}")
     print("| model | precision | s / round | s / evaluation |")
     print("| --- | --- | --- | --- |")

@@ -292,6 +292,23 @@ def test_overhead_times_evaluation_rows_only():
     assert overhead.seconds_between_evaluations(rows) == 3.5  # rounds 2 -> 4, not 1 -> 4
 
 
+def test_overhead_runs_do_the_same_steps_with_the_same_flags(monkeypatch):
+    import overhead
+    monkeypatch.setattr(sys, "argv", ["overhead.py", "--num-clients", "20", "--frac", "0.25", "--local-steps", "4",
+                                      "--rounds", "3", "--amp"])
+    args = overhead.parse_args()
+    fl, central, steps = overhead.run_flags("fedbabu", args)
+    assert steps == 3 * 5 * 4  # R rounds x m = C*N clients x K steps
+    tail = lambda flags: flags[flags.index("--num-clients"):]
+    assert fl[:-len(tail(fl))] == central[:-len(tail(central))]  # everything but the federation flags is shared
+    assert "--amp" in fl and "--no-client-test" in fl and fl[fl.index("--model") + 1] == "convnet4-tiny"
+    assert tail(fl) == ["--num-clients", 20, "--frac", 0.25, "--local-steps", 4, "--rounds", 6, "--eval-every", 3]
+    assert tail(central) == ["--num-clients", 1, "--frac", 1, "--local-steps", 60, "--rounds", 2, "--eval-every", 1]
+    args.model_flags = "--model mlp"  # --model-flags replaces the per-script model flags
+    fl, _, _ = overhead.run_flags("fedbabu", args)
+    assert fl[fl.index("--model") + 1] == "mlp" and "--no-client-test" not in fl
+
+
 def test_overhead_times_each_script_against_the_same_steps_centralized(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "overhead.py"), "--scripts", "fedavg", "fednnnn",
            "--device", "cpu", "--num-clients", "4", "--frac", "0.5", "--local-steps", "3", "--rounds", "2",
