@@ -231,6 +231,18 @@ def test_reproduce_commands_parse(name, scale, fake_folder, monkeypatch):
     assert seeds == {0, 1, 2}  # SEEDS defaults to "0 1 2"
 
 
+def test_anfr_iid_control_changes_only_the_partition(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    by_variant = {argv[argv.index("--out") + 1].split("/")[3]: argv for argv in dry_run("anfr", "small", SEEDS="0")}
+    assert set(by_variant) == {"bn", "gn", "se", "nf", "anfr", "bn-iid", "anfr-iid"}
+    for arch in ("bn", "anfr"):
+        skewed, iid = by_variant[arch], by_variant[f"{arch}-iid"]
+        assert "--split2" in skewed and "--split2" not in iid
+        assert [("--iid" if a == "--split2" else a) for a in skewed] == [a.replace(f"/{arch}-iid/", f"/{arch}/") for a in iid]
+    paper = {argv[argv.index("--out") + 1].split("/")[3] for argv in dry_run("anfr", "paper", SEEDS="0")}
+    assert paper == {"bn", "gn", "se", "nf", "anfr"}  # the control is a small-scale diagnostic only
+
+
 def test_reproduce_env_seeds_and_variants(monkeypatch):
     monkeypatch.chdir(ROOT)
     cmds = dry_run("fedln", "small", SEEDS="5", VARIANTS="bn")

@@ -29,4 +29,11 @@ fi
 for arch in bn gn se nf anfr; do
   run anfr "$arch" anfr.py "${COMMON[@]}" --arch "$arch"  # bn | gn | se (bn + SE) | nf (NF-ResNet) | anfr (nf + SE)
 done
+if [ "$SCALE" = small ]; then
+  # Control (ours, not in the paper): the same budget on IID clients (--iid in place of --split2), to
+  # tell how much of a gap between BN and ANFR comes from label skew and how much from training speed.
+  for arch in bn anfr; do
+    run anfr "$arch-iid" anfr.py "${COMMON[@]/--split2/--iid}" --arch "$arch"
+  done
+fi
 finish
