@@ -17,8 +17,8 @@ Reproduce (CPU, synthetic data, about a minute):
 CIFAR-10 non-IID-B (Table 2, 76.7% in the paper; the defaults), from the image folder (no internet needed):
     python fednnnn.py --dataset folder --data-dir /path/to/cifar10
 Measured (benchmarks/reproduce/fednnnn.sh small: 8-channel 4convNet, s=2, 150 rounds; real CIFAR-10,
-seeds 0-1, 2-core CPU, about 6 min a run): FedNNNN 41.3, Norm-Norm 39.1, Momentum 37.2, FedAvg 36.4
-(paper, Table 2: 76.7, 76.7, 74.3, 72.6). Details: README "Results".
+seeds 0-2, 2-core CPU, about 6 min a run): FedNNNN 41.9, Norm-Norm 39.8, FedAvg 37.0, Momentum 36.7
+(paper, Table 2: 76.7, 76.7, 72.6, 74.3). Details: README "Results".
 
 Choices the paper leaves open, made here: the normalized entries w are the trainable parameters
 (model.parameters(): conv and linear weights and biases, batch-norm affine weights); batch-norm
