@@ -2,7 +2,8 @@
 
 For every RUNS/<claim>-<scale>/ folder, one line per variant: the test accuracy of metrics.jsonl
 per evaluated round, averaged over the seeds that evaluated that round, with a band of +- one std
-over seeds (ddof=1) where there are several. Unfinished runs are drawn too (their rounds so far).
+over seeds (ddof=1) where there are several; a claim's controls (collect.CLAIMS) are dashed.
+Unfinished runs are drawn too (their rounds so far).
 
     pip install -r benchmarks/requirements.txt    # matplotlib: only the benchmarks need it
     python benchmarks/plot.py                      # runs/reproduce -> docs/
@@ -69,7 +70,8 @@ def main(argv=None):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         for variant in variant_order(spec, data):
             rounds, mean, std, n = data[variant]
-            ax.plot(rounds, mean, marker="." if len(rounds) < 40 else None, label=f"{variant} ({n} seed{'s' if n != 1 else ''})")
+            ax.plot(rounds, mean, marker="." if len(rounds) < 40 else None, label=f"{variant} ({n} seed{'s' if n != 1 else ''})",
+                    linestyle="--" if variant in spec.get("controls", []) else "-")
             if np.any(std > 0):
                 ax.fill_between(rounds, mean - std, mean + std, alpha=0.2)
         ax.set_xlabel("communication round")

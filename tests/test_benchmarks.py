@@ -121,6 +121,11 @@ def test_fedbabu_and_fednnnn_columns(tmp_path):
     assert r["fednnnn"][1:5] == ["80.00", "76.7", "20.00", "40.00"]
 
 
+def test_variant_order_puts_controls_after_the_papers_variants():
+    found = dict.fromkeys(["zzz", "anfr-iid", "bn", "anfr", "bn-iid", "nf"])
+    assert collect.variant_order(collect.CLAIMS["anfr"], found) == ["bn", "nf", "anfr", "bn-iid", "anfr-iid", "zzz"]
+
+
 def test_rebuilt_command_from_config(tmp_path):
     d = make_run(str(tmp_path), "fedln-small", "ln", 3, [0.5], command=False)
     cmd = collect.command_of(collect.load_run(d))
