@@ -236,16 +236,25 @@ def test_reproduce_commands_parse(name, scale, fake_folder, monkeypatch):
     assert seeds == {0, 1, 2}  # SEEDS defaults to "0 1 2"
 
 
-def test_anfr_iid_control_changes_only_the_partition(monkeypatch):
+@pytest.mark.parametrize("name, base, control, old, new", [
+    ("anfr", "bn", "bn-iid", "--split2", "--iid"),
+    ("anfr", "anfr", "anfr-iid", "--split2", "--iid"),
+    ("fedfn", "fedfn", "fedfn-lr0.01", "0.03", "0.01"),
+])
+def test_small_scale_controls_change_one_flag_only(name, base, control, old, new, monkeypatch):
     monkeypatch.chdir(ROOT)
-    by_variant = {argv[argv.index("--out") + 1].split("/")[3]: argv for argv in dry_run("anfr", "small", SEEDS="0")}
-    assert set(by_variant) == {"bn", "gn", "se", "nf", "anfr", "bn-iid", "anfr-iid"}
-    for arch in ("bn", "anfr"):
-        skewed, iid = by_variant[arch], by_variant[f"{arch}-iid"]
-        assert "--split2" in skewed and "--split2" not in iid
-        assert [("--iid" if a == "--split2" else a) for a in skewed] == [a.replace(f"/{arch}-iid/", f"/{arch}/") for a in iid]
-    paper = {argv[argv.index("--out") + 1].split("/")[3] for argv in dry_run("anfr", "paper", SEEDS="0")}
-    assert paper == {"bn", "gn", "se", "nf", "anfr"}  # the control is a small-scale diagnostic only
+
+    def runs(scale):  # {(claim folder, variant): argv}
+        return {tuple(argv[argv.index("--out") + 1].split("/")[2:4]): argv for argv in dry_run(name, scale, SEEDS="0")}
+
+    small = runs("small")
+    claims = sorted(folder for folder, variant in small if variant == base)
+    assert claims
+    for folder in claims:
+        expected = [new if a == old else a.replace(f"/{base}/", f"/{control}/") for a in small[(folder, base)]]
+        assert small[(folder, control)] == expected
+        assert control in collect.CLAIMS[collect.split_claim(folder)[0]]["controls"]  # tabled and drawn as a control
+    assert control not in {variant for _, variant in runs("paper")}  # controls are small-scale diagnostics
 
 
 def test_reproduce_env_seeds_and_variants(monkeypatch):

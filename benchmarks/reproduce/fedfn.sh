@@ -26,5 +26,8 @@ fi
 for s in 2 10; do
   run "fedfn-s$s" fedavg fedfn.py "${COMMON[@]}" --shards "$s" --no-fn --lr 0.01  # FedAvg: lr 0.01 (paper's default for CIFAR-10)
   run "fedfn-s$s" fedfn  fedfn.py "${COMMON[@]}" --shards "$s" --lr 0.03          # FedFN: lr 0.03 (grid search, App. C)
+  if [ "$SCALE" = small ]; then  # control (ours): FedFN at FedAvg's lr, so lr alone does not decide the comparison
+    run "fedfn-s$s" fedfn-lr0.01 fedfn.py "${COMMON[@]}" --shards "$s" --lr 0.01
+  fi
 done
 finish
