@@ -157,11 +157,30 @@ def load_data(args):
         x_tr, y_tr, x_te, y_te = folder_dataset(args.data_dir)
     else:
         x_tr, y_tr, x_te, y_te = torchvision_dataset(name, args.data_dir)
+    # An image folder stores its images class by class. Evaluation cuts the test set into consecutive
+    # batches, and a model whose batch norm keeps no running statistics normalizes each batch with its
+    # own statistics, so a class-sorted test set would be scored on batches of one or two classes.
+    # One fixed permutation (its own seed, not --seed or --data-seed) mixes the classes the way
+    # torchvision's files are mixed; partitions select by label, so they are unaffected in distribution.
+    x_tr, y_tr = unsort(x_tr, y_tr)
+    x_te, y_te = unsort(x_te, y_te)
     num_classes = int(max(y_tr.max(), y_te.max())) + 1
     xf = x_tr.float() / 255
     mean, std = xf.mean(dim=(0, 2, 3), keepdim=True), xf.std(dim=(0, 2, 3), keepdim=True)
     dev = args.device
     return Data(x_tr.to(dev), y_tr.to(dev), x_te.to(dev), y_te.to(dev), num_classes, mean.to(dev), std.to(dev))
+
+
+STORAGE_ORDER_SEED = 20240101  # the one fixed permutation of class-sorted datasets (see load_data)
+
+
+def unsort(x, y):
+    """Return (x, y) in one fixed random order if the labels are stored grouped (non-decreasing),
+    else unchanged: torchvision's files are already mixed, and their order is kept."""
+    if len(y) < 2 or not bool((y[1:] >= y[:-1]).all()):
+        return x, y
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(STORAGE_ORDER_SEED))
+    return x[perm], y[perm]
 
 
 def synthetic_dataset(seed, n_train=3000, n_test=1000, num_classes=10, size=32):
@@ -448,7 +467,9 @@ def split_dirichlet(labels, n, c, alpha, weights, rng, min_size=10, max_tries=10
 
 def client_test_split(test_labels, train_labels, parts, c, rng):
     """Deal the test split so that each client's test labels follow its training label distribution:
-    the test samples of class y go to the clients holding y, in proportion to their training counts."""
+    the test samples of class y go to the clients holding y, in proportion to their training counts.
+    Each client's test set is evaluated on its own, one client at a time (FedBABU's Algorithm 2 and
+    official code), so a batch norm without running statistics sees that client's classes only, as there."""
     counts = np.stack([np.bincount(train_labels[p], minlength=c) for p in parts])  # [n, c]
     test = [[] for _ in parts]
     for cls in range(c):
@@ -930,12 +951,12 @@ VGG11_CFG = [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]  # 
 
 @register_model("vgg11")
 def vgg11(in_channels, num_classes, image_size, **_):
-    """VGG11 with batch norm for CIFAR (FedFN paper; layout of the FedNTD code base's CIFAR VGG11,
-    its vgg11_bn variant): conv3x3 (bias) -> batch norm -> ReLU per VGG11_CFG entry, max-pool 2 at "M", then
-    fc 512*s*s -> 512 -> ReLU -> 512 -> ReLU (body output, d = 512), head linear 512 -> C; no dropout.
-    Batch norm follows the FedBABU code base: no running statistics (track_running_stats=False, batch
-    statistics in training and evaluation, nothing to aggregate). Conv init N(0, 2/(9*C_out)), bias 0.
-    A max-pool is skipped when the map is already 1x1 (28x28 inputs: 28-14-7-3-1)."""
+    """VGG11 for CIFAR as in the FedNTD code base (train_tools/models/vgg.py, `vgg11`, the model its
+    registry builds; fedfn.md B.2 ran Tables 2 and 8 on that code base, and FedBABU's has no VGG):
+    conv3x3 (bias) -> ReLU per VGG11_CFG entry (no batch norm), max-pool 2 at "M", then
+    fc 512*s*s -> 512 -> ReLU -> 512 -> ReLU (body output, d = 512), head linear 512 -> C with bias;
+    no dropout. Conv init N(0, 2/(9*C_out)), bias 0; linear layers keep PyTorch's default init.
+    A max-pool is skipped when the map is already 1x1 (28x28 inputs: 28-14-7-3-1, FedNTD drops the last one)."""
     layers, cin, size = [], in_channels, image_size
     for v in VGG11_CFG:
         if v == "M":
@@ -946,7 +967,7 @@ def vgg11(in_channels, num_classes, image_size, **_):
         conv = nn.Conv2d(cin, v, 3, padding=1)
         nn.init.normal_(conv.weight, 0, math.sqrt(2.0 / (9 * v)))
         nn.init.zeros_(conv.bias)
-        layers += [conv, nn.BatchNorm2d(v, track_running_stats=False), nn.ReLU()]
+        layers += [conv, nn.ReLU()]
         cin = v
     conv = nn.Sequential(*layers, nn.Flatten())
     body = nn.Sequential(conv, nn.Linear(flat_dim(conv, in_channels, image_size), 512), nn.ReLU(),

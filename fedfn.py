@@ -83,6 +83,7 @@ def parse_args():
     g.add_argument("--prox-mu", type=float, default=0.0, help="mu: FedProx proximal term mu/2 ||w - w_t||^2 (0 = FedAvg)")
     g = p.add_argument_group("FedFN")  # FedFN: the method's flags
     g.add_argument("--no-fn", dest="fn", action="store_false", help="logits theta_cls f instead of theta_cls f/||f||_2 (FedAvg on this code path)")  # FedFN
+    g.add_argument("--fn-scale", type=fn_scale, default=1.0, help="s in z = theta_cls (s f/||f||_2): 1 is the paper's FedFN; a number, or sqrt-d for s = sqrt(d) (FedLN's FN, fedln.py)")  # FedFN: our control, not in the paper
     g.add_argument("--fr-mu", type=float, default=0.0, help="mu of Eq. (1): + mu ||f(x)||_2 on the local loss (FedFR, App. D.6; 0.005 there, use with --no-fn)")  # FedFN: Eq. (1)
     g.add_argument("--agg", default="fedavg", choices=["fedavg", "scaffold", "fedexp"], help="server algorithm FN is combined with (Table 2)")  # FedFN
     g.add_argument("--fedexp-eps", type=float, default=1e-3, help="epsilon of FedEXP's server step size (Jhunjhunwala et al. 2023)")  # FedFN
@@ -107,10 +108,28 @@ def parse_args():
     return finish_args(p, args, "fedfn", default_partition=("shards", 10))  # FedFN: s=10 (Table 1)
 
 
-def fn_forward(model, x, fn=True):  # FedFN: Section 4.1, z = theta_cls f / ||f||_2
-    """(logits, feature f): head(f / ||f||_2) with FN, head(f) without (= model(x), FedAvg)."""
+def fn_scale(value):  # FedFN: --fn-scale
+    """A positive number, or "sqrt-d" (resolved per model in fn_forward)."""
+    if value == "sqrt-d":
+        return value
+    try:
+        scale = float(value)
+    except ValueError:
+        scale = -1.0
+    if not scale > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number or sqrt-d, got '{value}'")
+    return scale
+
+
+def fn_forward(model, x, fn=True, scale=1.0):  # FedFN: Section 4.1, z = theta_cls f / ||f||_2
+    """(logits, feature f): head(s f / ||f||_2) with FN (s = 1 in the paper), head(f) without (= model(x),
+    FedAvg). Every feature vector (dim 1) is normalized on its own; the head keeps its bias (the paper's
+    z = theta_cls f/||f|| has none, the code base's heads do)."""
     f = model.body(x)
-    return model.head(F.normalize(f, dim=1) if fn else f), f
+    if not fn:
+        return model.head(f), f
+    s = f.shape[1] ** 0.5 if scale == "sqrt-d" else scale
+    return model.head(s * F.normalize(f, dim=1)), f
 
 
 def local_train(model, indices, data, args, lr, global_params, correction=None):  # FedFN: + SCAFFOLD correction
@@ -123,7 +142,7 @@ def local_train(model, indices, data, args, lr, global_params, correction=None):
     for batch in client_batches(indices, args.batch_size, args.local_epochs, args.local_steps):
         x, y = prepare_batch(data.x_train[batch], data, args.augment), data.y_train[batch]
         with autocast(args.device, args.amp):
-            logits, f = fn_forward(model, x, args.fn)  # FedFN: normalized feature into the head
+            logits, f = fn_forward(model, x, args.fn, args.fn_scale)  # FedFN: normalized feature into the head
             loss = F.cross_entropy(logits.float(), y)
         if args.fr_mu > 0:  # FedFN: FedFR, Eq. (1): L_CE + mu ||f(x; theta_ext)||_2 (batch mean)
             loss = loss + args.fr_mu * f.float().norm(dim=1).mean()
@@ -188,7 +207,7 @@ def four_factors(weight, feats, labels, num_classes, fn=True):  # FedFN: Section
 @torch.no_grad()
 def analyze(model, data, args, batch_size=2000):  # FedFN: the four factors of the global model on D_test
     model.eval()
-    feats = torch.cat([fn_forward(model, prepare_batch(data.x_test[i:i + batch_size], data), args.fn)[1].float()
+    feats = torch.cat([fn_forward(model, prepare_batch(data.x_test[i:i + batch_size], data), args.fn, args.fn_scale)[1].float()
                        for i in range(0, len(data.x_test), batch_size)])
     return four_factors(model.head.weight, feats, data.y_test, data.num_classes, args.fn)
 
@@ -267,7 +286,7 @@ if __name__ == "__main__":
 
         if (rnd + 1) % args.eval_every == 0 or rnd + 1 == args.rounds:
             eval_model.eval()  # FedFN
-            forward = lambda x: fn_forward(eval_model, x, args.fn)[0]  # FedFN: FN at evaluation
+            forward = lambda x: fn_forward(eval_model, x, args.fn, args.fn_scale)[0]  # FedFN: FN at evaluation
             acc, loss = evaluate(forward, data.x_test, data.y_test, data, amp=args.amp)  # FedFN
             metrics = {"round": rnd + 1, "test_acc": acc, "test_loss": loss, "train_loss": train_loss, "lr": lr}
             if partition.test is not None:
@@ -297,7 +316,7 @@ if __name__ == "__main__":
         res = personalize(client, model.state_dict(), data, partition.train,
                           partition.test, epochs=args.ft_epochs, eval_epochs=[0], lr=ft_lr, part="full",
                           batch_size=args.batch_size, augment=args.augment, momentum=args.momentum,
-                          amp=args.amp, forward=lambda m, x: fn_forward(m, x, args.fn)[0])
+                          amp=args.amp, forward=lambda m, x: fn_forward(m, x, args.fn, args.fn_scale)[0])
         final.update(ft_acc_mean=res["acc_mean"][args.ft_epochs], ft_acc_std=res["acc_std"][args.ft_epochs],
                      ft_lr=ft_lr, ft_acc_mean_before=res["acc_mean"][0])
     summary = run.finish({"final_round": args.rounds, **final}, model)  # FedFN

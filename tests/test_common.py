@@ -309,3 +309,28 @@ def test_lr_decays_at_fractions_of_the_run():
 def test_cpu_device_name_says_cores_and_torch_threads():
     name = common.device_name("cpu")
     assert f"{os.cpu_count()} cores" in name and f"{torch.get_num_threads()} torch threads" in name
+
+
+# ------------------------------------------------------------------ storage order (issue 12)
+def test_load_data_mixes_a_class_sorted_folder_with_one_fixed_permutation(tmp_path):
+    write_folder(tmp_path / "ds", per_class=20)
+    x_tr, y_tr, x_te, y_te = common.folder_dataset(str(tmp_path / "ds"))  # stored class by class
+    assert y_te.tolist() == sorted(y_te.tolist())
+    loads = [common.load_data(argparse.Namespace(dataset="folder", data_dir=str(tmp_path / "ds"), device="cpu",
+                                                 seed=s, data_seed=s)) for s in (0, 7)]
+    for d in loads:
+        assert d.y_test.tolist() != sorted(d.y_test.tolist()) and d.y_train.tolist() != sorted(d.y_train.tolist())
+        assert set(d.y_test[:15].tolist()) == {0, 1, 2}  # the first quarter already mixes all three classes
+        for x, y, x0, y0 in ((d.x_train, d.y_train, x_tr, y_tr), (d.x_test, d.y_test, x_te, y_te)):
+            # the same (image, label) pairs, only reordered
+            key = lambda xs, ys: sorted((bytes(xi.flatten().tolist()), int(yi)) for xi, yi in zip(xs, ys))
+            assert key(x, y) == key(x0, y0)
+    # the permutation is fixed: it depends neither on --seed nor on --data-seed
+    assert torch.equal(loads[0].y_test, loads[1].y_test) and torch.equal(loads[0].x_train, loads[1].x_train)
+
+
+def test_unsort_keeps_a_mixed_order_as_it_is():
+    x, y = torch.arange(6).view(6, 1), torch.tensor([2, 0, 1, 2, 0, 1])
+    assert common.unsort(x, y)[1] is y
+    xs, ys = common.unsort(x, torch.tensor([0, 0, 1, 1, 2, 2]))
+    assert ys.tolist() != [0, 0, 1, 1, 2, 2] and torch.equal(torch.tensor([0, 0, 1, 1, 2, 2])[xs.view(-1)], ys)

@@ -196,3 +196,28 @@ def test_real_cifar10_folder_end_to_end(tmp_path):
     assert s["test_acc"] > 0.2  # chance is 0.10
     part = json.load(open(tmp_path / "a" / "partition.json"))
     assert sum(map(sum, part["train"])) == 50000 and len(part["train"][0]) == 10
+
+
+@pytest.mark.skipif(not CIFAR, reason="set CLEANFL_CIFAR10_DIR to an unpacked cifar10-jpg folder")
+def test_real_cifar10_accuracy_does_not_depend_on_the_test_order():
+    """Issue 12: a batch norm without running statistics normalizes each evaluation batch with its own
+    statistics, so the folder's class-sorted test set scored batches of two classes (4-6 points lower)."""
+    import torch.nn.functional as F
+    from common import build_model, evaluate, load_data, prepare_batch
+    torch.manual_seed(0)
+    data = load_data(argparse.Namespace(dataset="folder", data_dir=CIFAR, device="cpu", data_seed=0))
+    model = build_model("convnet4-tiny", data)  # batch norm with track_running_stats=False
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    order = torch.randperm(len(data.y_train), generator=torch.Generator().manual_seed(0))
+    for i in range(0, 10000, 50):  # one pass over a random fifth of the training set: about 30% accuracy
+        batch = order[i:i + 50]
+        x, y = prepare_batch(data.x_train[batch], data), data.y_train[batch]
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    model.eval()
+    stored, _ = evaluate(model, data.x_test, data.y_test, data)
+    perm = torch.randperm(len(data.y_test), generator=torch.Generator().manual_seed(1))
+    shuffled, _ = evaluate(model, data.x_test[perm], data.y_test[perm], data)
+    assert stored > 0.2
+    assert abs(stored - shuffled) < 0.01, (stored, shuffled)

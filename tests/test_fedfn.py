@@ -33,7 +33,7 @@ def tiny_model(seed=0, size=8):
 
 
 def tiny_args(**kw):
-    base = dict(lr=0.1, momentum=0.0, weight_decay=0.0, prox_mu=0.0, fr_mu=0.0, fn=True, device="cpu",
+    base = dict(lr=0.1, momentum=0.0, weight_decay=0.0, prox_mu=0.0, fr_mu=0.0, fn=True, fn_scale=1.0, device="cpu",
                 amp=False, batch_size=8, local_epochs=None, local_steps=1, augment="none")
     return argparse.Namespace(**{**base, **kw})
 
@@ -54,6 +54,26 @@ def test_features_reaching_the_head_have_unit_norm():
     assert torch.equal(logits_nofn, model(x)) and not torch.allclose(seen[-1].norm(dim=1), torch.ones(5))
 
 
+def test_fn_logits_by_hand_axis_and_scale():
+    """z = W (s f/||f||_2) + b on a hand-made model: each row (sample) is normalized, not each column."""
+    model = Classifier(nn.Identity(), 2, 2)
+    with torch.no_grad():
+        model.head.weight.copy_(torch.tensor([[1.0, 0.0], [1.0, 2.0]]))
+        model.head.bias.copy_(torch.tensor([0.5, -1.0]))
+    f = torch.tensor([[3.0, 4.0], [0.0, 2.0]])  # norms 5 and 2: unit rows [0.6, 0.8], [0, 1]
+    expect = {1.0: [[1.1, 1.2], [0.5, 1.0]], 5.0: [[3.5, 10.0], [0.5, 9.0]],  # s = 1 (paper), s = 5
+              "sqrt-d": [[0.5 + 0.6 * 2 ** 0.5, -1 + 2.2 * 2 ** 0.5], [0.5, -1 + 2 * 2 ** 0.5]]}  # s = sqrt(2)
+    for scale, z in expect.items():
+        logits, feat = fedfn.fn_forward(model, f, fn=True, scale=scale)
+        assert torch.allclose(logits, torch.tensor(z), atol=1e-6), scale
+        assert torch.equal(feat, f)
+    assert torch.allclose(fedfn.fn_forward(model, f, fn=False)[0], torch.tensor([[3.5, 10.0], [0.5, 3.0]]))
+    assert fedfn.fn_scale("sqrt-d") == "sqrt-d" and fedfn.fn_scale("2.5") == 2.5
+    for bad in ("0", "-1", "big"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            fedfn.fn_scale(bad)
+
+
 def test_fr_mu_adds_mu_times_feature_norm_gradient():
     data = tiny_data()
     grads = []
@@ -70,14 +90,17 @@ def test_fr_mu_adds_mu_times_feature_norm_gradient():
 
 
 def test_vgg11_layout():
+    """FedNTD's vgg11 (no batch norm): torchvision's VGG11 conv stack, fc 512 -> 512 -> 512, head."""
+    import torchvision
     from common import MODELS
     model = MODELS["vgg11"](3, 10, 32)
     convs = [m for m in model.body.modules() if isinstance(m, nn.Conv2d)]
-    bns = [m for m in model.body.modules() if isinstance(m, nn.BatchNorm2d)]
     assert [c.out_channels for c in convs] == [64, 128, 256, 256, 512, 512, 512, 512]
-    assert len(bns) == 8 and not any(b.track_running_stats for b in bns)  # FedBABU-style batch norm
-    assert sum(p.numel() for p in model.parameters()) == 9_756_426  # 9,220,480 conv + BN + 2 x fc 512 + head
-    assert model.head.in_features == 512 and model.head.out_features == 10
+    assert not any(isinstance(m, (nn.BatchNorm2d, nn.Dropout)) for m in model.modules())
+    reference = torchvision.models.vgg11().features  # an independent count of cfg "A"'s convolutions
+    assert sum(p.numel() for c in convs for p in c.parameters()) == sum(p.numel() for p in reference.parameters())
+    assert sum(p.numel() for p in model.parameters()) == 9_750_922  # 9,220,480 conv + 2 x fc 512 + head 5,130
+    assert model.head.in_features == 512 and model.head.out_features == 10 and model.head.bias is not None
     small = MODELS["vgg11"](1, 62, 28).eval()  # EMNIST-size input: the last pool is skipped at 1x1
     assert small(torch.randn(2, 1, 28, 28)).shape == (2, 62)
 
@@ -186,18 +209,18 @@ def test_four_factors_on_hand_built_model():
             "intra_class_sim": (float((p0[0] + (p0[0] + p0[1]) / s2) / 2) + 1.0) / 2,
             "proto_weight_align": (float(p0[0]) + 1 / s2) / 2,
             "feature_norm": (3 + s2 + 2 + 4) / 4}
-    got = fedfn.analyze(model, data, argparse.Namespace(fn=True))
+    got = fedfn.analyze(model, data, argparse.Namespace(fn=True, fn_scale=1.0))
     for k, v in want.items():
         assert got[k] == pytest.approx(v, abs=1e-5), k
     # without FN the prototypes average raw features: class 0 -> [2, 0.5]
-    got = fedfn.analyze(model, data, argparse.Namespace(fn=False))
+    got = fedfn.analyze(model, data, argparse.Namespace(fn=False, fn_scale=1.0))
     q0 = torch.tensor([2.0, 0.5]) / math.hypot(2.0, 0.5)
     assert got["inter_class_sim"] == pytest.approx(float(q0[1]), abs=1e-5)
     assert got["proto_weight_align"] == pytest.approx((float(q0[0]) + 1 / s2) / 2, abs=1e-5)
 
 
 def test_bad_method_flags_exit_2(monkeypatch, capsys):
-    for flags in (["--ft-epochs", "2"], ["--fr-mu", "-1"], ["--fedexp-eps", "0"], ["--agg", "fedprox"]):
+    for flags in (["--ft-epochs", "2"], ["--fr-mu", "-1"], ["--fedexp-eps", "0"], ["--agg", "fedprox"], ["--fn-scale", "0"]):
         monkeypatch.setattr(sys, "argv", ["fedfn.py", "--dataset", "synthetic", "--device", "cpu", *flags])
         with pytest.raises(SystemExit) as e:
             fedfn.parse_args()
@@ -206,7 +229,8 @@ def test_bad_method_flags_exit_2(monkeypatch, capsys):
     args = fedfn.parse_args()  # the paper's defaults
     assert (args.model, args.num_clients, args.frac, args.shards, args.local_epochs, args.batch_size, args.rounds,
             args.lr, args.momentum, args.weight_decay, args.lr_decay_at, args.lr_decay, args.augment, args.fn,
-            args.agg) == ("vgg11", 100, 0.1, 10, 15, 50, 320, 0.03, 0.9, 0.0, [0.5, 0.75], 0.1, "flip", True, "fedavg")
+            args.agg, args.fn_scale) == ("vgg11", 100, 0.1, 10, 15, 50, 320, 0.03, 0.9, 0.0, [0.5, 0.75], 0.1, "flip", True,
+                                         "fedavg", 1.0)
 
 
 # ---------------------------------------------------------------------------------------------

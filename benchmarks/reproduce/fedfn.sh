@@ -26,8 +26,11 @@ fi
 for s in 2 10; do
   run "fedfn-s$s" fedavg fedfn.py "${COMMON[@]}" --shards "$s" --no-fn --lr 0.01  # FedAvg: lr 0.01 (paper's default for CIFAR-10)
   run "fedfn-s$s" fedfn  fedfn.py "${COMMON[@]}" --shards "$s" --lr 0.03          # FedFN: lr 0.03 (grid search, App. C)
-  if [ "$SCALE" = small ]; then  # control (ours): FedFN at FedAvg's lr, so lr alone does not decide the comparison
+  if [ "$SCALE" = small ]; then  # controls (ours): FedFN at FedAvg's lr, so lr alone does not decide the comparison;
+    # and the same with the unit feature scaled to norm sqrt(d) (FedLN's FN), since z = W f/||f|| bounds each logit
+    # by ||W_c|| (about 0.6 at PyTorch's head init) and a short schedule does not grow W enough
     run "fedfn-s$s" fedfn-lr0.01 fedfn.py "${COMMON[@]}" --shards "$s" --lr 0.01
+    run "fedfn-s$s" fedfn-sqrtd  fedfn.py "${COMMON[@]}" --shards "$s" --lr 0.01 --fn-scale sqrt-d
   fi
 done
 finish
