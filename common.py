@@ -1041,22 +1041,30 @@ def lenet(in_channels, num_classes, image_size, **_):
 
 
 @register_model("cnn6")
-def cnn6(in_channels, num_classes, image_size, **_):
+def cnn6(in_channels, num_classes, image_size, width=32, **_):
     """Nagura et al. 2020, Table 4 (CIFAR-10): [conv3x3 (padding 1) + BN + ReLU] x2 per stage with 32, 64,
     128 channels, max-pool after each stage, then fc 382, fc 192 and the head; all layers with bias
     (1,146,088 parameters at 32x32). 382 as printed, twice, in Table 4 (Fc1 out, Fc2 in), though likely
-    a typo for the 384 of the TensorFlow CIFAR-10 tutorial's 384-192 head."""
+    a typo for the 384 of the TensorFlow CIFAR-10 tutorial's 384-192 head. `width` is the first stage's
+    channels (32 in the paper; the stages have width, 2*width, 4*width). Batch norm keeps running statistics."""
     layers, cin = [], in_channels
-    for cout in (32, 32, "pool", 64, 64, "pool", 128, 128, "pool"):
+    for cout in (width, width, "pool", 2 * width, 2 * width, "pool", 4 * width, 4 * width, "pool"):
         if cout == "pool":
             layers.append(nn.MaxPool2d(2))
             continue
         layers += [nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU()]
         cin = cout
     side = image_size // 8  # computed, not probed: a probe pass would move the BN running statistics
-    body = nn.Sequential(*layers, nn.Flatten(), nn.Linear(128 * side * side, 382), nn.ReLU(),
+    body = nn.Sequential(*layers, nn.Flatten(), nn.Linear(4 * width * side * side, 382), nn.ReLU(),
                          nn.Linear(382, 192), nn.ReLU())
     return Classifier(body, 192, num_classes)
+
+
+@register_model("cnn6-narrow")
+def cnn6_narrow(in_channels, num_classes, image_size, **_):
+    """cnn6 with a quarter of the channels (8, 16, 32; fc 382-192 kept): a CPU-sized model that, unlike
+    convnet4-tiny, keeps batch-norm running statistics (FedNNNN's evaluation model averages them)."""
+    return cnn6(in_channels, num_classes, image_size, width=8)
 
 
 # === ANFR (anfr.py): weight-standardized NF-ResNets and channel attention (see ResNet code above) ===

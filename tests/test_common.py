@@ -334,3 +334,14 @@ def test_unsort_keeps_a_mixed_order_as_it_is():
     assert common.unsort(x, y)[1] is y
     xs, ys = common.unsort(x, torch.tensor([0, 0, 1, 1, 2, 2]))
     assert ys.tolist() != [0, 0, 1, 1, 2, 2] and torch.equal(torch.tensor([0, 0, 1, 1, 2, 2])[xs.view(-1)], ys)
+
+
+def test_cnn6_narrow_is_cnn6_at_a_quarter_width_with_running_statistics():
+    model = MODELS["cnn6-narrow"](3, 10, 32)
+    convs = [m.out_channels for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert convs == [8, 8, 16, 16, 32, 32]
+    bns = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert len(bns) == 6 and all(b.track_running_stats for b in bns)  # FedNNNN averages these into its eval model
+    # by hand: convs 224 + 584 + 1,168 + 2,320 + 4,640 + 9,248, BN 2 x 112, fc 512*382+382, 382*192+192, head 1,930
+    assert sum(p.numel() for p in model.parameters()) == 18_184 + 224 + 195_966 + 73_536 + 1_930
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
