@@ -4,7 +4,8 @@
 Idea: under label skew, local models learn large feature norms for their own classes, so local and
 global feature norms drift apart. FedFN feeds the classifier the unit-norm feature instead,
 z = theta_cls f / ||f||_2 (Section 4.1), on clients and at evaluation; everything else is FedAvg.
-(FedLN's FN in fedln.py scales the feature to norm sqrt(d) instead of 1; here it is exactly 1.)
+(FedLN's FN in fedln.py scales the feature to norm sqrt(d) instead of 1; here it is 1 unless --fn-scale
+says otherwise: a control of ours, not the paper's method.)
 --no-fn is FedAvg on the same code path (bitwise the same metrics as fedavg.py with the same flags),
 --fr-mu is the feature-norm regularization of Eq. (1) (FedFR, Appendix D.6), --agg scaffold|fedexp
 combines FN with SCAFFOLD / FedEXP (Table 2), --ft-epochs gives FedFN-FT (Appendix D.3), and
@@ -23,8 +24,11 @@ vs 38.5 +- 0.7 (FedFN at FedAvg's lr 0.01: 24.5, 28.2): the paper's gain does no
 
 Choices the paper leaves open, made here: no weight decay (the FedBABU code base has none); the last
 batch of a local epoch may be short; F.normalize (norm clamped at 1e-12) so an all-zero ReLU feature
-stays zero instead of NaN; batch norm in vgg11 keeps no running statistics (FedBABU code base), other
-models' batch-norm running statistics are averaged like weights. The four factors build the class
+stays zero instead of NaN; the head keeps its bias (the paper's z = theta_cls f/||f|| has none; the
+code bases' classifiers, FedNTD's VGG11 included, have one); vgg11 is the FedNTD code base's VGG11
+without batch norm (B.2 built Tables 2 and 8 on that code base; FedBABU's has no VGG, and App. C's
+divergence of FedAvg at lr >= 0.03 fits a VGG without batch norm); other models' batch-norm running
+statistics are averaged like weights. The four factors build the class
 prototypes from the features the head sees (f/||f|| with FN: the paper's normalized prototype; f with
 --no-fn) and use cosine similarity for all four. Factor 4 is a cosine in Section 3.1, while App. B.3
 says "inner product" in the loose notation it also uses for factor 2, whose stated range [-1, 1]
