@@ -149,13 +149,14 @@ def parse_args():
         p.error(f"--norm: {args.norm} is defined for --model normcnn only, not {args.model}")  # FedLN
     if not args.ln_affine and args.model != "normcnn":  # FedLN
         p.error("--no-ln-affine: only normcnn has static normalization layers")  # FedLN
-    if args.prox_mu is not None and args.prox_mu != 0 and args.agg != "fedprox":  # FedLN: --prox-mu is never silently ignored
+    if args.prox_mu and args.agg != "fedprox" and not args.resume:  # FedLN: --prox-mu is never silently ignored
         p.error(f"--prox-mu: the proximal term belongs to --agg fedprox, not --agg {args.agg}; add --agg fedprox or drop --prox-mu")  # FedLN
     if args.agg == "fedprox":  # FedLN: mu = 0.01 unless given (Appendix C.4)
         args.prox_mu = 0.01 if args.prox_mu is None else args.prox_mu  # FedLN
         if args.prox_mu <= 0:  # FedLN
             p.error(f"--prox-mu: --agg fedprox needs mu > 0, got {args.prox_mu}")  # FedLN
-    args.prox_mu = args.prox_mu or 0.0  # FedLN: 0 = no proximal term (config.json says so)
+    else:  # FedLN: 0 = no proximal term (config.json says so; older runs saved an unused 0.01)
+        args.prox_mu = 0.0  # FedLN
     if args.overfit_client is not None:  # FedLN: Figure 3 left, client K alone
         if not 0 <= args.overfit_client < args.num_clients:
             p.error(f"--overfit-client: K must be in 0..{args.num_clients - 1} (--num-clients {args.num_clients}), got {args.overfit_client}")  # FedLN

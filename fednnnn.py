@@ -62,7 +62,7 @@ def parse_args():
     g.add_argument("--augment", default="none", choices=AUGMENTATIONS, help="on-device augmentation of training batches (the paper: none, inputs are only normalized)")  # FedNNNN: no augmentation
     g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2)")
     g.add_argument("--iid", action="store_true", help="uniform random split (the paper's IID)")  # FedNNNN: help
-    g.add_argument("--shards", type=int, default=None, help="S: sort by label, N*S shards, S per client (default: S=2, McMahan's recipe for the paper's non-IID '2 classes': at most 2 classes, and 5-9 of 100 CIFAR-10 clients get 2 shards of one class; --classes-per-client 2 gives exactly 2)")  # FedNNNN: help
+    g.add_argument("--shards", type=int, default=None, help="S: sort by label, N*S shards, S per client (default: S=2, McMahan's recipe for the paper's non-IID '2 classes'; on CIFAR-10 5-9 of the 100 clients get 2 shards of one class; --classes-per-client 2 gives exactly 2)")  # FedNNNN: help
     g.add_argument("--classes-per-client", type=int, default=None, help="C: each client holds C classes, each class split evenly among its holders")
     g.add_argument("--alpha", type=float, default=None, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
     g.add_argument("--split2", action="store_true", help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
