@@ -530,6 +530,15 @@ def test_prox_mu_belongs_to_agg_fedprox(monkeypatch, flags, mu):
     assert fedln.parse_args().prox_mu == mu
 
 
+def test_resume_of_a_run_saved_with_an_unused_prox_mu(monkeypatch, tmp_path):
+    """Runs saved before the rule kept the old default prox_mu 0.01 with every --agg: they still resume."""
+    (tmp_path / "config.json").write_text(json.dumps({"agg": "scaffold", "prox_mu": 0.01, "dataset": "synthetic"}))
+    (tmp_path / "checkpoint.pt").write_bytes(b"")
+    monkeypatch.setattr(sys, "argv", ["fedln.py", "--resume", str(tmp_path)])
+    args = fedln.parse_args()
+    assert (args.agg, args.prox_mu) == ("scaffold", 0.0)
+
+
 def test_defaults_are_the_papers(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["fedln.py", "--device", "cpu", "--out", "unused"])
     a = fedln.parse_args()
