@@ -132,6 +132,16 @@ def _num_classes_hint(args):
     return NUM_CLASSES.get(args.dataset)
 
 
+def refuse(message):
+    """Bad input found after the flags were parsed (in the data or the partition): print one
+    `prog: error: message` line and exit with status 2, as parser.error does. str() of the raised
+    SystemExit is the message, so callers and tests can read it."""
+    print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
+    refusal = SystemExit(message)
+    refusal.code = 2  # not the 1 of sys.exit(message)
+    raise refusal
+
+
 def seed_everything(seed):
     random.seed(seed)
     np.random.seed(seed)
@@ -237,10 +247,7 @@ def torchvision_dataset(name, root):
         reason = " ".join(f"{type(e).__name__}: {e}".split())[:160]
         msg = (f"--dataset: could not download or read {name} into --data-dir {root} ({reason}); without internet "
                f"use --dataset folder --data-dir DIR (images in DIR/train/<class>/ and DIR/test/<class>/)")
-        print(f"{os.path.basename(sys.argv[0])}: error: {msg}", file=sys.stderr)
-        refusal = SystemExit(msg)  # str(refusal) is the message, the exit status argparse's 2
-        refusal.code = 2
-        raise refusal from None
+        refuse(msg)
     return out
 
 
@@ -275,10 +282,10 @@ def folder_dataset(root):
             xs.append(_decode_image(os.path.join(root, split, classes[c], f)))
             ys.append(c)
         if not xs:
-            sys.exit(f"--data-dir: no images found under {os.path.join(root, split)}/<class>/")
+            refuse(f"--data-dir: no images found under {os.path.join(root, split)}/<class>/")
         shapes = {tuple(x.shape) for x in xs}
         if len(shapes) > 1:
-            sys.exit(f"--data-dir: images under {root}/{split} differ in size ({sorted(shapes)[:3]}...); "
+            refuse(f"--data-dir: images under {root}/{split} differ in size ({sorted(shapes)[:3]}...); "
                      "resize them to one size first")
         tensors += [torch.stack(xs), torch.tensor(ys)]
     for path in caches:  # first writable place wins
@@ -408,10 +415,7 @@ def make_partition(args, data):
         more = f" (and {len(empty) - 1} more)" if len(empty) > 1 else ""
         msg = (f"--num-clients: client {empty[0]} of {n}{more} received no training data under {scheme} "
                f"({len(labels)} training samples); use fewer --num-clients")
-        print(f"{os.path.basename(sys.argv[0])}: error: {msg}", file=sys.stderr)
-        refusal = SystemExit(msg)  # str(refusal) is the message ...
-        refusal.code = 2  # ... and the exit status argparse's 2, not the 1 of sys.exit(message)
-        raise refusal
+        refuse(msg)
     test = None
     if getattr(args, "client_test", False):
         test = client_test_split(data.y_test.cpu().numpy(), labels, parts, c, rng)
@@ -493,10 +497,7 @@ def split_dirichlet(labels, n, c, alpha, weights, rng, min_size=10, max_tries=10
             return parts
     msg = (f"--alpha: after {max_tries} draws of Dir({alpha}) some client still had fewer than {need} samples; "
            "use a larger --alpha or fewer --num-clients")
-    print(f"{os.path.basename(sys.argv[0])}: error: {msg}", file=sys.stderr)
-    refusal = SystemExit(msg)  # str(refusal) is the message, the exit status argparse's 2
-    refusal.code = 2
-    raise refusal
+    refuse(msg)
 
 
 def client_test_split(test_labels, train_labels, parts, c, rng):

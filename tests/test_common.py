@@ -345,3 +345,16 @@ def test_cnn6_narrow_is_cnn6_at_a_quarter_width_with_running_statistics():
     # by hand: convs 224 + 584 + 1,168 + 2,320 + 4,640 + 9,248, BN 2 x 112, fc 512*382+382, 382*192+192, head 1,930
     assert sum(p.numel() for p in model.parameters()) == 18_184 + 224 + 195_966 + 73_536 + 1_930
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_folder_without_images_or_with_mixed_sizes_exits_2(tmp_path, capsys):
+    write_folder(tmp_path / "empty", per_class=0)
+    with pytest.raises(SystemExit, match="no images found") as e:
+        common.folder_dataset(str(tmp_path / "empty"))
+    assert e.value.code == 2 and capsys.readouterr().err.count("\n") == 1
+    write_folder(tmp_path / "mixed")
+    from torchvision.io import write_png
+    write_png(torch.zeros(3, 4, 4, dtype=torch.uint8), str(tmp_path / "mixed" / "train" / "ant" / "odd.png"))
+    with pytest.raises(SystemExit, match="differ in size") as e:
+        common.folder_dataset(str(tmp_path / "mixed"))
+    assert e.value.code == 2
