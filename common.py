@@ -68,6 +68,16 @@ def finish_args(parser, args, script, default_partition):
         for split in ("train", "test"):
             if not os.path.isdir(os.path.join(args.data_dir, split)):
                 err(f"--data-dir: a folder dataset needs {os.path.join(args.data_dir, split)}/<class>/*images*")
+        train, test = (os.path.join(args.data_dir, split) for split in ("train", "test"))
+        try:
+            classes = sorted(d for d in os.listdir(train) if os.path.isdir(os.path.join(train, d)))
+        except OSError as e:
+            err(f"--data-dir: cannot list {train} ({e.strerror})")
+        if not classes:
+            err(f"--data-dir: {train} has no class folders; a folder dataset needs {train}/<class>/*images*")
+        missing = [c for c in classes if not os.path.isdir(os.path.join(test, c))]
+        if missing:
+            err(f"--data-dir: {test} lacks the class folder(s) {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} of {train}")
     given = [k for k in PARTITION_FLAGS if getattr(args, k) not in (None, False)]
     if len(given) > 1:
         err("partition: give at most one of " + ", ".join(PARTITION_FLAGS.values())
@@ -84,6 +94,8 @@ def finish_args(parser, args, script, default_partition):
         err(f"--batch-size: must be at least 1, got {args.batch_size}")
     if args.alpha is not None and args.alpha <= 0:
         err(f"--alpha: the Dirichlet concentration must be > 0, got {args.alpha}")
+    if getattr(args, "prox_mu", None) is not None and args.prox_mu < 0:  # every script's FedProx flag
+        err(f"--prox-mu: must be >= 0 (0 = no proximal term), got {args.prox_mu}")
     classes = _num_classes_hint(args)
     if args.shards is not None:
         if args.shards < 1:
@@ -201,23 +213,34 @@ def synthetic_dataset(seed, n_train=3000, n_test=1000, num_classes=10, size=32):
 
 
 def torchvision_dataset(name, root):
+    """Download (once) into root and load a torchvision dataset. A failed download (no internet: urllib's
+    URLError is an OSError; torchvision's MNIST mirrors end in a RuntimeError) exits 2 with one line."""
     import torchvision.datasets as tvd
     ctor = {"mnist": tvd.MNIST, "fashionmnist": tvd.FashionMNIST, "cifar10": tvd.CIFAR10,
             "cifar100": tvd.CIFAR100}
     out = []
-    for train in (True, False):
-        if name == "svhn":
-            ds = tvd.SVHN(root, split="train" if train else "test", download=True)
-            x, y = torch.from_numpy(ds.data), torch.from_numpy(ds.labels).long()
-        elif name == "emnist":
-            ds = tvd.EMNIST(root, split="byclass", train=train, download=True)
-            x, y = ds.data.transpose(1, 2).unsqueeze(1), ds.targets.long()  # EMNIST is stored transposed
-        else:
-            ds = ctor[name](root, train=train, download=True)
-            x = torch.as_tensor(ds.data)
-            x = x.unsqueeze(1) if x.ndim == 3 else x.permute(0, 3, 1, 2)
-            y = torch.as_tensor(ds.targets).long()
-        out += [x.contiguous(), y]
+    try:
+        for train in (True, False):
+            if name == "svhn":
+                ds = tvd.SVHN(root, split="train" if train else "test", download=True)
+                x, y = torch.from_numpy(ds.data), torch.from_numpy(ds.labels).long()
+            elif name == "emnist":
+                ds = tvd.EMNIST(root, split="byclass", train=train, download=True)
+                x, y = ds.data.transpose(1, 2).unsqueeze(1), ds.targets.long()  # EMNIST is stored transposed
+            else:
+                ds = ctor[name](root, train=train, download=True)
+                x = torch.as_tensor(ds.data)
+                x = x.unsqueeze(1) if x.ndim == 3 else x.permute(0, 3, 1, 2)
+                y = torch.as_tensor(ds.targets).long()
+            out += [x.contiguous(), y]
+    except (OSError, RuntimeError) as e:
+        reason = " ".join(f"{type(e).__name__}: {e}".split())[:160]
+        msg = (f"--dataset: could not download or read {name} into --data-dir {root} ({reason}); without internet "
+               f"use --dataset folder --data-dir DIR (images in DIR/train/<class>/ and DIR/test/<class>/)")
+        print(f"{os.path.basename(sys.argv[0])}: error: {msg}", file=sys.stderr)
+        refusal = SystemExit(msg)  # str(refusal) is the message, the exit status argparse's 2
+        refusal.code = 2
+        raise refusal from None
     return out
 
 
@@ -380,9 +403,15 @@ def make_partition(args, data):
         raise ValueError("no partition flag set")
     if args.quantity == "powerlaw":
         scheme += " powerlaw"
-    for k, p in enumerate(parts):
-        if len(p) == 0:
-            sys.exit(f"partition: client {k} received no data under {scheme}; use fewer --num-clients")
+    empty = [k for k, p in enumerate(parts) if len(p) == 0]
+    if empty:  # bad input found only now that the data is known: exit 2 with one line, as parser.error
+        more = f" (and {len(empty) - 1} more)" if len(empty) > 1 else ""
+        msg = (f"--num-clients: client {empty[0]} of {n}{more} received no training data under {scheme} "
+               f"({len(labels)} training samples); use fewer --num-clients")
+        print(f"{os.path.basename(sys.argv[0])}: error: {msg}", file=sys.stderr)
+        refusal = SystemExit(msg)  # str(refusal) is the message ...
+        refusal.code = 2  # ... and the exit status argparse's 2, not the 1 of sys.exit(message)
+        raise refusal
     test = None
     if getattr(args, "client_test", False):
         test = client_test_split(data.y_test.cpu().numpy(), labels, parts, c, rng)
@@ -447,7 +476,8 @@ def split_classes(labels, n, c, per_client, weights, rng, holders=None):
 
 def split_dirichlet(labels, n, c, alpha, weights, rng, min_size=10, max_tries=100):
     """Hsu et al. 2019: per class, proportions over clients ~ Dir(alpha) (times power-law weights).
-    Redraws until every client has at least min(min_size, |D|/n) samples."""
+    Redraws until every client has at least min(min_size, |D|/n) samples; after max_tries draws it
+    refuses the flags (exit 2, one line, as parser.error)."""
     need = min(min_size, len(labels) // n)
     for _ in range(max_tries):
         parts = [[] for _ in range(n)]
@@ -461,8 +491,12 @@ def split_dirichlet(labels, n, c, alpha, weights, rng, min_size=10, max_tries=10
         parts = [np.concatenate(p) for p in parts]
         if min(len(p) for p in parts) >= need:
             return parts
-    sys.exit(f"--alpha: after {max_tries} draws some client still had fewer than {need} samples; "
-             "use a larger --alpha or fewer --num-clients")
+    msg = (f"--alpha: after {max_tries} draws of Dir({alpha}) some client still had fewer than {need} samples; "
+           "use a larger --alpha or fewer --num-clients")
+    print(f"{os.path.basename(sys.argv[0])}: error: {msg}", file=sys.stderr)
+    refusal = SystemExit(msg)  # str(refusal) is the message, the exit status argparse's 2
+    refusal.code = 2
+    raise refusal
 
 
 def client_test_split(test_labels, train_labels, parts, c, rng):

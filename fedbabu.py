@@ -195,7 +195,7 @@ if __name__ == "__main__":
         train_loss = torch.zeros((), device=args.device)
         for k, w in zip(clients, weights):
             client.load_state_dict(model.state_dict())  # FedBABU: broadcast {theta_G,ext^{k-1}, theta_G,cls^0} (Alg. 1 line 6)
-            train_loss += w * local_train(client, partition.train[k], data, args, lr, list(model.parameters()))
+            train_loss += w * local_train(client, partition.train[k], data, args, lr, [p.detach() for p in model.parameters()])
             accumulate(total, shared_part(client, args.train_head).state_dict(), w)  # FedBABU: shared part
         shared.load_state_dict(total)  # FedBABU: theta_G,ext^k = sum_i n_i/n theta_i,ext^k (Alg. 1 line 9); the head is not aggregated
         train_loss = train_loss.item()

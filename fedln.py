@@ -9,13 +9,28 @@ makes plain FedAvg converge far faster. --norm picks the normalization, --agg th
 
 Reproduce (CPU, synthetic data, a few minutes):
     python fedln.py --dataset synthetic --rounds 5 --eval-every 1    # add --norm none: vanilla FedAvg
-The paper (Table 1 / Table 10 CIFAR-10 CNN, 1 class per client, E=10; 10,000 rounds):
-    python fedln.py --dataset cifar10 --norm ln          # FedLN;   --norm fn: FedFN; --norm none: FedAvg
-    python fedln.py --dataset cifar10 --norm none --agg fedyogi   # FedYogi; --agg scaffold / fedprox
-    python fedln.py --dataset cifar10 --model resnet18 --norm ln  # Table 2 / Table 13 ResNet rows
+The paper, CIFAR-10, 1 class per client (add --classes-per-client 2 or --alpha 0.1 for the other columns),
+E=10, 10,000 rounds. Table 1's CIFAR-10 columns are ResNet-18 runs: its FedLN 88.0 / 89.1 and FedFN
+80.8 / 82.3 / 84.2 are Table 2's FedLN-ResNet and FedFN-ResNet rows (Table 2 has 86.15 for FedLN's 1 class
+where Table 1 has 87.2); its baselines are not the CNN's Table 10 either (FedAvg 2 classes: 65.6 vs 71.83;
+FedYogi 1 class: 80.9 vs 73.13). Table 1's CIFAR-100 columns are the CNN (= Table 11, E=10).
+    python fedln.py --dataset cifar10 --model resnet18 --norm ln     # Table 1 / 2 FedLN: 87.2 (86.15); --norm fn: FedFN 80.8
+    python fedln.py --dataset cifar10 --model resnet18 --norm none   # Table 1 FedAvg 55.0; + --agg fedprox | scaffold | fedyogi
+    python fedln.py --dataset cifar10 --norm ln     # CNN, Table 10 / 2: FedLN 78.04; --norm fn: 77.14; --norm none: 55.86
+    python fedln.py --dataset cifar10 --norm ln-last  # CNN, Table 3 / 4 FedLN n_MV s^{L-1}: 77.71; Table 4's FedFN (77.14) is --norm fn
 Measured (benchmarks/reproduce/fedln.sh small: width-16 CNN, 10 one-class clients, 300 rounds; real
 CIFAR-10, seeds 0-2, 2-core CPU, about 5 min a run): LN 43.5 +- 1.5, FN 41.9 +- 1.1, vanilla 31.8 +- 1.0,
 BN 9.4 +- 0.7 (paper, Table 10 / 4: 78.04, 77.14, 55.86, 9.63). Details: README "Results".
+
+Table 3 / Section 5.3 (Props. 1-2: under Assumption 1, no bias after the first layer and ReLU,
+normalizing every layer equals normalizing only the last one): --norm fn-each is n^L (scale
+normalization n after every activation), --norm fn is n 1^{L-1} (n on the last feature only, Eq. 7),
+--norm ln is n^L_MV, --norm ln-last is n_MV s^{L-1} (the mean shift s(x) = x - mu(x) 1 after every
+activation but the last, n_MV after the last, Eq. 8). Table 4's FedFN / FedLN rows are Table 3's
+n 1^{L-1} / n_MV s^{L-1} numbers ("we use Prop. 1 and Prop. 2 to simplify", Sec. 5.3), so Table 4 is
+--norm fn / --norm ln-last. On conv maps n and s act over a sample's (C, H, W), as LN does; normcnn only.
+Prop. 2's equality holds with --no-ln-affine (the affine beta is a bias); the paper does not say whether
+Table 3's LN kept its affine. Table 3's "with bias" columns need a normcnn with biases: not provided.
 
 FN here is sqrt(d)-scaled (||n(z)|| = sqrt(d) = the norm of an n_MV output, Eq. 5; the authors' code
 does the same), while fedfn.py (FedFN of Kim, Lee, Oh, Yun 2023) scales it to unit norm: a constant
@@ -40,11 +55,23 @@ Choices the paper leaves open, made here (and deviations):
   the gradient before each SGD step; the model average uses the same n_k/n weights as FedAvg.
 - FedYogi: no bias correction, m_0 = 0, v_0 = 1e-6 (Appendix C.4, Reddi et al. Alg. 2); the
   pseudo-gradient is the n_k/n-weighted mean client update (equal weights when client sizes are equal).
+- FedProx: --prox-mu is --agg fedprox's mu (0.01 unless given); with another --agg it stops with exit 2
+  instead of being ignored (fedavg.py, fednnnn.py, fedbabu.py have no --agg: a positive --prox-mu turns
+  FedProx on there). The anchor w_t is the detached global model.
+- Figure 3: --track-singular-values logs, at each evaluation, the singular values of the global model's
+  features of 20 fixed test images, 2 of each class ("20 random images from different classes"), raw
+  (feature_sv) and with unit-norm rows (feature_sv_unit: the right panel, FedAvg vs FedFN). The left
+  panels are a locally overfitted model, client 1 trained alone on its one class (Appendix D):
+  --overfit-client K samples only client K every round (with one client and weight 1 the global model
+  is its local model), and adds ||w_c|| per class (class_norms, left), ||g(x)|| of 20 of its training
+  images (client_feature_norms, middle left) and the singular values above (middle right). How long the
+  client trains is not given ("overfitted"): --rounds x --local-steps SGD steps from the initial model.
 - The issue's evaluation: the global model on the global test set (test_acc); --client-test adds the
   mean of per-client test accuracies (the paper's metric; with one class per client and a balanced
   test set the two coincide). Final-round accuracy is reported, never the best round.
 """
 import argparse
+import math  # FedLN: sqrt(d) of ScaleNorm
 
 import numpy as np
 import torch
@@ -90,9 +117,9 @@ def parse_args():
     g.add_argument("--weight-decay", type=float, default=0.0, help="local L2 weight decay (paper: none)")  # FedLN: none
     g.add_argument("--lr-decay-at", type=float, nargs="*", default=[], help="fractions of the run at which lr is multiplied by --lr-decay, e.g. 0.5 0.75")
     g.add_argument("--lr-decay", type=float, default=0.1, help="lr multiplier at each --lr-decay-at")
-    g.add_argument("--prox-mu", type=float, default=0.01, help="mu: FedProx proximal term mu/2 ||w - w_t||^2, used with --agg fedprox (Appendix C.4: 0.01)")  # FedLN: used by --agg fedprox
+    g.add_argument("--prox-mu", type=float, default=None, help="mu: FedProx proximal term mu/2 ||w - w_t||^2 of --agg fedprox (default there: 0.01, Appendix C.4); with another --agg it is refused (exit 2), never ignored")  # FedLN: --agg fedprox's mu
     g = p.add_argument_group("FedLN: normalization and aggregation")  # FedLN: the method's flags
-    g.add_argument("--norm", default="ln", choices=["none", "ln", "fn", "gn", "bn"], help="ln: layer norm after each activation (FedLN); fn: n(z) = sqrt(d) z / max(eps, ||z||) on the last feature (FedFN, Eq. 7); gn: group norm; bn: batch norm; none: vanilla")  # FedLN
+    g.add_argument("--norm", default="ln", choices=["none", "ln", "fn", "gn", "bn", "fn-each", "ln-last"], help="ln: layer norm after each activation (FedLN, Table 3 n^L_MV); fn: n(z) = sqrt(d) z / max(eps, ||z||) on the last feature (FedFN, Eq. 7, Table 3 n 1^{L-1}); gn: group norm; bn: batch norm; none: vanilla; normcnn only: fn-each: n after each activation (Table 3 n^L), ln-last: mean shift s after each activation, layer norm after the last (Table 3 / 4 n_MV s^{L-1}, Prop. 2)")  # FedLN
     g.add_argument("--ln-affine", action=argparse.BooleanOptionalAction, default=True, help="gamma, beta of ln/gn/bn: learnable (Table 6 'learnable') or static; normcnn only")  # FedLN
     g.add_argument("--norm-before-act", action="store_true", help="normalize before each ReLU instead of after (Table 6 'before'; for resnet18: the standard conv-norm-ReLU ResNet)")  # FedLN
     g.add_argument("--agg", default="fedavg", choices=["fedavg", "fedprox", "scaffold", "fedyogi"], help="FedAvg; FedProx (--prox-mu); SCAFFOLD (Option II); FedYogi (server Yogi on the mean update)")  # FedLN
@@ -101,7 +128,8 @@ def parse_args():
     g.add_argument("--yogi-beta2", type=float, default=0.99, help="beta_2: FedYogi second-moment decay")  # FedLN
     g.add_argument("--yogi-tau", type=float, default=1e-3, help="tau: FedYogi adaptivity (added to sqrt(v))")  # FedLN
     g.add_argument("--yogi-v0", type=float, default=1e-6, help="v_0: FedYogi initial second moment (Appendix C.4)")  # FedLN
-    g.add_argument("--track-singular-values", action="store_true", help="log the singular values of the feature matrix [g(x_1)..g(x_20)] of 20 fixed test images at each evaluation (feature collapse, Figure 3)")  # FedLN
+    g.add_argument("--track-singular-values", action="store_true", help="log the singular values of the feature matrix [g(x_1)..g(x_20)] of 20 fixed test images of different classes at each evaluation (feature collapse, Figure 3 right: the global model)")  # FedLN
+    g.add_argument("--overfit-client", type=int, default=None, metavar="K", help="Figure 3 left panels (Appendix D): train client K alone (every round samples only K, so the logged model is its local model) and log at each evaluation ||w_c|| per class, ||g(x)|| of 20 of its training images, and the singular values of 20 test images of different classes")  # FedLN
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=int, default=0, help="seed of model init, client sampling and local shuffling")
     g.add_argument("--device", default=None, help="cuda if available, else cpu")
@@ -117,17 +145,59 @@ def parse_args():
         p.error(f"--local-steps: must be at least 1, got {args.local_steps}")  # FedLN
     if args.norm in ("ln", "gn", "bn") and args.model not in NORM_MODELS:  # FedLN: --model cnn has no slots
         p.error(f"--norm: {args.norm} needs a model with normalization slots ({', '.join(NORM_MODELS)}), not {args.model}")  # FedLN
+    if args.norm in ("fn-each", "ln-last") and args.model != "normcnn":  # FedLN: Table 3's variants of the Table 7 CNN
+        p.error(f"--norm: {args.norm} is defined for --model normcnn only, not {args.model}")  # FedLN
     if not args.ln_affine and args.model != "normcnn":  # FedLN
         p.error("--no-ln-affine: only normcnn has static normalization layers")  # FedLN
+    if args.prox_mu and args.agg != "fedprox" and not args.resume:  # FedLN: --prox-mu is never silently ignored
+        p.error(f"--prox-mu: the proximal term belongs to --agg fedprox, not --agg {args.agg}; add --agg fedprox or drop --prox-mu")  # FedLN
+    if args.agg == "fedprox":  # FedLN: mu = 0.01 unless given (Appendix C.4)
+        args.prox_mu = 0.01 if args.prox_mu is None else args.prox_mu  # FedLN
+        if args.prox_mu <= 0:  # FedLN
+            p.error(f"--prox-mu: --agg fedprox needs mu > 0, got {args.prox_mu}")  # FedLN
+    else:  # FedLN: 0 = no proximal term (config.json says so; older runs saved an unused 0.01)
+        args.prox_mu = 0.0  # FedLN
+    if args.overfit_client is not None:  # FedLN: Figure 3 left, client K alone
+        if not 0 <= args.overfit_client < args.num_clients:
+            p.error(f"--overfit-client: K must be in 0..{args.num_clients - 1} (--num-clients {args.num_clients}), got {args.overfit_client}")  # FedLN
+        if args.agg != "fedavg":
+            p.error(f"--overfit-client: trains one client alone, which needs --agg fedavg, not {args.agg}")  # FedLN
     return args  # FedLN
 
 
+class ScaleNorm(nn.Module):
+    """FedLN: scale normalization n(x) = sqrt(d) x / max(eps, ||x||) of each sample over all its d entries
+    ((C, H, W) of a conv map, as LN's statistics), Section 2 and Eq. 6; for [B, d] it is common.FeatureNorm."""
+
+    def __init__(self, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x):
+        flat = x.flatten(1)
+        scale = math.sqrt(flat.shape[1]) / flat.norm(dim=1).clamp_min(self.eps)
+        return x * scale.view(-1, *[1] * (x.dim() - 1))
+
+
+class MeanShift(nn.Module):
+    """FedLN: the shift s(x) = x - mu(x) 1 of Prop. 2, mu over each sample's entries ((C, H, W) of a conv map)."""
+
+    def forward(self, x):
+        return x - x.flatten(1).mean(1).view(-1, *[1] * (x.dim() - 1))
+
+
 def build(args, data):
-    """FedLN: the model with --norm in its layers (ln | gn | bn) or on its last feature (fn)."""
-    model = build_model(args.model, data, norm="none" if args.norm == "fn" else args.norm,
-                        ln_affine=args.ln_affine, norm_after_act=not args.norm_before_act, width=args.width)
+    """FedLN: the model with --norm in its layers (ln | gn | bn) or on its last feature (fn); fn-each and
+    ln-last (normcnn) refill the Table 7 CNN's three LN slots: n in each (Table 3 n^L), or s in the first
+    two and the LN kept in the last (n_MV s^{L-1}, Prop. 2 / Eq. 8)."""
+    base = {"fn": "none", "fn-each": "ln", "ln-last": "ln"}.get(args.norm, args.norm)
+    model = build_model(args.model, data, norm=base, ln_affine=args.ln_affine, norm_after_act=not args.norm_before_act, width=args.width)
     if args.norm == "fn":  # g(x) = n(vanilla body(x)): scale-normalizing the last feature only (Prop. 1, Eq. 7)
         model.body = nn.Sequential(model.body, FeatureNorm(eps=1e-5))
+    if args.norm in ("fn-each", "ln-last"):  # Table 3: the slots are the GroupNorm(1, C) layers of --norm ln
+        slots = [i for i, m in enumerate(model.body) if isinstance(m, nn.GroupNorm)]
+        for i in slots if args.norm == "fn-each" else slots[:-1]:
+            model.body[i] = ScaleNorm(eps=1e-5) if args.norm == "fn-each" else MeanShift()
     return model
 
 
@@ -143,7 +213,7 @@ def local_train(model, indices, data, args, lr, global_params, correction=None):
         with autocast(args.device, args.amp):
             loss = F.cross_entropy(model(x).float(), y)
         if args.agg == "fedprox":  # FedProx: + mu/2 ||w - w_t||^2 (Li et al. 2020, Eq. 2)  # FedLN: --agg
-            loss = loss + args.prox_mu / 2 * sum((w - w0).pow(2).sum() for w, w0 in zip(model.parameters(), global_params))
+            loss = loss + prox_term(model.parameters(), global_params, args.prox_mu)  # FedLN: a tested function
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if correction is not None:  # FedLN: SCAFFOLD y <- y - eta_l (g(y) - c_k + c) (Karimireddy et al., Alg. 1, local step)
@@ -155,10 +225,32 @@ def local_train(model, indices, data, args, lr, global_params, correction=None):
     return loss_sum / max(seen, 1)
 
 
+def prox_term(params, anchor, mu):
+    """FedLN: FedProx's proximal term mu/2 sum_w ||w - w_t||^2 (Li et al. 2020, Eq. 2); its gradient is
+    mu (w - w_t). anchor: the global parameters w_t, detached (no gradient may reach the global model)."""
+    return mu / 2 * sum((w - w0).pow(2).sum() for w, w0 in zip(params, anchor))
+
+
+def scaffold_correction(c, c_k, names):
+    """FedLN: SCAFFOLD's gradient correction c - c_k (Karimireddy et al. 2020, Alg. 1 line 10:
+    y <- y - eta_l (g(y) - c_k + c)), one tensor per parameter name; local_train adds it to each gradient."""
+    return [c[n] - c_k[n] for n in names]
+
+
 def scaffold_control(c_k, c, x, y, steps, lr):
     """FedLN: SCAFFOLD Option II (Karimireddy et al. 2020, Alg. 1), per parameter name:
     c_k+ = c_k - c + (x - y_k) / (K eta_l), with x the global and y_k the client's parameters."""
     return {n: c_k[n] - c[n] + (x[n].float() - y[n].float()) / (steps * lr) for n in c_k}
+
+
+def scaffold_server_control(c, old, new, num_clients):
+    """FedLN: SCAFFOLD's server control c <- c + 1/N sum_{k in S} (c_k+ - c_k) (Alg. 1 line 17, N = all
+    clients, not |S|); old / new: the sampled clients' c_k and c_k+, in the same order."""
+    delta = {n: torch.zeros_like(v) for n, v in c.items()}
+    for before, after in zip(old, new):
+        for n in delta:
+            delta[n] += (after[n] - before[n]) / num_clients
+    return {n: c[n] + delta[n] for n in c}
 
 
 def yogi_update(x, delta, m, v, lr, beta1, beta2, tau):
@@ -169,6 +261,29 @@ def yogi_update(x, delta, m, v, lr, beta1, beta2, tau):
     v = {n: v[n] - (1 - beta2) * delta[n].pow(2) * torch.sign(v[n] - delta[n].pow(2)) for n in delta}
     x = {n: x[n] + lr * m[n] / (v[n].sqrt() + tau) for n in delta}
     return x, m, v
+
+
+def fedyogi_step(x, avg, m, v, lr, beta1, beta2, tau):
+    """FedLN: one FedYogi server round (Reddi et al. 2021, Alg. 2): pseudo-gradient D = avg - x, the
+    n_k/n-weighted mean client model minus the global x (a step towards the clients), then yogi_update."""
+    return yogi_update(x, {n: avg[n] - x[n] for n in x}, m, v, lr, beta1, beta2, tau)
+
+
+def figure3_images(labels, n, seed):
+    """FedLN: indices of n test images of different classes (Figure 3: "20 random images from different
+    classes"): the classes in turn (2 of each of 10), each class's images in an order drawn by a private generator."""
+    g = torch.Generator().manual_seed(seed)
+    labels = labels.cpu()
+    pools = [idx[torch.randperm(len(idx), generator=g)] for idx in
+             (torch.nonzero(labels == c).flatten() for c in labels.unique().tolist())]
+    picked = [int(pool[r]) for r in range(max(map(len, pools))) for pool in pools if r < len(pool)]
+    return torch.tensor(picked[:n])
+
+
+@torch.no_grad()
+def feature_norms(model, x):
+    """FedLN: ||g(x_i)|| per image and ||w_c|| per class (Figure 3 left and middle left, Theorem 1)."""
+    return model.body(x).float().norm(dim=1).tolist(), model.head.weight.float().norm(dim=1).tolist()
 
 
 @torch.no_grad()
@@ -197,10 +312,12 @@ if __name__ == "__main__":
         server = {"c": zeros(), "c_k": [zeros() for _ in range(args.num_clients)]}
     if args.agg == "fedyogi":  # FedLN: m_0 = 0, v_0 = 1e-6 (Appendix C.4)
         server = {"m": zeros(), "v": zeros(args.yogi_v0)}
-    sv_x = None  # FedLN: 20 fixed test images for --track-singular-values, drawn by a private generator
-    if args.track_singular_values:
-        pick = torch.randperm(len(data.y_test), generator=torch.Generator().manual_seed(args.seed))[:20]
-        sv_x = prepare_batch(data.x_test[pick.to(data.x_test.device)], data)
+    sv_x = own_x = None  # FedLN: Figure 3's 20 fixed test images of different classes; 20 of client K's images
+    if args.track_singular_values or args.overfit_client is not None:
+        sv_x = prepare_batch(data.x_test[figure3_images(data.y_test, 20, args.seed).to(data.x_test.device)], data)
+    if args.overfit_client is not None:  # FedLN: Figure 3 middle left, "20 images from client 1"
+        own = partition.train[args.overfit_client]
+        own_x = prepare_batch(data.x_train[own[torch.randperm(len(own), generator=torch.Generator().manual_seed(args.seed))[:20].to(own.device)]], data)
     start = 0
     if args.resume:
         ckpt = run.load_checkpoint()
@@ -217,27 +334,28 @@ if __name__ == "__main__":
     for rnd in bar:
         lr = lr_at(rnd, args)
         clients = sample_clients(sampler, args.num_clients, args.frac)
+        if args.overfit_client is not None:  # FedLN: client K alone (Figure 3 left, Appendix D); weight 1: the model is its own
+            clients = [args.overfit_client]
         weights = client_weights([sizes[k] for k in clients], args.weighting)
         total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items()}
         train_loss = torch.zeros((), device=args.device)
-        delta_c = zeros() if args.agg == "scaffold" else None  # FedLN: SCAFFOLD's sum of (c_k+ - c_k) / N
+        new_c = {}  # FedLN: SCAFFOLD's c_k+ of this round's clients
         for k, w in zip(clients, weights):
             client.load_state_dict(model.state_dict())
-            correction = [server["c"][n] - server["c_k"][k][n] for n in names] if args.agg == "scaffold" else None  # FedLN
+            correction = scaffold_correction(server["c"], server["c_k"][k], names) if args.agg == "scaffold" else None  # FedLN: c - c_k
             train_loss += w * local_train(client, partition.train[k], data, args, lr, [p.detach() for p in model.parameters()], correction)  # FedLN: + correction
             accumulate(total, client.state_dict(), w)  # batch-norm running statistics are averaged like weights
-            if args.agg == "scaffold":  # FedLN: Option II update of c_k, and c's increment (Alg. 1)
-                c_new = scaffold_control(server["c_k"][k], server["c"], model.state_dict(), client.state_dict(), args.local_steps, lr)
-                for n in names:
-                    delta_c[n] += (c_new[n] - server["c_k"][k][n]) / args.num_clients
-                server["c_k"][k] = c_new
-        if args.agg == "scaffold":  # FedLN: c <- c + 1/N sum_{k in S} (c_k+ - c_k)
-            server["c"] = {n: server["c"][n] + delta_c[n] for n in names}
+            if args.agg == "scaffold":  # FedLN: Option II update of c_k (Alg. 1)
+                new_c[k] = scaffold_control(server["c_k"][k], server["c"], model.state_dict(), client.state_dict(), args.local_steps, lr)
+        if args.agg == "scaffold":  # FedLN: c <- c + 1/N sum_{k in S} (c_k+ - c_k), then c_k <- c_k+
+            server["c"] = scaffold_server_control(server["c"], [server["c_k"][k] for k in new_c], list(new_c.values()), args.num_clients)
+            for k, c_k in new_c.items():
+                server["c_k"][k] = c_k
         if args.agg == "fedyogi":  # FedLN: x <- Yogi(x, D = sum_k n_k/n y_k - x); buffers keep the average
             state = model.state_dict()
             x = {n: state[n].float() for n in names}
-            x, server["m"], server["v"] = yogi_update(x, {n: total[n] - x[n] for n in names}, server["m"], server["v"],
-                                                      args.server_lr, args.yogi_beta1, args.yogi_beta2, args.yogi_tau)
+            x, server["m"], server["v"] = fedyogi_step(x, total, server["m"], server["v"], args.server_lr,
+                                                       args.yogi_beta1, args.yogi_beta2, args.yogi_tau)
             total.update(x)
         model.load_state_dict(total)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (casts back to each entry's dtype)
         train_loss = train_loss.item()
@@ -253,6 +371,8 @@ if __name__ == "__main__":
                 metrics["client_test_acc_mean"] = float(np.mean(accs))
             if sv_x is not None:  # FedLN: feature collapse (Figure 3)
                 metrics["feature_sv"], metrics["feature_sv_unit"] = singular_values(model, sv_x)
+            if own_x is not None:  # FedLN: Figure 3 left and middle left
+                metrics["client_feature_norms"], metrics["class_norms"] = feature_norms(model, own_x)
             metrics = run.log(metrics)
             bar.set_postfix(acc=f"{acc:.4f}", loss=f"{train_loss:.3f}")
             if args.checkpoint_every is None:

@@ -16,9 +16,16 @@ Reproduce (CPU, synthetic data, about a minute):
     python fednnnn.py --dataset synthetic --model lenet --num-clients 10 --rounds 10 --local-steps 10
 CIFAR-10 non-IID-B (Table 2, 76.7% in the paper; the defaults), from the image folder (no internet needed):
     python fednnnn.py --dataset folder --data-dir /path/to/cifar10
+    python fednnnn.py --dataset folder --data-dir /path/to/cifar10 --classes-per-client 2   # exactly 2 classes each
 Measured (benchmarks/reproduce/fednnnn.sh small: 8-channel 4convNet, s=2, 150 rounds; real CIFAR-10,
 seeds 0-2, 2-core CPU, about 6 min a run): FedNNNN 41.9, Norm-Norm 39.8, FedAvg 37.0, Momentum 36.7
 (paper, Table 2: 76.7, 76.7, 72.6, 74.3). Details: README "Results".
+
+Non-IID-B partition: the paper says "clients have images of only 2 classes" (Sec. 5.1) and gives no
+recipe or code. The default is McMahan et al.'s shard recipe, --shards 2 (sort by label, 200 shards of
+250 images, 2 random shards per client): both shards can come from one class, so 5 / 9 / 7 of the 100
+CIFAR-10 clients hold a single class with --data-seed 0 / 1 / 2 (the others exactly 2). --classes-per-client 2
+gives every client exactly two classes (each class split evenly among its 20 holders).
 
 Choices the paper leaves open, made here: the normalized entries w are the trainable parameters
 (model.parameters(): conv and linear weights and biases, batch-norm affine weights); batch-norm
@@ -55,7 +62,7 @@ def parse_args():
     g.add_argument("--augment", default="none", choices=AUGMENTATIONS, help="on-device augmentation of training batches (the paper: none, inputs are only normalized)")  # FedNNNN: no augmentation
     g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2)")
     g.add_argument("--iid", action="store_true", help="uniform random split (the paper's IID)")  # FedNNNN: help
-    g.add_argument("--shards", type=int, default=None, help="S: sort by label, N*S shards, S per client (default: S=2, the paper's non-IID: 2 classes per client)")  # FedNNNN: help
+    g.add_argument("--shards", type=int, default=None, help="S: sort by label, N*S shards, S per client (default: S=2, McMahan's recipe for the paper's non-IID '2 classes'; on CIFAR-10 5-9 of the 100 clients get 2 shards of one class; --classes-per-client 2 gives exactly 2)")  # FedNNNN: help
     g.add_argument("--classes-per-client", type=int, default=None, help="C: each client holds C classes, each class split evenly among its holders")
     g.add_argument("--alpha", type=float, default=None, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
     g.add_argument("--split2", action="store_true", help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
@@ -77,7 +84,7 @@ def parse_args():
     g.add_argument("--weight-decay", type=float, default=5e-4, help="lambda: local L2 weight decay (paper: 5e-4 on CIFAR-10, none on MNIST)")  # FedNNNN: help
     g.add_argument("--lr-decay-at", type=float, nargs="*", default=[], help="fractions of the run at which lr is multiplied by --lr-decay, e.g. 0.5 0.75")
     g.add_argument("--lr-decay", type=float, default=0.1, help="lr multiplier at each --lr-decay-at")
-    g.add_argument("--prox-mu", type=float, default=0.0, help="mu: FedProx proximal term mu/2 ||w - w_t||^2 (0 = FedAvg)")
+    g.add_argument("--prox-mu", type=float, default=0.0, help="mu: FedProx proximal term mu/2 ||w - w_t||^2 (0 = FedAvg); > 0 turns FedProx on, combined with the server aggregation")  # FedNNNN: help
     g = p.add_argument_group("FedNNNN server aggregation (Algorithm 3)")  # FedNNNN: the method's flags
     g.add_argument("--beta", type=float, default=0.6, help="beta: the normalized step has norm beta * E (Eqs. 8-9, 12)")  # FedNNNN
     g.add_argument("--gamma", type=float, default=0.7, help="gamma: server momentum d_{t+1} = gamma d_t + ... (Eq. 12); 0 = Norm-Norm")  # FedNNNN
@@ -115,13 +122,19 @@ def local_train(model, indices, data, args, lr, global_params):
         with autocast(args.device, args.amp):
             loss = F.cross_entropy(model(x).float(), y)
         if args.prox_mu > 0:  # FedProx: + mu/2 ||w - w_t||^2 (Li et al. 2020, Eq. 2)
-            loss = loss + args.prox_mu / 2 * sum((w - w0).pow(2).sum() for w, w0 in zip(model.parameters(), global_params))
+            loss = loss + prox_term(model.parameters(), global_params, args.prox_mu)  # FedNNNN: a tested function
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         loss_sum += loss.detach() * len(batch)
         seen += len(batch)
     return loss_sum / max(seen, 1)
+
+
+def prox_term(params, anchor, mu):  # FedNNNN: FedProx's term as a function (tested)
+    """FedProx's proximal term mu/2 sum_w ||w - w_t||^2 (Li et al. 2020, Eq. 2; Eq. 7 of the paper); its
+    gradient is mu (w - w_t). anchor: the global parameters w_t, detached (no gradient reaches the global model)."""
+    return mu / 2 * sum((w - w0).pow(2).sum() for w, w0 in zip(params, anchor))
 
 
 def param_kinds(model):  # FedNNNN
@@ -224,7 +237,7 @@ if __name__ == "__main__":
         client_sq = []  # FedNNNN: ||Delta^k_p||^2 per client and parameter tensor
         for k, w in zip(clients, weights):
             client.load_state_dict(model.state_dict())
-            train_loss += w * local_train(client, partition.train[k], data, args, lr, list(model.parameters()))
+            train_loss += w * local_train(client, partition.train[k], data, args, lr, [p.detach() for p in model.parameters()])
             accumulate(total, client.state_dict(), w)  # batch-norm running statistics are averaged like weights
             client_sq.append(sq_norms(client.state_dict(), global_state, names))  # FedNNNN: Eq. 2
         client_sq = torch.stack(client_sq)  # FedNNNN: [m, T]

@@ -1,6 +1,9 @@
 """fedbabu.py: frozen head, body-only aggregation, personalization (Alg. 2), "without head" accuracy, resume."""
 import argparse
 import json
+import os
+import runpy
+import signal
 import sys
 
 import pytest
@@ -11,7 +14,7 @@ import torch.nn as nn
 
 import fedbabu
 from common import MODELS, Classifier, Data, evaluate, personalize
-from helpers import assert_same_model, metrics, run_script, summary
+from helpers import ROOT, assert_same_model, metrics, run_script, summary
 
 # 4 clients, 2 sampled per round; the 8-channel 4convNet keeps the whole file fast on a CPU.
 TINY = ["--dataset", "synthetic", "--device", "cpu", "--model", "convnet4-tiny", "--num-clients", "4",
@@ -208,3 +211,18 @@ def test_stop_and_resume_equals_uninterrupted(full_run, tmp_path):
     assert_same_model(tmp_path / "cut", full_run)
     drop = lambda s: {k: v for k, v in s.items() if k not in ("wall_time_s", "elapsed_s")}
     assert drop(summary(tmp_path / "cut")) == drop(summary(full_run))  # the personalization results too
+
+
+def test_fedprox_anchor_is_detached(tmp_path):
+    """One FedProx(+BABU) round in this process: the proximal term's w_t is the global model detached, so no
+    gradient reaches the global model (before: its .grad filled up every local step)."""
+    handler, old_argv = signal.getsignal(signal.SIGINT), sys.argv
+    try:
+        sys.argv = ["fedbabu.py", *TINY, "--rounds", "1", "--local-steps", "2", "--prox-mu", "0.01", "--no-client-test",
+                    "--out", str(tmp_path / "run")]
+        g = runpy.run_path(os.path.join(ROOT, "fedbabu.py"), run_name="__main__")
+    finally:
+        sys.argv = old_argv
+        signal.signal(signal.SIGINT, handler)
+    assert g["args"].prox_mu == 0.01 and all(p.grad is None for p in g["model"].parameters())
+    assert any(p.grad is not None for p in g["client"].body.parameters())  # the client did train

@@ -1,11 +1,15 @@
-"""fedln.py: normalization layers, FN scale, bias-free Table 7 CNN, SCAFFOLD/FedYogi math, FedAvg
-equivalence, resume equality for every --agg, and learning under one class per client."""
+"""fedln.py: normalization layers, FN scale, Props. 1-2 (Table 3's variants), bias-free Table 7 CNN,
+FedProx / SCAFFOLD / FedYogi math against hand computations and closed forms, Figure 3's singular values,
+FedAvg equivalence, resume equality for every --agg, learning under one class per client; and common.py's
+refusals after the data is loaded (exit 2, one line)."""
 import argparse
 import json
 import math
 import os
 import sys
+import urllib.error
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -13,7 +17,7 @@ import torch.nn as nn
 import common
 import fedln
 from common import Data, FeatureNorm, build_model
-from helpers import assert_same_model, metrics, run_batches, summary
+from helpers import assert_same_model, metrics, run_batches, run_script, summary
 
 
 def fake_data(size=32, channels=3, n=64):
@@ -142,6 +146,64 @@ def test_normcnn_own_fn_slot_matches_fedln_build():
     assert torch.allclose(a(x), b(x))
 
 
+# --- Table 3: last-layer normalization (Props. 1 and 2) --------------------------------------------
+def test_scale_norm_and_mean_shift_by_hand():
+    x = torch.tensor([1.0, 2.0, 2.0, 4.0]).view(1, 2, 1, 2)  # one sample, d = C*H*W = 4, ||x|| = 5
+    assert torch.allclose(fedln.ScaleNorm()(x), x * 2 / 5)  # sqrt(4) x / ||x||, over all of (C, H, W)
+    assert torch.allclose(fedln.MeanShift()(x), torch.tensor([-1.25, -0.25, -0.25, 1.75]).view(1, 2, 1, 2))  # mean 2.25
+    two = torch.tensor([[3.0, 4.0], [0.0, 1.0]])  # per sample, not over the batch
+    assert torch.allclose(fedln.ScaleNorm()(two), torch.tensor([[0.6, 0.8], [0.0, 1.0]]) * math.sqrt(2))
+    assert torch.allclose(fedln.MeanShift()(two), torch.tensor([[-0.5, 0.5], [-0.5, 0.5]]))
+
+
+def test_table3_variants_fill_the_ln_slots():
+    data = fake_data()
+    each = fedln.build(model_args(norm="fn-each"), data).body
+    last = fedln.build(model_args(norm="ln-last", ln_affine=False), data).body
+    slots = [i for i, m in enumerate(fedln.build(model_args(norm="ln"), data).body) if isinstance(m, nn.GroupNorm)]
+    assert len(slots) == 3 and all(isinstance(each[i], fedln.ScaleNorm) for i in slots)
+    assert [type(last[i]) for i in slots] == [fedln.MeanShift, fedln.MeanShift, nn.GroupNorm]
+    assert last[slots[-1]].num_groups == 1 and not last[slots[-1]].affine
+
+
+def same_weights(a, b):
+    """Copy a's conv / linear weights into b (the two differ only in their normalization modules)."""
+    wa = [m.weight for m in a.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    wb = [m.weight for m in b.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    with torch.no_grad():
+        for p, q in zip(wa, wb):
+            q.copy_(p)
+
+
+def test_prop1_scaling_every_layer_equals_scaling_the_last():
+    """Prop. 1: n after every activation (Table 3 n^L) computes the same g(x) as n on the last feature only (Eq. 7)."""
+    data = fake_data()
+    torch.manual_seed(1)
+    each = fedln.build(model_args(norm="fn-each"), data).double()
+    last = fedln.build(model_args(norm="fn"), data).double()
+    same_weights(each, last)
+    x = images(data).double()
+    assert torch.allclose(each.body(x), last.body(x), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("before", [False, True])
+def test_prop2_mv_every_layer_equals_shift_then_mv_last(before):
+    """Prop. 2 / Eq. 8: static LN after every activation (n^L_MV) = mean shift s, then n_MV only at the last (n_MV s^{L-1})."""
+    data = fake_data()
+    torch.manual_seed(2)
+    full = fedln.build(model_args(norm="ln", ln_affine=False, norm_before_act=before), data).double()
+    last = fedln.build(model_args(norm="ln-last", ln_affine=False, norm_before_act=before), data).double()
+    same_weights(full, last)
+    for m in [*full.modules(), *last.modules()]:
+        if isinstance(m, nn.GroupNorm):
+            m.eps = 0.0  # Prop. 2 is exact without LN's eps
+    x = images(data).double()
+    assert torch.allclose(full.body(x), last.body(x), rtol=1e-9, atol=1e-9)
+    plain = fedln.build(model_args(norm="none", norm_before_act=before), data).double()
+    same_weights(full, plain)
+    assert not torch.allclose(full.body(x), nn.GroupNorm(1, 384, affine=False).double()(plain.body(x)), atol=1e-3)  # the shifts matter
+
+
 # --- Table 7 CNN ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("norm", ["none", "ln", "fn", "gn", "bn"])
 def test_table7_cnn_has_no_bias(norm):
@@ -200,12 +262,165 @@ def test_yogi_update_matches_formula():
     assert torch.allclose(v_big["w"], torch.tensor([1.0 - 0.01 * 0.01]))
 
 
-def test_scaffold_option_ii_matches_formula():
-    c_k, c = {"w": torch.tensor([0.1, -0.2])}, {"w": torch.tensor([0.3, 0.0])}
-    x, y = {"w": torch.tensor([1.0, 1.0])}, {"w": torch.tensor([0.8, 1.1])}
-    new = fedln.scaffold_control(c_k, c, x, y, steps=4, lr=0.05)
-    expected = torch.tensor([0.1 - 0.3 + 0.2 / 0.2, -0.2 - 0.0 - 0.1 / 0.2])
-    assert torch.allclose(new["w"], expected)
+def test_fedyogi_step_moves_towards_the_clients():
+    """One FedYogi round from m_0 = 0, v_0 = 1e-6 by hand: D = avg - x = (0.5, -0.1); m_1 = 0.1 D;
+    v_1 = 1e-6 + 0.01 D^2 (v_0 < D^2); x_1 = x + 0.01 m_1 / (sqrt(v_1) + 1e-3): towards the clients' average."""
+    f64 = lambda *v: torch.tensor(v, dtype=torch.float64)
+    x, m, v = fedln.fedyogi_step({"w": f64(1.0, -2.0)}, {"w": f64(1.5, -2.1), "buffer": f64(9.0)}, {"w": f64(0.0, 0.0)},
+                                 {"w": f64(1e-6, 1e-6)}, 0.01, 0.9, 0.99, 1e-3)
+    assert set(x) == {"w"}  # the pseudo-gradient is over the given parameters only
+    assert torch.allclose(m["w"], f64(0.05, -0.01), rtol=1e-12)
+    assert torch.allclose(v["w"], f64(1e-6 + 0.0025, 1e-6 + 0.0001), rtol=1e-12)
+    step = f64(0.01 * 0.05 / (math.sqrt(1e-6 + 0.0025) + 1e-3), 0.01 * -0.01 / (math.sqrt(1e-6 + 0.0001) + 1e-3))
+    assert torch.allclose(x["w"], f64(1.0, -2.0) + step, rtol=1e-12)  # = (1.009615, -2.009016)
+
+
+def test_prox_term_value_and_gradient_by_hand():
+    w = torch.tensor([1.0, 2.0], requires_grad=True)
+    v = torch.tensor([[0.5]], requires_grad=True)
+    anchor = [torch.tensor([0.0, 4.0]), torch.tensor([[1.5]])]
+    term = fedln.prox_term([w, v], anchor, mu=0.1)
+    assert term.item() == pytest.approx(0.05 * (1 + 4 + 1))  # mu/2 (||(1, -2)||^2 + ||-1||^2)
+    term.backward()
+    assert torch.allclose(w.grad, torch.tensor([0.1, -0.2])) and torch.allclose(v.grad, torch.tensor([[-0.1]]))  # mu (w - w_t)
+
+
+def tiny_client(agg, mu=0.1):
+    """4 one-pixel-row images (2 features = pixel / 255), 3 classes, a bias-free linear model W [3, 2]."""
+    x = torch.tensor([[10, 200], [50, 30], [255, 0], [120, 90]], dtype=torch.uint8).view(4, 1, 1, 2)
+    y = torch.tensor([0, 1, 2, 1])
+    data = Data(x, y, x, y, 3, torch.zeros(1, 1, 1, 1), torch.ones(1, 1, 1, 1))
+    model = common.Classifier(nn.Flatten(), 2, 3, head_bias=False)
+    with torch.no_grad():
+        model.head.weight.copy_(torch.tensor([[0.5, -1.0], [0.2, 0.3], [-0.7, 0.9]]))
+    args = argparse.Namespace(momentum=0.0, weight_decay=0.0, batch_size=4, local_steps=1, augment="none",
+                              device="cpu", amp=False, agg=agg, prox_mu=mu)
+    return model, data, args
+
+
+def ce_gradient_by_hand(W, x, y):
+    """Mean cross-entropy of softmax(x W^T) and its gradient (p - onehot)^T x / B, in numpy."""
+    logits = x @ W.T
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    onehot = np.eye(W.shape[0])[y]
+    return -np.log(p[np.arange(len(y)), y]).mean(), (p - onehot).T @ x / len(y)
+
+
+@pytest.mark.parametrize("agg", ["fedavg", "fedprox", "scaffold"])
+def test_local_train_one_sgd_step_by_hand(agg):
+    """local_train's step: W <- W - lr (grad CE + mu (W - W_t)) for FedProx, W - lr (grad CE + c - c_k) for SCAFFOLD."""
+    model, data, args = tiny_client(agg)
+    W = model.head.weight.detach().double().numpy().copy()
+    anchor = torch.tensor([[0.4, -0.8], [0.0, 0.5], [-0.5, 1.0]])  # w_t != the client's start, so the prox gradient is not 0
+    correction = [torch.tensor([[0.3, -0.2], [0.1, 0.0], [-0.4, 0.25]])]
+    loss = fedln.local_train(model, torch.arange(4), data, args, 0.5, [anchor],
+                             correction if agg == "scaffold" else None)
+    ce, grad = ce_gradient_by_hand(W, data.x_train.view(4, 2).double().numpy() / 255, data.y_train.numpy())
+    if agg == "fedprox":
+        grad = grad + 0.1 * (W - anchor.double().numpy())
+        ce = ce + 0.05 * ((W - anchor.double().numpy()) ** 2).sum()
+    if agg == "scaffold":
+        grad = grad + correction[0].double().numpy()
+    assert loss.item() == pytest.approx(ce, rel=1e-5)
+    assert np.allclose(model.head.weight.detach().double().numpy(), W - 0.5 * grad, rtol=1e-5, atol=1e-6)
+
+
+def test_scaffold_round_by_hand_several_clients():
+    """N = 3 clients, S = {0, 2} sampled, c != any c_k. Alg. 1: corrections c - c_k; Option II
+    c_k+ = c_k - c + (x - y_k) / (K eta_l) with K eta_l = 0.2; c+ = c + ((c_0+ - c_0) + (c_2+ - c_2)) / 3."""
+    t = lambda *v: {"w": torch.tensor(v)}
+    c, c_k = t(0.3, -0.1), [t(0.1, 0.2), t(-0.4, 0.5), t(0.0, -0.3)]
+    x, y = t(1.0, 2.0), {0: t(0.8, 2.2), 2: t(1.1, 1.6)}
+    assert torch.allclose(fedln.scaffold_correction(c, c_k[0], ["w"])[0], torch.tensor([0.2, -0.3]))
+    assert torch.allclose(fedln.scaffold_correction(c, c_k[2], ["w"])[0], torch.tensor([0.3, 0.2]))
+    new = {k: fedln.scaffold_control(c_k[k], c, x, y[k], steps=4, lr=0.05) for k in (0, 2)}
+    assert torch.allclose(new[0]["w"], torch.tensor([0.8, -0.7]))  # (0.1 - 0.3 + 1.0, 0.2 + 0.1 - 1.0)
+    assert torch.allclose(new[2]["w"], torch.tensor([-0.8, 1.8]))  # (0.0 - 0.3 - 0.5, -0.3 + 0.1 + 2.0)
+    c_next = fedln.scaffold_server_control(c, [c_k[0], c_k[2]], [new[0], new[2]], num_clients=3)
+    assert torch.allclose(c_next["w"], torch.tensor([0.3 - 0.1 / 3, -0.1 + 1.2 / 3]))  # divided by N = 3, not |S| = 2
+
+
+def quadratic_rounds(scaffold, rounds=100, steps=5, lr=0.1):
+    """FedAvg / SCAFFOLD (fedln's functions) on f_k(y) = a_k/2 ||y - b_k||^2, 3 clients, all every round."""
+    a, b = [1.0, 3.0, 0.5], torch.tensor([[1.0, 0.0], [0.0, 2.0], [-3.0, 1.0]], dtype=torch.float64)
+    x, zero = torch.zeros(2, dtype=torch.float64), {"w": torch.zeros(2, dtype=torch.float64)}
+    c, c_k = zero, [zero] * 3
+    for _ in range(rounds):
+        ys, new = [], []
+        for k in range(3):
+            y = x.clone()
+            corr = fedln.scaffold_correction(c, c_k[k], ["w"])[0] if scaffold else 0.0
+            for _ in range(steps):
+                y = y - lr * (a[k] * (y - b[k]) + corr)  # local_train: the correction added to the gradient
+            ys.append(y)
+            if scaffold:
+                new.append(fedln.scaffold_control(c_k[k], c, {"w": x}, {"w": y}, steps, lr))
+        if scaffold:
+            c, c_k = fedln.scaffold_server_control(c, c_k, new, 3), new
+        x = sum(ys) / 3
+    return x, (torch.tensor(a, dtype=torch.float64)[:, None] * b).sum(0) / sum(a)  # x and x* = sum a_k b_k / sum a_k
+
+
+def test_scaffold_reaches_the_optimum_of_heterogeneous_quadratics():
+    """Closed form: the minimizer of sum_k f_k is x* = sum a_k b_k / sum a_k. SCAFFOLD's corrections remove the
+    client drift and reach it; FedAvg with 5 local steps stops at a biased point (the test can tell them apart)."""
+    x, x_star = quadratic_rounds(scaffold=True)
+    assert torch.allclose(x, x_star, atol=1e-6)  # scaffold_control computes in float32
+    x_avg, _ = quadratic_rounds(scaffold=False)
+    assert (x_avg - x_star).norm() > 0.05
+
+
+# --- Figure 3: singular values of the feature matrix --------------------------------------------------
+def test_singular_values_of_a_rank_two_feature_matrix():
+    """[g(x_1)..g(x_20)] = 3 u1 v1^T + u2 v2^T (orthonormal u, v): singular values exactly (3, 1, 0, 0, 0, 0);
+    the unit-row version against numpy's SVD of rows normalized independently."""
+    g = torch.Generator().manual_seed(0)
+    u = torch.linalg.qr(torch.randn(20, 2, generator=g, dtype=torch.float64))[0]
+    v = torch.linalg.qr(torch.randn(6, 2, generator=g, dtype=torch.float64))[0]
+    z = 3 * u[:, :1] @ v[:, :1].T + u[:, 1:] @ v[:, 1:].T
+    model = common.Classifier(nn.Identity(), 6, 4)  # body = identity: the features are z itself
+    raw, unit = fedln.singular_values(model, z)
+    assert len(raw) == 6 and np.allclose(raw[:2], [3, 1], rtol=1e-6) and max(raw[2:]) < 1e-5  # rank 2
+    rows = z.numpy() / np.linalg.norm(z.numpy(), axis=1, keepdims=True)
+    assert np.allclose(unit, np.linalg.svd(rows, compute_uv=False), rtol=1e-5, atol=1e-6)
+
+
+def test_singular_values_of_a_model_match_numpy():
+    data = fake_data()
+    torch.manual_seed(0)
+    model = fedln.build(model_args(norm="none"), data).eval()
+    x = images(data, 20)
+    with torch.no_grad():
+        z = model.body(x).double().numpy()  # the penultimate features g(x), not the logits
+    raw, unit = fedln.singular_values(model, x)
+    assert np.allclose(raw, np.linalg.svd(z, compute_uv=False), rtol=1e-4, atol=1e-5)
+    assert np.allclose(unit, np.linalg.svd(z / np.linalg.norm(z, axis=1, keepdims=True), compute_uv=False), rtol=1e-4, atol=1e-5)
+
+
+def test_figure3_images_are_from_different_classes():
+    labels = torch.arange(300) % 10
+    labels = labels[torch.randperm(300, generator=torch.Generator().manual_seed(0))]
+    pick = fedln.figure3_images(labels, 20, seed=3)
+    assert len(set(pick.tolist())) == 20 and torch.bincount(labels[pick], minlength=10).tolist() == [2] * 10
+    assert torch.equal(pick, fedln.figure3_images(labels, 20, seed=3))  # fixed for a seed
+    assert not torch.equal(pick, fedln.figure3_images(labels, 20, seed=4))
+
+
+def logged_svs_match_the_saved_model(run_dir, norm, overfit=False):
+    """Rebuild the run's final model from model.pt, take Figure 3's 20 test images, and compare the logged
+    singular values with numpy's SVD of the model's features (and ||w_c|| with the head's rows)."""
+    data = common.load_data(argparse.Namespace(dataset="synthetic", data_dir=".", device="cpu", data_seed=3))
+    model = fedln.build(model_args(norm=norm), data)
+    model.load_state_dict(torch.load(run_dir / "model.pt"))
+    x = common.prepare_batch(data.x_test[fedln.figure3_images(data.y_test, 20, seed=3)], data)
+    with torch.no_grad():
+        z = model.eval().body(x).double().numpy()
+    s = summary(run_dir)
+    assert np.allclose(s["feature_sv"], np.linalg.svd(z, compute_uv=False), rtol=1e-4, atol=1e-4)
+    if overfit:
+        assert np.allclose(s["class_norms"], model.head.weight.detach().norm(dim=1).numpy(), rtol=1e-5)
+    return s
 
 
 # --- end to end: each stage is ONE python process that runs the scripts one after another ------------
@@ -215,7 +430,9 @@ EQUAL = [*BASE, "--model", "mlp", "--num-clients", "4", "--frac", "0.5", "--clas
          "2", "--rounds", "2", "--eval-every", "1", "--lr", "0.05", "--momentum", "0.9", "--weight-decay", "5e-4",
          "--save-model"]
 LEARN = [*BASE, "--width", "8", "--batch-size", "16", "--local-steps", "3", "--rounds", "8", "--eval-every", "8",
-         "--lr", "0.02", "--track-singular-values"]  # defaults: 10 clients, all per round, 1 class each
+         "--lr", "0.02", "--track-singular-values", "--save-model"]  # defaults: 10 clients, all per round, 1 class each
+OVERFIT = [*BASE, "--width", "8", "--batch-size", "16", "--local-steps", "10", "--rounds", "3", "--eval-every", "3",
+           "--lr", "0.05", "--norm", "none", "--overfit-client", "0", "--save-model"]  # Figure 3 left: client 0 alone
 
 
 def resume_flags(agg, norm):
@@ -230,7 +447,8 @@ def runs(tmp_path_factory):
     and one stopped after round 1. Stage 2 (a fresh process): resume the stopped runs."""
     d = tmp_path_factory.mktemp("fedln")
     run_batches([["fedavg.py", *EQUAL, "--out", d / "avg"], ["fedln.py", *EQUAL, "--norm", "none", "--agg", "fedavg", "--out", d / "plain"],
-            *[["fedln.py", *LEARN, "--norm", n, "--out", d / n] for n in ("ln", "fn", "none")]],
+            *[["fedln.py", *LEARN, "--norm", n, "--out", d / n] for n in ("ln", "fn", "none")],
+            ["fedln.py", *OVERFIT, "--out", d / "overfit"]],
            [c for agg, norm in AGGS for c in (["fedln.py", *resume_flags(agg, norm), "--out", d / f"{agg}_full"],
                                               ["fedln.py", *resume_flags(agg, norm), "--out", d / f"{agg}_cut",
                                                "--stop-after", "1"])])
@@ -269,21 +487,56 @@ def test_one_class_per_client_beats_chance_with_ln_and_fn(runs):
         assert all(sum(c > 0 for c in counts) == 1 for counts in json.load(f)["train"])
     vanilla = summary(d / "none")["test_acc"]
     for norm in ("ln", "fn"):
-        s = summary(d / norm)
+        s = logged_svs_match_the_saved_model(d / norm, norm)  # --track-singular-values: the global model's features
         assert s["test_acc"] > 0.3 and s["test_acc"] > vanilla + 0.1, (norm, s["test_acc"], vanilla)
-        sv = s["feature_sv"]
-        assert len(sv) == 20 and all(a >= b >= 0 for a, b in zip(sv, sv[1:]))
-        assert len(s["feature_sv_unit"]) == 20
+        assert len(s["feature_sv"]) == len(s["feature_sv_unit"]) == 20 and "class_norms" not in s
+
+
+def test_overfit_client_trains_one_client_alone_and_collapses(runs):
+    """--overfit-client 0 (Figure 3 left): the model fits client 0's one class, so it predicts that class for
+    every test image (accuracy = its share, 0.1), its class embedding has the largest norm (Figure 3 left),
+    and the 20 test images' features collapse onto one direction (sigma_1 >> sigma_2; measured ~30x)."""
+    d, _ = runs
+    with open(d / "overfit" / "partition.json") as f:
+        own = [c for c, n in enumerate(json.load(f)["train"][0]) if n > 0]
+    s = logged_svs_match_the_saved_model(d / "overfit", "none", overfit=True)
+    assert len(own) == 1 and s["test_acc"] == pytest.approx(0.1) and s["train_loss"] < 0.05
+    assert int(np.argmax(s["class_norms"])) == own[0]
+    assert s["feature_sv"][0] > 10 * s["feature_sv"][1]
+    assert len(s["client_feature_norms"]) == 20 and min(s["client_feature_norms"]) > 0
 
 
 @pytest.mark.parametrize("flags,flag", [(["--model", "cnn", "--norm", "ln"], "--norm"),
+                                        (["--model", "resnet18", "--norm", "ln-last"], "--norm"),
                                         (["--model", "resnet18", "--no-ln-affine"], "--no-ln-affine"),
-                                        (["--local-steps", "0"], "--local-steps")])
+                                        (["--local-steps", "0"], "--local-steps"),
+                                        (["--agg", "scaffold", "--prox-mu", "0.1"], "--prox-mu"),  # not silently ignored
+                                        (["--prox-mu", "0.01"], "--prox-mu"),  # --agg fedavg
+                                        (["--agg", "fedprox", "--prox-mu", "0"], "--prox-mu"),
+                                        (["--agg", "fedprox", "--prox-mu", "-1"], "--prox-mu"),
+                                        (["--overfit-client", "10"], "--overfit-client"),
+                                        (["--overfit-client", "0", "--agg", "fedyogi"], "--overfit-client")])
 def test_bad_flags_exit_2_naming_the_flag(monkeypatch, capsys, flags, flag):
     monkeypatch.setattr(sys, "argv", ["fedln.py", *BASE, *flags, "--out", "unused"])
     with pytest.raises(SystemExit) as exit_info:
         fedln.parse_args()
-    assert exit_info.value.code == 2 and flag in capsys.readouterr().err
+    assert exit_info.value.code == 2 and flag in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("flags,mu", [([], 0.0), (["--agg", "fedprox"], 0.01), (["--agg", "fedprox", "--prox-mu", "0.1"], 0.1),
+                                      (["--agg", "scaffold", "--prox-mu", "0"], 0.0)])
+def test_prox_mu_belongs_to_agg_fedprox(monkeypatch, flags, mu):
+    monkeypatch.setattr(sys, "argv", ["fedln.py", *BASE, *flags, "--out", "unused"])
+    assert fedln.parse_args().prox_mu == mu
+
+
+def test_resume_of_a_run_saved_with_an_unused_prox_mu(monkeypatch, tmp_path):
+    """Runs saved before the rule kept the old default prox_mu 0.01 with every --agg: they still resume."""
+    (tmp_path / "config.json").write_text(json.dumps({"agg": "scaffold", "prox_mu": 0.01, "dataset": "synthetic"}))
+    (tmp_path / "checkpoint.pt").write_bytes(b"")
+    monkeypatch.setattr(sys, "argv", ["fedln.py", "--resume", str(tmp_path)])
+    args = fedln.parse_args()
+    assert (args.agg, args.prox_mu) == ("scaffold", 0.0)
 
 
 def test_defaults_are_the_papers(monkeypatch):
@@ -294,4 +547,59 @@ def test_defaults_are_the_papers(monkeypatch):
     assert (a.lr, a.momentum, a.weight_decay, a.batch_size, a.augment, a.rounds, a.eval_every) == \
         (0.01, 0.0, 0.0, 32, "crop-flip", 10000, 100)
     assert (a.server_lr, a.yogi_beta1, a.yogi_beta2, a.yogi_tau, a.yogi_v0, a.prox_mu, a.ln_affine) == \
-        (0.01, 0.9, 0.99, 1e-3, 1e-6, 0.01, True)
+        (0.01, 0.9, 0.99, 1e-3, 1e-6, 0.0, True)  # FedProx's mu 0.01: test_prox_mu_belongs_to_agg_fedprox
+
+
+# --- common.py: refusals found only after the data is loaded exit 2 with one line naming the flag ----------
+SYNTH = ["--dataset", "synthetic", "--device", "cpu", "--out", "unused"]
+
+
+@pytest.mark.parametrize("flags,flag", [(["--num-clients", "100000", "--iid"], "--num-clients"),
+                                        (["--num-clients", "2000", "--shards", "2"], "--num-clients"),
+                                        (["--num-clients", "300", "--alpha", "0.001"], "--alpha")])
+def test_partition_refusals_exit_2_with_one_line(monkeypatch, capsys, flags, flag):
+    monkeypatch.setattr(sys, "argv", ["fedln.py", *SYNTH, *flags])
+    args = fedln.parse_args()
+    data = common.load_data(args)
+    with pytest.raises(SystemExit) as exit_info:
+        common.make_partition(args, data)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and err[0].split(": error: ")[1].startswith(flag), err
+    assert flag in str(exit_info.value)  # the message also travels in the exception
+
+
+def test_no_data_refusal_is_exit_status_2_in_a_real_process(tmp_path):
+    """The issue's case (was status 1 from sys.exit(message)): the process itself exits 2, nothing written."""
+    proc = run_script("fedln.py", "--dataset", "synthetic", "--device", "cpu", "--num-clients", "100000", "--iid",
+                      "--out", tmp_path / "run", check=False)
+    assert proc.returncode == 2 and "--num-clients" in proc.stderr.strip().splitlines()[-1], proc.stderr[-500:]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("layout,words", [({"train": [], "test": []}, "no class folders"),
+                                          ({"train": ["a", "b"], "test": ["a"]}, "lacks the class folder(s) b")])
+def test_folder_refusals_exit_2_naming_data_dir(tmp_path, monkeypatch, capsys, layout, words):
+    for split, classes in layout.items():
+        (tmp_path / split).mkdir()
+        for c in classes:
+            (tmp_path / split / c).mkdir()
+    monkeypatch.setattr(sys, "argv", ["fedln.py", "--dataset", "folder", "--data-dir", str(tmp_path), "--device", "cpu", "--out", "unused"])
+    with pytest.raises(SystemExit) as exit_info:
+        fedln.parse_args()
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_info.value.code == 2 and "--data-dir" in last and words in last, last
+
+
+@pytest.mark.parametrize("error", [urllib.error.URLError("[Errno -2] Name or service not known"), ConnectionResetError("reset")])
+def test_failed_download_exits_2_with_what_to_do(monkeypatch, capsys, error):
+    """Offline --dataset cifar10 (torchvision's CIFAR10 raising as urllib does without internet): one line, exit 2."""
+    import torchvision.datasets
+
+    def offline(*_, **__):
+        raise error
+    monkeypatch.setattr(torchvision.datasets, "CIFAR10", offline)
+    with pytest.raises(SystemExit) as exit_info:
+        common.torchvision_dataset("cifar10", "unused-dir")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1, err
+    assert "--dataset folder --data-dir" in err[0] and "cifar10" in err[0] and type(error).__name__ in err[0]
