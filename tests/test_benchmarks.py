@@ -172,8 +172,106 @@ def test_plot_curves_mean_over_seeds(tmp_path):
     assert list(rounds) == [1, 2] and np.allclose(mean, [30, 50]) and n == 2
     assert np.allclose(std, [np.std([20, 40], ddof=1)] * 2)
     pytest.importorskip("matplotlib")
-    assert plot.main([root, "--out", str(tmp_path / "docs")]) == 0
+    assert plot.main([root, "--out", str(tmp_path / "docs")]) == 0  # the old form
     assert os.path.getsize(tmp_path / "docs" / "fedln-small.png") > 0
+    assert plot.main(["claims", root, "--out", str(tmp_path / "d2"), "--claim", "fedln"]) == 0
+    assert os.listdir(tmp_path / "d2") == ["fedln-small.png"]
+
+
+def test_plot_cli_modes_and_the_old_form():
+    plot = importlib.import_module("plot")
+    a = plot.parse([])  # the old form: claims mode on runs/reproduce
+    assert (a.command, a.root, a.out, a.claim) == ("claims", os.path.join("runs", "reproduce"), "docs", None)
+    a = plot.parse(["benchmarks/results", "--out", "d", "--claim", "fedln"])
+    assert (a.command, a.root, a.out, a.claim) == ("claims", "benchmarks/results", "d", "fedln")
+    assert plot.parse(["claims", "runs"]).root == "runs"  # a RUNS_DIR named like a subcommand
+    a = plot.parse(["runs", "x", "y", "--mean-seeds"])
+    assert (a.command, a.folders, a.mean_seeds) == ("runs", ["x", "y"], True)
+    a = plot.parse(["partition", "x", "--split", "test"])
+    assert (a.command, a.path, a.split) == ("partition", "x", "test")
+    with pytest.raises(SystemExit) as e:
+        plot.parse(["runs"])  # no run folder
+    assert e.value.code == 2
+
+
+def write_run(d, config, script=None, accs=(), losses=()):
+    os.makedirs(d)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(config, f)
+    with open(os.path.join(d, "metrics.jsonl"), "w") as f:
+        for i, a in enumerate(accs):
+            f.write(json.dumps({"round": i + 1, "test_acc": a, "train_loss": losses[i] if losses else 1.0}) + "\n")
+    if script:
+        with open(os.path.join(d, "summary.json"), "w") as f:
+            json.dump({"script": script}, f)
+    return d
+
+
+def test_plot_runs_labels_name_script_and_differing_flags(tmp_path, capsys):
+    plot = importlib.import_module("plot")
+    base = {"dataset": "folder", "data_dir": "/x", "shards": 2, "alpha": None, "lr": 0.03, "seed": 0, "data_seed": 0,
+            "lr_decay_at": [0.5, 0.75], "iid": False}
+    # fedfn with FN, fedfn --no-fn at another lr, fedavg (no "fn" flag at all) with --iid in place of --shards;
+    # the script comes from summary.json, command.txt, or the default folder name <script>__...
+    a = write_run(str(tmp_path / "a"), {**base, "fn": True, "out": "a"}, script="fedfn", accs=[0.1, 0.3])
+    b = write_run(str(tmp_path / "b"), {**base, "fn": False, "lr": 0.01, "out": "b"}, accs=[0.2, 0.4])
+    with open(os.path.join(b, "command.txt"), "w") as f:
+        f.write("python fedfn.py --no-fn --lr 0.01\n")
+    c = write_run(str(tmp_path / "fedavg__folder__0__2026"), {**base, "shards": None, "iid": True, "out": "c"}, accs=[0.5])
+    runs = [plot.load_run(d) for d in plot.find_runs([a, b, c])]
+    assert [r["script"] for r in runs] == ["fedfn", "fedfn", "fedavg"]
+    assert plot.labels(runs) == ["fedfn --shards 2 --lr 0.03", "fedfn --shards 2 --lr 0.01 --no-fn", "fedavg --lr 0.03 --iid"]
+    assert plot.shared_settings(runs) == "shared: --dataset folder"
+    # two seeds of two configurations: --mean-seeds makes two lines, each the mean over its seeds
+    root = tmp_path / "results"
+    for lr in (0.01, 0.03):
+        for seed, accs in [(0, [0.2, 0.4]), (1, [0.4, 0.8])]:
+            write_run(str(root / f"lr{lr}" / f"seed{seed}"), {**base, "lr": lr, "seed": seed, "data_seed": seed},
+                      script="fedavg", accs=[x * lr * 100 for x in accs])
+    runs = [plot.load_run(d) for d in plot.find_runs([str(root)])]  # a folder without config.json: the runs below it
+    assert len(runs) == 4
+    assert plot.labels(runs) == ["fedavg --lr 0.01 --seed 0", "fedavg --lr 0.01 --seed 1",
+                                 "fedavg --lr 0.03 --seed 0", "fedavg --lr 0.03 --seed 1"]
+    groups = plot.group_seeds(runs)
+    assert [(name, len(rs)) for name, rs in groups] == [("fedavg --lr 0.01 (2 seeds)", 2), ("fedavg --lr 0.03 (2 seeds)", 2)]
+    rounds, mean, std = plot.mean_band(plot.series(groups[1][1], "test_acc"))
+    assert list(rounds) == [1, 2] and np.allclose(mean, [100 * 3 * 0.3, 100 * 3 * 0.6])  # percent: mean of 0.6/1.2, 1.2/2.4
+    assert np.allclose(std, [np.std([60, 120], ddof=1), np.std([120, 240], ddof=1)])
+    assert plot.main(["runs", str(tmp_path / "empty")]) == 2  # not a folder: one line, exit 2
+    assert "not a folder" in capsys.readouterr().err
+    pytest.importorskip("matplotlib")
+    assert plot.main(["runs", a, b, c, "--out", str(tmp_path / "cmp.png")]) == 0
+    assert plot.main(["runs", str(root), "--mean-seeds", "--out", str(tmp_path / "seeds.png")]) == 0
+    assert os.path.getsize(tmp_path / "cmp.png") > 0 and os.path.getsize(tmp_path / "seeds.png") > 0
+
+
+def test_plot_partition_reads_what_run_writes(tmp_path, capsys):
+    """partition.json as common.Run.write_partition writes it -> the clients x classes count matrix."""
+    import types
+    import torch
+    import common
+    plot = importlib.import_module("plot")
+    labels = torch.tensor([0, 0, 1, 2, 2, 2, 1, 0])
+    part = common.Partition(train=[torch.tensor([0, 1, 2]), torch.tensor([3, 4, 5, 6, 7])], test=None, scheme="shards=2")
+    data = types.SimpleNamespace(y_train=labels, num_classes=3)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    common.Run.write_partition(types.SimpleNamespace(dir=str(run_dir)), part, data)
+    counts, scheme, names = plot.load_partition(str(run_dir))
+    assert counts.tolist() == [[2, 1, 0], [1, 1, 3]] and scheme == "shards=2" and names == ["0", "1", "2"]
+    assert plot.load_partition(str(run_dir / "partition.json"))[0].tolist() == counts.tolist()
+    # class names: the image folder's sorted class folders, when config.json names one
+    for c in ("cat", "ant", "bee"):
+        os.makedirs(tmp_path / "img" / "train" / c)
+    with open(run_dir / "config.json", "w") as f:
+        json.dump({"dataset": "folder", "data_dir": str(tmp_path / "img")}, f)
+    assert plot.load_partition(str(run_dir))[2] == ["ant", "bee", "cat"]
+    assert plot.main(["partition", str(run_dir), "--split", "test"]) == 2  # no --client-test counts
+    assert plot.main(["partition", str(tmp_path)]) == 2  # no partition.json
+    assert "no partition.json" in capsys.readouterr().err
+    pytest.importorskip("matplotlib")
+    assert plot.main(["partition", str(run_dir), "--out", str(tmp_path / "p.png")]) == 0
+    assert os.path.getsize(tmp_path / "p.png") > 0
 
 
 # ---------------------------------------------------------------------------------------------

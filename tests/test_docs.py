@@ -1,0 +1,304 @@
+"""The docs say what runs: every `python <script>.py ...` command in README.md and docs/*.md (code blocks
+and inline code) is accepted by that script's own parser, called in-process without running anything;
+every `bash X.sh` / `pip install -r X` names an existing file; every relative link and image resolves
+(with its #anchor, for markdown targets); every table row has its header's number of cells; each
+method page has the fixed sections in order; the README stays short. Parsers only: about a second."""
+import argparse
+import glob
+import importlib
+import itertools
+import json
+import os
+import re
+import shlex
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks")
+sys.path.insert(0, BENCH)
+DOCS = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+METHODS = ["fedavg", "fedbabu", "fedfn", "fedln", "fednnnn", "anfr"]
+SECTIONS = ["Paper and idea", "Usage", "Flags beyond fedavg.py's", "What is logged",
+            "Implementation details and deviations", "Results", "Paper's numbers beside ours"]
+FENCE = re.compile(r"^```.*?^```[ \t]*$", re.S | re.M)
+SEPARATORS = {"&&", "||", ";", "|", "&"}
+
+
+def read(path):
+    with open(os.path.join(ROOT, path)) as f:
+        return f.read()
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands: code blocks (with continuation lines, VAR=... assignments and for loops) and inline code
+# ---------------------------------------------------------------------------------------------
+def tokens(text):
+    lex = shlex.shlex(text, posix=True, punctuation_chars=True)
+    lex.whitespace_split = True
+    return list(lex)
+
+
+def segments(words):
+    """Split a token list at ; && || | & into simple commands."""
+    out, cur = [], []
+    for w in words:
+        if w in SEPARATORS:
+            out.append(cur)
+            cur = []
+        else:
+            cur.append(w)
+    return [s for s in out + [cur] if s]
+
+
+def expand(line, env):
+    """Every expansion of $VAR / ${VAR} by env (a list of values per name: one for assignments, several
+    for loop variables); unknown variables ($DATA_DIR) are left as they are."""
+    names = [n for n in env if re.search(r"\$(\{%s\}|%s\b)" % (n, n), line)]
+    for values in itertools.product(*(env[n] for n in names)):
+        text = line
+        for n, v in zip(names, values):
+            text = re.sub(r"\$(\{%s\}|%s\b)" % (n, n), lambda _: v, text)
+        yield text
+
+
+def block_commands(code):
+    """Simple commands (token lists) of a shell code block."""
+    env, out = {}, []
+    for line in re.sub(r"\\\n", " ", code).splitlines():
+        for seg in segments(tokens(line)):  # register loop variables and assignments first
+            while seg and seg[0] in ("do", "then", "else"):
+                seg = seg[1:]
+            if not seg:
+                continue
+            if seg[0] == "for" and len(seg) > 3 and seg[2] == "in":
+                env[seg[1]] = seg[3:]
+            elif len(seg) == 1 and re.fullmatch(r"\w+=.*", seg[0]):
+                name, value = seg[0].split("=", 1)
+                env[name] = [value]
+        for text in expand(line, env):
+            for seg in segments(tokens(text)):
+                while seg and seg[0] in ("do", "then", "else"):
+                    seg = seg[1:]
+                while seg and re.fullmatch(r"\w+=.*", seg[0]):  # VAR=value command
+                    seg = seg[1:]
+                if seg and seg[0] not in ("for", "done", "fi"):
+                    out.append(seg)
+    return out
+
+
+def documented_commands():
+    """(where, argv) for every python/bash/pip command in the docs."""
+    found = []
+    for doc in DOCS:
+        text = read(doc)
+        for m in FENCE.finditer(text):
+            line = text[:m.start()].count("\n") + 1
+            body = m.group(0).split("\n", 1)[1].rsplit("```", 1)[0]
+            found += [(f"{doc}:{line}", argv) for argv in block_commands(body)]
+        prose = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+        for m in re.finditer(r"`([^`]+)`", prose):
+            if m.group(1).startswith("python ") and ".py" in m.group(1):
+                line = prose[:m.start()].count("\n") + 1
+                found.append((f"{doc}:{line} (inline)", tokens(m.group(1).replace("\n", " "))))
+    real = lambda argv: argv[0] in ("bash", "pip") or (argv[0] in ("python", "python3") and len(argv) > 1
+                                                         and (argv[1] == "-m" or re.fullmatch(r"[\w./-]+\.py", argv[1])))
+    return [(where, argv) for where, argv in found if real(argv)]  # not `python <script>.py ...`
+
+
+COMMANDS = documented_commands()
+
+
+@pytest.fixture(scope="module")
+def places(tmp_path_factory):
+    """Stand-ins for placeholders: an image folder with train/ and test/ class folders, a file, a run
+    folder to --resume per script (config.json from that script's own defaults, an empty checkpoint)."""
+    root = tmp_path_factory.mktemp("docs")
+    folder = root / "cifar10"
+    for split in ("train", "test"):
+        for c in ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"):
+            os.makedirs(folder / split / c)
+    init = root / "init.pt"
+    init.write_bytes(b"")
+    return {"data_dir": str(folder), "file": str(init), "root": root}
+
+
+def resume_folder(module, name, places, monkeypatch):
+    run = places["root"] / f"resume-{name}"
+    if not run.exists():
+        run.mkdir()
+        monkeypatch.setattr(sys, "argv", [f"{name}.py", "--dataset", "synthetic", "--device", "cpu"])
+        args = module.parse_args()
+        (run / "config.json").write_text(json.dumps({k: v for k, v in vars(args).items() if k not in ("resume", "stop_after")}))
+        (run / "checkpoint.pt").write_bytes(b"")
+    return str(run)
+
+
+def fill_placeholders(args, module, name, places, monkeypatch):
+    """--data-dir DIR / $DATA_DIR / ~/cifar10 -> the stand-in folder; --init-from -> a file; --resume -> a
+    run folder; --device cuda -> cpu (this machine may have no GPU)."""
+    args = list(args)
+    for i, a in enumerate(args[:-1]):
+        if a == "--data-dir":
+            args[i + 1] = places["data_dir"]
+        elif a == "--init-from":
+            args[i + 1] = places["file"]
+        elif a == "--resume":
+            args[i + 1] = resume_folder(module, name, places, monkeypatch)
+        elif a == "--device" and args[i + 1].startswith("cuda"):
+            args[i + 1] = "cpu"
+    return args
+
+
+def option_strings(parser):
+    """Every option string of a parser and of its subcommands' parsers."""
+    out = set(parser._option_string_actions)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out |= option_strings(sub)
+    return out
+
+
+def parse(script, args, places, monkeypatch):
+    """Run the script's own argument parsing on args (raises SystemExit like argparse), then check that
+    every --flag is written out in full (argparse would also accept an abbreviation)."""
+    name = os.path.splitext(os.path.basename(script))[0]
+    module = importlib.import_module(name)
+    args = fill_placeholders(args, module, name, places, monkeypatch)
+    parsers, real_parse = [], argparse.ArgumentParser.parse_args
+
+    def spy(self, *a, **k):
+        parsers.append(self)
+        return real_parse(self, *a, **k)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", spy)
+    if name == "plot":
+        module.parse(args)
+    elif name == "collect":  # no parse function: main() without reading any run folder
+        monkeypatch.setattr(module, "gather", lambda root: {})
+        module.main(args)
+    else:
+        monkeypatch.setattr(sys, "argv", [script, *args])
+        module.parse_args()
+    known = option_strings(parsers[-1])
+    for a in args:
+        if a.startswith("--"):
+            assert a.split("=")[0] in known, f"{a.split('=')[0]} is not a flag of {script} (abbreviated or unknown)"
+
+
+@pytest.mark.parametrize("where, argv", COMMANDS, ids=[w for w, _ in COMMANDS])
+def test_documented_command_is_accepted(where, argv, places, monkeypatch, capsys):
+    if argv[0] == "bash":
+        assert os.path.isfile(os.path.join(ROOT, argv[1])), f"{where}: no {argv[1]}"
+        return
+    if argv[0] == "pip":
+        if "-r" in argv:
+            assert os.path.isfile(os.path.join(ROOT, argv[argv.index("-r") + 1])), f"{where}: {' '.join(argv)}"
+        return
+    if argv[1] == "-m":
+        return  # python -m pytest ...
+    script = argv[1]
+    assert os.path.isfile(os.path.join(ROOT, script)), f"{where}: no script {script}"
+    monkeypatch.chdir(ROOT)
+    try:
+        parse(script, argv[2:], places, monkeypatch)
+    except SystemExit as e:
+        if e.code not in (0, None):  # --help exits 0
+            pytest.fail(f"{where}: `{shlex.join(argv)}` rejected (exit {e.code}): {capsys.readouterr().err.strip()}")
+
+
+def test_the_commands_are_found():
+    """The extraction itself: loops, assignments, continuation lines and inline commands all count."""
+    scripts = {argv[1] for _, argv in COMMANDS if argv[0] == "python"}
+    assert {f"{m}.py" for m in METHODS} <= scripts
+    assert {"benchmarks/plot.py", "benchmarks/collect.py"} <= scripts
+    assert any("--ft-epochs" in argv and "--client-test" in argv for _, argv in COMMANDS)  # a continued line
+    anfr_loop = [argv for _, argv in COMMANDS if argv[:2] == ["python", "anfr.py"] and "--agg" in argv and "--out" in argv]
+    assert {(a[a.index("--arch") + 1], a[a.index("--agg") + 1]) for a in anfr_loop} >= {("bn", "fedavg"), ("anfr", "fedadam")}
+    assert any(argv[:2] == ["python", "fedfn.py"] and "--shards" in argv and w.endswith("(inline)") for w, argv in COMMANDS)
+    code = 'D="--dataset folder --data-dir ~/x"  # note\nfor a in 1 2; do\n  python s.py $D --a $a \\\n  --b; done\n'
+    assert block_commands(code) == [["python", "s.py", "--dataset", "folder", "--data-dir", "~/x", "--a", n, "--b"] for n in "12"]
+
+
+def test_a_bad_flag_is_caught(places, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse("fedfn.py", ["--dataset", "folder", "--data-dir", "DIR", "--shardz", "2"], places, monkeypatch)
+    assert e.value.code == 2
+    with pytest.raises(AssertionError, match="abbreviated"):  # argparse accepts --shard for --shards; the docs may not
+        parse("fedfn.py", ["--dataset", "folder", "--data-dir", "DIR", "--shard", "2"], places, monkeypatch)
+    with pytest.raises(SystemExit):  # placeholders are filled in, real checks still apply
+        parse("fedfn.py", ["--dataset", "folder", "--data-dir", "DIR", "--shards", "2", "--alpha", "0.1"], places, monkeypatch)
+    parse("benchmarks/plot.py", ["partition", "RUN", "--split", "test"], places, monkeypatch)
+    with pytest.raises(AssertionError, match="not a flag"):
+        parse("benchmarks/plot.py", ["runs", "a", "--mean"], places, monkeypatch)
+
+
+# ---------------------------------------------------------------------------------------------
+# Links, anchors, tables, page shape
+# ---------------------------------------------------------------------------------------------
+def slug(heading):
+    """GitHub's heading anchor: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(doc):
+    seen, out = {}, set()
+    for m in re.finditer(r"^#{1,6} +(.+?) *#*$", FENCE.sub("", read(doc)), re.M):
+        s = slug(m.group(1))
+        out.add(s if s not in seen else f"{s}-{seen[s]}")
+        seen[s] = seen.get(s, 0) + 1
+    return out
+
+
+def links(doc):
+    prose = re.sub(r"`[^`\n]*`", "", FENCE.sub("", read(doc)))
+    return re.findall(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", prose)
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_relative_links_and_anchors_resolve(doc):
+    base = os.path.dirname(os.path.join(ROOT, doc))
+    targets = links(doc)
+    for target in targets:
+        if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        full = os.path.normpath(os.path.join(base, path)) if path else os.path.join(ROOT, doc)
+        assert os.path.exists(full), f"{doc}: link to {target}: no such file"
+        if anchor and full.endswith(".md"):
+            assert anchor in anchors(os.path.relpath(full, ROOT)), f"{doc}: link to {target}: no such heading"
+
+
+def test_every_docs_figure_is_shown():
+    shown = {os.path.normpath(os.path.join(os.path.dirname(d), t)) for d in DOCS for t in links(d) if t.endswith(".png")}
+    for png in glob.glob(os.path.join(ROOT, "docs", "*.png")):
+        assert os.path.relpath(png, ROOT) in shown, f"{os.path.relpath(png, ROOT)} is not shown in any page"
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_table_rows_have_the_header_cells(doc):
+    prose = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), read(doc))
+    header = None
+    for n, line in enumerate(prose.splitlines(), 1):
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = len(re.findall(r"(?<!\\)\|", line))
+        if header is None:
+            header = cells
+        assert cells == header, f"{doc}:{n}: {cells - 1} cells, the header has {header - 1} (escape | as \\|)"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_method_page_has_the_fixed_sections(method):
+    doc = f"docs/{method}.md"
+    text = FENCE.sub("", read(doc))
+    assert re.match(r"# .*`%s\.py`" % method, text), f"{doc}: the title names {method}.py"
+    assert re.findall(r"^## (.+)$", text, re.M) == SECTIONS
+    assert f"(docs/{method}.md)" in read("README.md"), f"the README's scripts table links {doc}"
+
+
+def test_readme_is_short():
+    assert len(read("README.md").splitlines()) <= 200
