@@ -14,7 +14,21 @@ CIFAR-10 split-2 from scratch, Appendix B.3 / Table 9 (a GPU; --arch bn|gn|se|nf
 Measured (benchmarks/reproduce/anfr.sh small: ResNet-18 of width 8, 25 rounds of 50 steps; real
 CIFAR-10 split-2, seeds 0-2, 2-core CPU, about 6 min a run): BN 51.6, SE 51.2, GN 37.0, ANFR 30.0,
 NF 28.6 (paper, Table 9: 80.89, 81.19, 78.52, 83.20, 81.66): not reproduced at that scale; the NF
-networks also trail on IID clients (ANFR 37.4 vs BN 54.3). Details: README "Results".
+networks also trail on IID clients (ANFR 37.4 vs BN 54.3). Details: README "Results". These runs predate
+the timm fixes below (NF shortcut, SE width, gamma), which change the NF and SE nets: to be rerun.
+
+Models = timm's ResNet-50s (the paper's), checked logit for logit in tests/test_anfr.py: NF blocks as
+timm's NormFreeBlock (x2 attention gain, gamma = timm's measured 1.7139588, the last conv's gain g
+starting at 0, and on a projection shortcut timm's DownsampleAvg: 2x2 average pool when strided, then
+conv1x1); SE hidden width C/16 rounded to a multiple of 8 (timm SEModule). --last-gain-init 1 opens
+the residual branches from the start instead (AdamW moves g by at most about lr per step).
+Pretrained (the paper's main setting, Table 1): --init-from takes a timm state dict, renamed by
+timm_name; every entry but the head must load, else exit 2. With internet, e.g.
+    python -c "import timm, torch; torch.save(timm.create_model('nf_resnet50', pretrained=True).state_dict(), 'nf_resnet50.pt')"
+    python anfr.py --arch nf --depth 50 --width 64 --stem imagenet --image-size 224 --init-from nf_resnet50.pt
+timm name -> --arch: resnet50 bn, resnet50_gn gn, seresnet50 se, nf_resnet50 nf, nf_seresnet50 anfr,
+nf_ecaresnet50 anfr --attention eca (timm ships no ImageNet weights for the last two: the authors trained
+their own, Table 6). Inputs are normalized with the dataset's own mean/std, not ImageNet's.
 
 Choices the paper leaves open, made here (README lists them): the from-scratch CIFAR-10 recipe of
 Appendix B.3 (split-2, 5 clients, all every round, 100 rounds of 1 epoch, batch 32, AdamW lr 1e-3,
