@@ -14,7 +14,21 @@ CIFAR-10 split-2 from scratch, Appendix B.3 / Table 9 (a GPU; --arch bn|gn|se|nf
 Measured (benchmarks/reproduce/anfr.sh small: ResNet-18 of width 8, 25 rounds of 50 steps; real
 CIFAR-10 split-2, seeds 0-2, 2-core CPU, about 6 min a run): BN 51.6, SE 51.2, GN 37.0, ANFR 30.0,
 NF 28.6 (paper, Table 9: 80.89, 81.19, 78.52, 83.20, 81.66): not reproduced at that scale; the NF
-networks also trail on IID clients (ANFR 37.4 vs BN 54.3). Details: README "Results".
+networks also trail on IID clients (ANFR 37.4 vs BN 54.3). Details: README "Results". These runs predate
+the timm fixes below (NF shortcut, SE width, gamma), which change the NF and SE nets: to be rerun.
+
+Models = timm's ResNet-50s (the paper's), checked logit for logit in tests/test_anfr.py: NF blocks as
+timm's NormFreeBlock (x2 attention gain, gamma = timm's measured 1.7139588, the last conv's gain g
+starting at 0, and on a projection shortcut timm's DownsampleAvg: 2x2 average pool when strided, then
+conv1x1); SE hidden width C/16 rounded to a multiple of 8 (timm SEModule). --last-gain-init 1 opens
+the residual branches from the start instead (AdamW moves g by at most about lr per step).
+Pretrained (the paper's main setting, Table 1): --init-from takes a timm state dict, renamed by
+timm_name; every entry but the head must load, else exit 2. With internet, e.g.
+    python -c "import timm, torch; torch.save(timm.create_model('nf_resnet50', pretrained=True).state_dict(), 'nf_resnet50.pt')"
+    python anfr.py --arch nf --depth 50 --width 64 --stem imagenet --image-size 224 --init-from nf_resnet50.pt
+timm name -> --arch: resnet50 bn, resnet50_gn gn, seresnet50 se, nf_resnet50 nf, nf_seresnet50 anfr,
+nf_ecaresnet50 anfr --attention eca (timm ships no ImageNet weights for the last two: the authors trained
+their own, Table 6). Inputs are normalized with the dataset's own mean/std, not ImageNet's.
 
 Choices the paper leaves open, made here (README lists them): the from-scratch CIFAR-10 recipe of
 Appendix B.3 (split-2, 5 clients, all every round, 100 rounds of 1 epoch, batch 32, AdamW lr 1e-3,
@@ -32,6 +46,8 @@ like weights (FedBN keeps them local).
 import argparse
 import math
 import os
+import re
+import sys
 
 import numpy as np
 import torch
@@ -40,7 +56,7 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad_and_value, vmap  # ANFR: per-sample gradients for DP-SGD
 from tqdm import tqdm
 
-from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights,
+from common import (AUGMENTATIONS, RESNET_LAYOUT, Run, accumulate, autocast, build_model, client_batches, client_weights,
                     evaluate, finish_args, load_data, make_partition, prepare_batch, rng_state, sample_clients,
                     seed_everything, set_rng_state)
 
@@ -80,7 +96,8 @@ def parse_args():
     g.add_argument("--width", type=int, default=64, help="ANFR: base channel count (64 = standard ResNet)")  # ANFR
     g.add_argument("--stem", default="cifar", choices=["cifar", "imagenet"], help="ANFR: conv3x3 stem for 32x32 inputs, or conv7x7 + max-pool (paper, at 224)")  # ANFR
     g.add_argument("--attention", default="se", choices=["se", "eca", "cbam"], help="ANFR: channel attention of --arch se and anfr (Table 5); SE reduction r=16")  # ANFR
-    g.add_argument("--init-from", default=None, metavar="PATH", help="ANFR: start from this state dict (entries whose name and shape match; the paper: ImageNet weights)")  # ANFR
+    g.add_argument("--init-from", default=None, metavar="PATH", help="ANFR: start from this state dict, ours or timm's (the paper: timm's ImageNet weights; see the docstring); every entry but the head must load")  # ANFR
+    g.add_argument("--last-gain-init", type=float, default=0.0, help="ANFR: start value of the gain g (Eq. 5) of the last conv of each NF residual branch; 0 = timm's NF-ResNets, the paper's models")  # ANFR
     g = p.add_argument_group("optimization")
     g.add_argument("--lr", type=float, default=1e-3, help="eta: local AdamW learning rate, cosine-decayed over the run (Appendix B.3: 1e-3)")  # ANFR
     g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW decoupled weight decay (not given in the paper; PyTorch's default)")  # ANFR
@@ -115,6 +132,7 @@ def parse_args():
                 (dp and (args.dp_noise_multiplier < 0 or args.dp_max_grad_norm <= 0), "--dp-noise-multiplier: needs sigma >= 0 and --dp-max-grad-norm > 0"),
                 (args.agg == "fedprox" and args.prox_mu <= 0, f"--prox-mu: --agg fedprox needs mu > 0, got {args.prox_mu}"),
                 (args.init_from is not None and not os.path.isfile(args.init_from), f"--init-from: no file {args.init_from}"),
+                (args.last_gain_init != 0 and ARCHS[args.arch][0] != "nf", f"--last-gain-init: --arch {args.arch} has no NF gains; use --arch nf or anfr"),
                 (args.width < 1 or (args.image_size is not None and args.image_size < 8), "--width / --image-size: must be >= 1 / >= 8")]:
             if bad:
                 p.error(msg)
@@ -124,19 +142,44 @@ def parse_args():
 def build(args, data):  # ANFR: the architecture of --arch from the one ResNet in common.py
     norm, attention = ARCHS[args.arch]
     return build_model("resnet", data, depth=args.depth, width=args.width, norm=norm, stem=args.stem,
-                       attention=args.attention if attention else None)
+                       attention=args.attention if attention else None, last_gain_init=args.last_gain_init)
 
 
 def resize(x, size):  # ANFR: --image-size
     return x if size is None or x.shape[-1] == size else F.interpolate(x, size=(size, size), mode="bilinear", antialias=True)
 
 
-def load_pretrained(model, path):  # ANFR: --init-from
-    """Copy the entries of the state dict at `path` whose name and shape match (e.g. not a 1000-class head)."""
-    src = torch.load(path, map_location="cpu", weights_only=False)
-    src = src.get("model", src) if isinstance(src.get("model", None), dict) else src  # a checkpoint.pt works too
+TIMM_NAMES = [(r"^(conv1|stem\.conv)\.", "body.stem.0."), (r"^bn1\.", "body.stem.1."), (r"^(head\.)?fc\.", "head."),
+              (r"\.bn(\d)\.", r".n\1."), (r"\.(se|attn_last)\.", ".attn."), (r"\.downsample\.", ".shortcut.")]
+
+
+def timm_name(key, layout):  # ANFR: --init-from with timm weights: timm's entry name -> ours (ours unchanged)
+    """resnet50, resnet50_gn, seresnet50 (conv1, bn1, layer1-4.J.{convK, bnK, se, downsample}, fc) and
+    nf_resnet50, nf_seresnet50, nf_ecaresnet50 (stem.conv, stages.0-3.J.{convK, attn_last, downsample}, head.fc).
+    Our blocks are one list: block J of stage I is number sum(layout[:I]) + J."""
+    m = re.match(r"(layer(\d)|stages\.(\d))\.(\d+)\.", key)
+    if m:
+        stage = int(m[2]) - 1 if m[2] else int(m[3])
+        key = f"body.stages.{sum(layout[:stage]) + int(m[4])}.{key[m.end():]}"
+    for pattern, ours in TIMM_NAMES:
+        key = re.sub(pattern, ours, key)
+    return key
+
+
+def load_pretrained(model, src, layout):  # ANFR: --init-from
+    """Load a state dict (a path or a dict: ours, a checkpoint.pt, or timm's, renamed by timm_name). Every
+    entry of ours but the head must come from it with our shape, and every entry of it must be used (the
+    head is loaded if its shape matches, e.g. not a 1000-class one); else ValueError, naming the first few."""
+    src = torch.load(src, map_location="cpu", weights_only=False) if isinstance(src, str) else src
+    src = src["model"] if isinstance(src.get("model"), dict) else src  # a checkpoint.pt works too
+    src = {timm_name(k, layout): v for k, v in src.items()}
     own = model.state_dict()
     match = {k: v for k, v in src.items() if k in own and own[k].shape == v.shape}
+    for what, bad in (("of ours not in it (or of another shape)", [k for k in own if k not in match]),
+                      ("of it fitting none of ours", [k for k in src if k not in match])):
+        bad = [k for k in bad if not k.startswith("head.")]
+        if bad:
+            raise ValueError(f"{len(bad)} entries {what}: {', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}")
     model.load_state_dict(match, strict=False)
     return len(match), len(own)
 
@@ -330,12 +373,16 @@ if __name__ == "__main__":
     seed_everything(args.seed)
     data = load_data(args)
     partition = make_partition(args, data)  # uses its own generator seeded by --data-seed
-    run = Run(args, "anfr")
-    run.write_partition(partition, data)
     model = build(args, data).to(args.device)  # the global model w_t  # ANFR
     client = build(args, data).to(args.device)  # one client model, reloaded for every client  # ANFR
-    if args.init_from and not args.resume:  # ANFR
-        print("--init-from: loaded %d of %d entries" % load_pretrained(model, args.init_from))
+    if args.init_from and not args.resume:  # ANFR: before the run folder exists, so a refused file leaves none
+        try:
+            print("--init-from: loaded %d of %d entries" % load_pretrained(model, args.init_from, RESNET_LAYOUT[args.depth][1]))
+        except ValueError as e:
+            print(f"anfr.py: error: --init-from {args.init_from}: {e}", file=sys.stderr)
+            raise SystemExit(2)
+    run = Run(args, "anfr")
+    run.write_partition(partition, data)
     sampler = np.random.default_rng(args.seed)  # client sampling, independent of the partition
     sizes = [len(p) for p in partition.train]
     n_clients = len(sizes)

@@ -601,20 +601,38 @@ def make_norm(kind, channels):
     raise ValueError(f"unknown norm '{kind}'")
 
 
-def make_conv(norm, cin, cout, kernel, stride=1, padding=0, zero_gain=False):
+def make_conv(norm, cin, cout, kernel, stride=1, padding=0, gain_init=1.0):
     """A ResNet convolution: plain and bias-free before an activation norm; for norm 'nf' a Scaled
-    Weight Standardized conv with bias (ANFR Eq. 5; ScaledStdConv2d in the ANFR block below)."""
+    Weight Standardized conv with bias and gain g starting at gain_init (ANFR Eq. 5; ScaledStdConv2d below)."""
     if norm == "nf":
-        return ScaledStdConv2d(cin, cout, kernel, stride, padding, gamma=RELU_GAMMA, gain_init=0.0 if zero_gain else 1.0)
+        return ScaledStdConv2d(cin, cout, kernel, stride, padding, gamma=RELU_GAMMA, gain_init=gain_init)
     return nn.Conv2d(cin, cout, kernel, stride, padding, bias=False)
 
 
+def make_shortcut(norm, cin, cout, stride, norm_after_act=False):
+    """A block's projection shortcut: conv1x1 with the block's stride, then the norm (none with norm_after_act,
+    which normalizes the sum instead). NF: timm's DownsampleAvg, a 2x2 average pool (strided blocks only)
+    and then a conv1x1 at stride 1."""
+    if norm == "nf":  # named as timm's (downsample.pool, downsample.conv)
+        shortcut = nn.Sequential()
+        shortcut.add_module("pool", nn.AvgPool2d(2, stride, ceil_mode=True, count_include_pad=False) if stride > 1 else nn.Identity())
+        shortcut.add_module("conv", make_conv(norm, cin, cout, 1))
+        return shortcut
+    return nn.Sequential(make_conv(norm, cin, cout, 1, stride), make_norm("none" if norm_after_act else norm, cout))
+
+
+def round_channels(v, divisor):
+    """timm's make_divisible(v, divisor, round_limit=0): the nearest multiple of divisor, at least divisor."""
+    return max(divisor, int(v + divisor / 2) // divisor * divisor)
+
+
 class SqueezeExcite(nn.Module):
-    """Hu et al. 2018: channel weights = sigmoid(MLP(global average pool)), reduction r."""
+    """Hu et al. 2018: channel weights = sigmoid(MLP(global average pool)), reduction r; the hidden width
+    C/r rounded to a multiple of 8, at least 8 (timm SEModule, as in seresnet50 and nf_seresnet50)."""
 
     def __init__(self, channels, reduction=16):
         super().__init__()
-        hidden = max(channels // reduction, 1)
+        hidden = round_channels(channels / reduction, 8)
         self.fc1, self.fc2 = nn.Conv2d(channels, hidden, 1), nn.Conv2d(hidden, channels, 1)
 
     def weights(self, x):  # [B, C, 1, 1] channel weights (read by anfr.py --analyze)
@@ -640,20 +658,19 @@ def make_attention(kind, channels, norm="bn"):
 class BasicBlock(nn.Module):
     expansion = 1
 
-    def __init__(self, cin, planes, stride, norm, attention, norm_after_act=False, beta=1.0):
+    def __init__(self, cin, planes, stride, norm, attention, norm_after_act=False, beta=1.0, last_gain_init=0.0):
         super().__init__()
         cout = planes * self.expansion
         self.norm_after_act = norm_after_act
         nf_setup(self, norm, attention, beta, transition=stride != 1 or cin != cout)
         self.conv1 = make_conv(norm, cin, planes, 3, stride, 1)
         self.n1 = make_norm(norm, planes)
-        self.conv2 = make_conv(norm, planes, cout, 3, 1, 1, zero_gain=True)
+        self.conv2 = make_conv(norm, planes, cout, 3, 1, 1, gain_init=last_gain_init)  # NF: timm starts it at 0
         self.n2 = make_norm(norm, cout)
         self.attn = make_attention(attention, cout, norm)
         self.shortcut = nn.Identity()
-        if stride != 1 or cin != cout:  # norm_after_act normalizes the sum instead of the shortcut
-            self.shortcut = nn.Sequential(make_conv(norm, cin, cout, 1, stride),
-                                          make_norm("none" if norm_after_act else norm, cout))
+        if stride != 1 or cin != cout:
+            self.shortcut = make_shortcut(norm, cin, cout, stride, norm_after_act)
 
     def forward(self, x):
         if self.norm_after_act:  # norm after each ReLU (FedLN, Zhang et al. 2024, Eq. 10)
@@ -670,19 +687,18 @@ class BasicBlock(nn.Module):
 class Bottleneck(nn.Module):
     expansion = 4
 
-    def __init__(self, cin, planes, stride, norm, attention, norm_after_act=False, beta=1.0):
+    def __init__(self, cin, planes, stride, norm, attention, norm_after_act=False, beta=1.0, last_gain_init=0.0):
         super().__init__()
         cout = planes * self.expansion
         self.norm_after_act = norm_after_act
         nf_setup(self, norm, attention, beta, transition=stride != 1 or cin != cout)
         self.conv1, self.n1 = make_conv(norm, cin, planes, 1), make_norm(norm, planes)
         self.conv2, self.n2 = make_conv(norm, planes, planes, 3, stride, 1), make_norm(norm, planes)
-        self.conv3, self.n3 = make_conv(norm, planes, cout, 1, zero_gain=True), make_norm(norm, cout)
+        self.conv3, self.n3 = make_conv(norm, planes, cout, 1, gain_init=last_gain_init), make_norm(norm, cout)  # NF: timm: 0
         self.attn = make_attention(attention, cout, norm)
         self.shortcut = nn.Identity()
-        if stride != 1 or cin != cout:  # norm_after_act normalizes the sum instead of the shortcut
-            self.shortcut = nn.Sequential(make_conv(norm, cin, cout, 1, stride),
-                                          make_norm("none" if norm_after_act else norm, cout))
+        if stride != 1 or cin != cout:
+            self.shortcut = make_shortcut(norm, cin, cout, stride, norm_after_act)
 
     def forward(self, x):
         if self.norm_after_act:  # norm after each ReLU (FedLN, Zhang et al. 2024, Eq. 10)
@@ -710,7 +726,7 @@ class ResNetBody(nn.Module):
     """
 
     def __init__(self, in_channels, depth=18, width=64, norm="bn", attention=None, stem="cifar",
-                 norm_after_act=False):
+                 norm_after_act=False, last_gain_init=0.0):
         super().__init__()
         block, layers = RESNET_LAYOUT[depth]
         norm_relu = (nn.ReLU(), make_norm(norm, width)) if norm_after_act else (make_norm(norm, width), nn.ReLU())
@@ -726,7 +742,7 @@ class ResNetBody(nn.Module):
             planes = width * 2 ** i
             for j in range(blocks):
                 stages.append(block(cin, planes, 2 if (j == 0 and i > 0) else 1, norm, attention,
-                                    norm_after_act=norm_after_act, beta=expected_var ** -0.5))
+                                    norm_after_act=norm_after_act, beta=expected_var ** -0.5, last_gain_init=last_gain_init))
                 expected_var = nf_expected_var(stages[-1], expected_var)  # used by norm 'nf' only
                 cin = planes * block.expansion
         self.stages = nn.Sequential(*stages)
@@ -738,8 +754,9 @@ class ResNetBody(nn.Module):
 
 
 def resnet(in_channels, num_classes, image_size, depth=18, width=64, norm="bn", attention=None,
-           stem="cifar", norm_after_act=False, **_):
-    body = ResNetBody(in_channels, depth, width, norm, attention, stem, norm_after_act=norm_after_act)
+           stem="cifar", norm_after_act=False, last_gain_init=0.0, **_):
+    body = ResNetBody(in_channels, depth, width, norm, attention, stem, norm_after_act=norm_after_act,
+                      last_gain_init=last_gain_init)
     return Classifier(body, body.out_dim, num_classes)
 
 
@@ -1103,7 +1120,7 @@ def cnn6_narrow(in_channels, num_classes, image_size, **_):
 
 
 # === ANFR (anfr.py): weight-standardized NF-ResNets and channel attention (see ResNet code above) ===
-RELU_GAMMA = math.sqrt(2 / (1 - 1 / math.pi))  # 1.7129 = 1/std(relu(z)), z ~ N(0, 1); timm uses the measured 1.7140
+RELU_GAMMA = 1.7139588594436646  # gamma = 1/std(relu(z)), z ~ N(0, 1), as measured by timm and DeepMind's NFNets (closed form 1.71286)
 NF_ALPHA = 0.2  # alpha: scale of each residual branch (Brock et al. 2021a; timm NfCfg.alpha)
 NF_ATTN_GAIN = 2.0  # attention output x2 in NF blocks, since a sigmoid gate starts near 0.5 (timm NfCfg.attn_gain)
 register_model("resnet")(resnet)  # the one ResNet with its options: depth, width, norm, attention, stem (anfr.py --arch)
@@ -1178,7 +1195,7 @@ class CBAM(nn.Module):
 
     def __init__(self, channels, norm="bn", reduction=16):
         super().__init__()
-        hidden = max(channels // reduction, 1)
+        hidden = round_channels(channels / reduction, 1)  # timm ChannelAttn: C/r rounded, at least 1
         self.fc1, self.fc2 = nn.Conv2d(channels, hidden, 1, bias=False), nn.Conv2d(hidden, channels, 1, bias=False)
         conv = ScaledStdConv2d(2, 1, 7, 1, 3) if norm == "nf" else nn.Conv2d(2, 1, 7, 1, 3, bias=False)
         self.spatial = nn.Sequential(conv, make_norm(norm, 1))

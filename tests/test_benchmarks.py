@@ -338,7 +338,9 @@ def test_reproduce_commands_parse(name, scale, fake_folder, monkeypatch):
     ("anfr", "bn", "bn-iid", "--split2", "--iid"),
     ("anfr", "anfr", "anfr-iid", "--split2", "--iid"),
     ("fedfn", "fedfn", "fedfn-lr0.01", "0.03", "0.01"),
-    ("fedfn", "fedfn-lr0.01", "fedfn-sqrtd", None, ["--fn-scale", "sqrt-d"]),  # old None: new flags added
+    ("fedfn", "fedfn-lr0.01", "fedfn-sqrtd", None, "--fn-scale sqrt-d"),  # old None: the control adds the flag `new`
+    ("anfr", "nf", "nf-gain1", None, "--last-gain-init 1"),
+    ("anfr", "anfr", "anfr-gain1", None, "--last-gain-init 1"),
 ])
 def test_small_scale_controls_change_one_flag_only(name, base, control, old, new, monkeypatch):
     monkeypatch.chdir(ROOT)
@@ -351,9 +353,9 @@ def test_small_scale_controls_change_one_flag_only(name, base, control, old, new
     assert claims
     for folder in claims:
         expected = [new if a == old else a.replace(f"/{base}/", f"/{control}/") for a in small[(folder, base)]]
-        if old is None:
-            at = expected.index("--seed")
-            expected[at:at] = new
+        if old is None:  # the flag goes after the variant's own flags, before --seed
+            i = expected.index("--seed")
+            expected[i:i] = new.split()
         assert small[(folder, control)] == expected
         assert control in collect.CLAIMS[collect.split_claim(folder)[0]]["controls"]  # tabled and drawn as a control
     assert control not in {variant for _, variant in runs("paper")}  # controls are small-scale diagnostics

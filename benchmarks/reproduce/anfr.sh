@@ -5,7 +5,8 @@
 #
 #   DATA_DIR=/path/to/cifar10 [SEEDS="0 1 2"] bash benchmarks/reproduce/anfr.sh [small|paper]
 #
-# Runs go to runs/reproduce/anfr-<scale>/{bn,gn,se,nf,anfr}/seed<k>, all with anfr.py --arch X.
+# Runs go to runs/reproduce/anfr-<scale>/{bn,gn,se,nf,anfr}/seed<k>, all with anfr.py --arch X (small
+# scale also: the controls bn-iid, anfr-iid, nf-gain1, anfr-gain1).
 source "$(dirname "$0")/lib.sh"
 setup "$@"
 
@@ -34,6 +35,13 @@ if [ "$SCALE" = small ]; then
   # tell how much of a gap between BN and ANFR comes from label skew and how much from training speed.
   for arch in bn anfr; do
     run anfr "$arch-iid" anfr.py "${COMMON[@]/--split2/--iid}" --arch "$arch"
+  done
+  # Control (ours): the NF nets with the last gain of every residual branch starting at 1, not at timm's 0
+  # (--last-gain-init 1). AdamW moves a gain by at most about lr per step: over 25 x 50 cosine-decayed
+  # steps from lr 1e-3 that is at most ~0.6, so zero-started branches stay small; this tells how much of
+  # the NF/ANFR gap that explains.
+  for arch in nf anfr; do
+    run anfr "$arch-gain1" anfr.py "${COMMON[@]}" --arch "$arch" --last-gain-init 1
   done
 fi
 finish
