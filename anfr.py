@@ -14,7 +14,7 @@ CIFAR-10 split-2 from scratch, Appendix B.3 / Table 9 (a GPU; --arch bn|gn|se|nf
 Measured (benchmarks/reproduce/anfr.sh small: ResNet-18 of width 8, 25 rounds of 50 steps; real
 CIFAR-10 split-2, seeds 0-2, 2-core CPU, about 6 min a run): BN 51.6, SE 51.2, GN 37.0, ANFR 30.0,
 NF 28.6 (paper, Table 9: 80.89, 81.19, 78.52, 83.20, 81.66): not reproduced at that scale; the NF
-networks also trail on IID clients (ANFR 37.4 vs BN 54.3). Details: README "Results". These runs predate
+networks also trail on IID clients (ANFR 37.4 vs BN 54.3). Details: docs/anfr.md, "Results". These runs predate
 the timm fixes below (NF shortcut, SE width, gamma), which change the NF and SE nets: to be rerun.
 
 Models = timm's ResNet-50s (the paper's), checked logit for logit in tests/test_anfr.py: NF blocks as
@@ -30,7 +30,7 @@ timm name -> --arch: resnet50 bn, resnet50_gn gn, seresnet50 se, nf_resnet50 nf,
 nf_ecaresnet50 anfr --attention eca (timm ships no ImageNet weights for the last two: the authors trained
 their own, Table 6). Inputs are normalized with the dataset's own mean/std, not ImageNet's.
 
-Choices the paper leaves open, made here (README lists them): the from-scratch CIFAR-10 recipe of
+Choices the paper leaves open, made here (docs/anfr.md lists them): the from-scratch CIFAR-10 recipe of
 Appendix B.3 (split-2, 5 clients, all every round, 100 rounds of 1 epoch, batch 32, AdamW lr 1e-3,
 weight decay 0.01 (PyTorch's default), cosine decay, clipping 1.0) but 32x32 inputs with the CIFAR
 stem (the paper resizes to 224 with the ImageNet stem: --image-size 224 --stem imagenet) and

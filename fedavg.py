@@ -12,7 +12,7 @@ shared 2-core x86_64 machine, torch 2.14.1):
     python fedavg.py --dataset synthetic --num-clients 10 --frac 0.5 --shards 2 --local-epochs 1 --rounds 20
 Real CIFAR-10 from an image folder (no internet needed):
     python fedavg.py --dataset folder --data-dir /path/to/cifar10 --shards 2
-Measured results and hardware: README.md, "Results".
+Measured results and hardware: docs/fedavg.md, "Results".
 
 Choices the paper leaves open, made here: SGD momentum 0.9 and weight decay 5e-4 by default (set
 --momentum 0 --weight-decay 0 for the paper's plain SGD); crop-and-flip augmentation; the last

@@ -20,7 +20,7 @@ CPU smoke test: python fedfn.py --dataset synthetic --model cnn --num-clients 10
 Measured (benchmarks/reproduce/fedfn.sh small: 8-channel 4convNet, 50 rounds, E=5; real CIFAR-10,
 seeds 0-2, 2-core CPU, about 5 min a run): s=2 FedFN 27.0 +- 1.5 vs FedAvg 36.1 +- 1.0, s=10 31.6 +- 1.0
 vs 38.5 +- 0.7 (FedFN at FedAvg's lr 0.01: 24.5, 28.2): the paper's gain does not show at this scale
-(README "Results"); VGG11 runs need a GPU.
+(docs/fedfn.md, "Results"); VGG11 runs need a GPU.
 
 Choices the paper leaves open, made here: no weight decay (the FedBABU code base has none); the last
 batch of a local epoch may be short; F.normalize (norm clamped at 1e-12) so an all-zero ReLU feature

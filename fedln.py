@@ -20,7 +20,7 @@ FedYogi 1 class: 80.9 vs 73.13). Table 1's CIFAR-100 columns are the CNN (= Tabl
     python fedln.py --dataset cifar10 --norm ln-last  # CNN, Table 3 / 4 FedLN n_MV s^{L-1}: 77.71; Table 4's FedFN (77.14) is --norm fn
 Measured (benchmarks/reproduce/fedln.sh small: width-16 CNN, 10 one-class clients, 300 rounds; real
 CIFAR-10, seeds 0-2, 2-core CPU, about 5 min a run): LN 43.5 +- 1.5, FN 41.9 +- 1.1, vanilla 31.8 +- 1.0,
-BN 9.4 +- 0.7 (paper, Table 10 / 4: 78.04, 77.14, 55.86, 9.63). Details: README "Results".
+BN 9.4 +- 0.7 (paper, Table 10 / 4: 78.04, 77.14, 55.86, 9.63). Details: docs/fedln.md, "Results".
 
 Table 3 / Section 5.3 (Props. 1-2: under Assumption 1, no bias after the first layer and ReLU,
 normalizing every layer equals normalizing only the last one): --norm fn-each is n^L (scale

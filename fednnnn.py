@@ -8,7 +8,7 @@ update to norm beta * E and adds server momentum (Algorithm 3, Eqs. 12-13):
 Two models per round (Sec. 4.1): the normalized w_{t+1} is broadcast to the clients for training; the
 evaluation model is the plain FedAvg average w_t + sum_k n_k/n Delta_k. The evaluation model is the one
 evaluated, reported (metrics.jsonl, summary.json) and written by --save-model; the checkpoint keeps the
-broadcast model and d_t. Table 2's variants from this one script (README.md, "FedNNNN"):
+broadcast model and d_t. Table 2's variants from this one script (docs/fednnnn.md, "Usage"):
 FedAvg = --beta 1 --gamma 0 --no-normalize, Norm-Norm = --gamma 0 (Eq. 8),
 Momentum = --beta 1 --no-normalize (Eqs. 10-11), FedNNNN = --beta B --gamma G (Eqs. 12-13).
 
@@ -19,7 +19,7 @@ CIFAR-10 non-IID-B (Table 2, 76.7% in the paper; the defaults), from the image f
     python fednnnn.py --dataset folder --data-dir /path/to/cifar10 --classes-per-client 2   # exactly 2 classes each
 Measured (benchmarks/reproduce/fednnnn.sh small: 8-channel 4convNet, s=2, 150 rounds; real CIFAR-10,
 seeds 0-2, 2-core CPU, about 6 min a run): FedNNNN 41.9, Norm-Norm 39.8, FedAvg 37.0, Momentum 36.7
-(paper, Table 2: 76.7, 76.7, 72.6, 74.3). Details: README "Results".
+(paper, Table 2: 76.7, 76.7, 72.6, 74.3). Details: docs/fednnnn.md, "Results".
 
 Non-IID-B partition: the paper says "clients have images of only 2 classes" (Sec. 5.1) and gives no
 recipe or code. The default is McMahan et al.'s shard recipe, --shards 2 (sort by label, 200 shards of
