@@ -723,7 +723,8 @@ def resnet50(in_channels, num_classes, image_size, **options):
 # ----------------------------------------------------------------------------------------------
 def accumulate(total, state, weight):
     """total += weight * state, entry by entry. Batch-norm running means and variances are averaged
-    with the same weights as the parameters (num_batches_tracked too; it only matters for momentum=None)."""
+    with the same weights as the parameters (num_batches_tracked too; it only matters for momentum=None;
+    the scripts' aggregate() rounds such integer entries when loading the sum, instead of truncating)."""
     for k, v in state.items():
         total[k] += weight * v.float()
 
