@@ -178,6 +178,8 @@ def effective_steps(steps, momentum):  # FedFN: SCAFFOLD with heavy-ball momentu
     """K' with sum of the K momentum updates = K' * (constant gradient): (K - rho(1-rho^K)/(1-rho))/(1-rho)."""
     if momentum == 0:
         return float(steps)
+    if momentum == 1:  # the limit of the formula: 1 + 2 + ... + K (torch's SGD accepts momentum 1)
+        return steps * (steps + 1) / 2
     return (steps - momentum * (1 - momentum ** steps) / (1 - momentum)) / (1 - momentum)
 
 

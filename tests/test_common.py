@@ -398,6 +398,13 @@ def test_split_shards_powerlaw_counts_by_hand():
     assert_disjoint_cover(parts, range(60))
     parts = common.split_shards(labels, 3, 2, np.array([0.2, 0.5, 0.3]), np.random.default_rng(0))
     assert [len(p) for p in parts] == [10, 40, 10]  # the remainder goes to the largest weight, wherever it is
+    # 4 clients, s = 5: 20 shards of 10; 1 + floor(w * 16) = 7, 5, 4, 2 (sum 18), the largest takes 2 more
+    labels = np.repeat(np.arange(4), 50)
+    parts = common.split_shards(labels, 4, 5, np.array([0.4, 0.3, 0.2, 0.1]), np.random.default_rng(0))
+    assert [len(p) for p in parts] == [90, 50, 40, 20]
+    assert_disjoint_cover(parts, range(200))
+    (one,) = common.split_shards(labels, 1, 3, np.array([1.0]), np.random.default_rng(0))  # a single client
+    assert sorted(one.tolist()) == list(range(200))
 
 
 def test_split_classes_round_robin_by_hand():
@@ -424,9 +431,10 @@ def test_split_classes_skips_unheld_classes_and_keeps_the_rest():
     (part,) = common.split_classes(labels, 1, 4, 2, np.array([1.0]), np.random.default_rng(0))
     assert sorted(set(labels[part].tolist())) == [0, 2]  # class 1 (unheld) comes before class 2 (held)
     assert_disjoint_cover([part], np.flatnonzero((labels == 0) | (labels == 2)))
-    holders = [[1, 3], [1]]  # split-2 style explicit holders: class 1 cut 3 + 3, class 3 all to client 0
-    parts = common.split_classes(labels, 2, 4, None, np.full(2, 0.5), np.random.default_rng(0), holders=holders)
-    assert [np.bincount(labels[p], minlength=4).tolist() for p in parts] == [[0, 3, 0, 6], [0, 3, 0, 0]]
+    holders = [[1, 3], [1], []]  # split-2 style explicit holders: class 1 cut 3 + 3, class 3 all to client 0
+    parts = common.split_classes(labels, 3, 4, None, np.full(3, 1 / 3), np.random.default_rng(0), holders=holders)
+    assert [np.bincount(labels[p], minlength=4).tolist() for p in parts] == [[0, 3, 0, 6], [0, 3, 0, 0], [0, 0, 0, 0]]
+    assert parts[2].dtype.kind == "i"  # a client without classes gets an empty index array
 
 
 def test_split_dirichlet_minimum_size_and_alpha():
@@ -453,7 +461,14 @@ def test_split_dirichlet_redraws_until_every_client_has_min_size():
     assert min(len(p) for p in first) < 10
     parts = common.split_dirichlet(labels, 8, 5, 0.3, np.full(8, 1 / 8), np.random.default_rng(0))
     assert min(len(p) for p in parts) >= 10
-    with pytest.raises(SystemExit, match="after 100 draws some client still had fewer than 10 samples"):
+    exactly = common.split_dirichlet(labels, 8, 5, 0.3, np.full(8, 1 / 8), np.random.default_rng(9))
+    assert min(len(p) for p in exactly) == 10  # a client with exactly min_size samples is accepted
+    # 61 samples over 8 clients: the bar is 61 // 8 = 7 (at most 7 fit in every client), not 7.6
+    small = np.repeat(np.arange(5), 13)[:61]
+    parts = common.split_dirichlet(small, 8, 5, 100.0, np.full(8, 1 / 8), np.random.default_rng(0))
+    assert min(len(p) for p in parts) == 7
+    with pytest.raises(SystemExit, match="^--alpha: after 100 draws some client still had fewer than 10 samples; "
+                                         "use a larger --alpha or fewer --num-clients$"):
         common.split_dirichlet(labels, 8, 5, 1e-4, np.full(8, 1 / 8), np.random.default_rng(0))
 
 
@@ -464,16 +479,17 @@ def test_split_dirichlet_skips_empty_classes():
 
 
 def test_client_test_split_by_hand():
-    """Client 0 trains on classes 0 (x3) and 1 (x1), client 1 on class 1 (x3). Test: class 0 x4 -> all to client 0;
-    class 1 x8 -> 1 : 3 -> 2 and 6; class 2 x2 -> held by nobody, dropped."""
-    train = np.array([0, 0, 0, 1, 1, 1, 1])
+    """Client 0 trains on classes 1 (x3) and 2 (x1), client 1 on class 2 (x3). Test: class 0 x2 -> held by nobody,
+    dropped; class 1 x4 -> all to client 0; class 2 x8 -> 1 : 3 -> 2 and 6."""
+    train = np.array([1, 1, 1, 2, 2, 2, 2])
     parts = [np.array([0, 1, 2, 3]), np.array([4, 5, 6])]
-    test = np.random.default_rng(3).permutation(np.array([0] * 4 + [1] * 8 + [2] * 2))
+    test = np.random.default_rng(3).permutation(np.array([0] * 2 + [1] * 4 + [2] * 8))
     out = common.client_test_split(test, train, parts, 3, np.random.default_rng(0))
-    assert [np.bincount(test[t], minlength=3).tolist() for t in out] == [[4, 2, 0], [0, 6, 0]]
-    assert_disjoint_cover(out, np.flatnonzero(test != 2))
+    assert [np.bincount(test[t], minlength=3).tolist() for t in out] == [[0, 4, 2], [0, 0, 6]]
+    assert_disjoint_cover(out, np.flatnonzero(test != 0))
     none = common.client_test_split(test, train, [np.array([], dtype=int), np.arange(7)], 3, np.random.default_rng(0))
-    assert len(none[0]) == 0 and np.bincount(test[none[1]], minlength=3).tolist() == [4, 8, 0]
+    assert none[0].dtype.kind == "i" and len(test[none[0]]) == 0  # an empty index array, still usable as one
+    assert np.bincount(test[none[1]], minlength=3).tolist() == [0, 4, 8]
 
 
 def test_label_counts_by_hand():

@@ -20,7 +20,8 @@ def test_client_weights():
     assert common.client_weights([100, 300], "samples") == [0.25, 0.75]
     assert common.client_weights([1, 2, 5], "samples") == [0.125, 0.25, 0.625]  # n_k / n, in client order
     assert common.client_weights([100, 300, 50, 50], "uniform") == [0.25] * 4  # 1/m whatever the sizes
-    assert common.client_weights([7, 7, 7], "samples") == pytest.approx([1 / 3] * 3)
+    assert common.client_weights([7, 7, 7], "samples") == [1 / 3] * 3  # computed in float64: exactly Python's 1/3
+    assert common.client_weights([1, 2], "samples") == [1 / 3, 2 / 3]
 
 
 def test_accumulate_is_the_weighted_sum():

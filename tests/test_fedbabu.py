@@ -16,7 +16,7 @@ from helpers import assert_same_model, metrics, run_script, summary
 # 4 clients, 2 sampled per round; the 8-channel 4convNet keeps the whole file fast on a CPU.
 TINY = ["--dataset", "synthetic", "--device", "cpu", "--model", "convnet4-tiny", "--num-clients", "4",
         "--frac", "0.5", "--shards", "2", "--local-steps", "4", "--batch-size", "32", "--augment", "none",
-        "--ft-epochs", "2", "--ft-eval-epochs", "0", "1", "--ft-lr", "0.01"]
+        "--ft-epochs", "2", "--ft-eval-epochs", "0", "1", "--ft-lr", "0.001"]  # accuracy 0.76 -> 0.97 -> 1.0
 E2E = [*TINY, "--rounds", "4", "--eval-every", "2", "--lr-decay-at", "0.5", "--save-model"]
 
 

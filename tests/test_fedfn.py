@@ -67,6 +67,7 @@ def test_fn_logits_by_hand_axis_and_scale():
         logits, feat = fedfn.fn_forward(model, f, fn=True, scale=scale)
         assert torch.allclose(logits, torch.tensor(z), atol=1e-6), scale
         assert torch.equal(feat, f)
+    assert torch.allclose(fedfn.fn_forward(model, f)[0], torch.tensor(expect[1.0]))  # the defaults: FN, s = 1
     assert torch.allclose(fedfn.fn_forward(model, f, fn=False)[0], torch.tensor([[3.5, 10.0], [0.5, 3.0]]))
     assert fedfn.fn_scale("sqrt-d") == "sqrt-d" and fedfn.fn_scale("2.5") == 2.5
     for bad in ("0", "-1", "big"):
@@ -152,7 +153,7 @@ def test_scaffold_correction_is_added_to_the_gradient():
 def test_effective_steps_match_k_momentum_steps_on_a_constant_gradient():
     """K' is defined by: K steps of PyTorch's heavy-ball SGD on a constant gradient g move w by -lr K' g."""
     g = torch.tensor([0.5, -2.0])
-    for rho in (0.0, 0.5, 0.9):
+    for rho in (0.0, 0.5, 0.9, 1.0):  # 1.0: the limit K (K + 1) / 2
         for steps in (1, 2, 3, 7):
             w = torch.zeros(2, requires_grad=True)
             opt = torch.optim.SGD([w], lr=0.1, momentum=rho)
