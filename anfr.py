@@ -57,7 +57,7 @@ from torch.func import functional_call, grad_and_value, vmap  # ANFR: per-sample
 from tqdm import tqdm
 
 from common import (AUGMENTATIONS, RESNET_LAYOUT, Run, accumulate, autocast, build_model, client_batches, client_weights,
-                    evaluate, finish_args, load_data, make_partition, prepare_batch, rng_state, sample_clients,
+                    evaluate, finish_args, load_average, load_data, make_partition, prepare_batch, rng_state, sample_clients,
                     seed_everything, set_rng_state)
 
 ARCHS = {"bn": ("bn", False), "gn": ("gn", False), "se": ("bn", True), "nf": ("nf", False), "anfr": ("nf", True)}  # ANFR: --arch -> (norm, attention?)
@@ -455,7 +455,7 @@ if __name__ == "__main__":
         if args.agg == "fedadam":  # ANFR: Delta = sum_k w_k y_k - x; parameters by server Adam, BN statistics averaged
             total.update(fedadam_step(x_params, {n: total[n] - x_params[n] for n in shared_params}, m, v,
                                       args.server_lr, args.server_betas, args.server_tau))
-        model.load_state_dict(total, strict=False)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (SCAFFOLD: eta_g = 1); local entries untouched
+        load_average(model, total, strict=False)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (SCAFFOLD: eta_g = 1); local entries untouched
         if c is not None:  # ANFR: SCAFFOLD c <- c + 1/N sum_{i in S} (c_i+ - c_i) (Eq. 5)
             for n in shared_params:
                 c[n] += dc_sum[n] / n_clients

@@ -775,9 +775,18 @@ def resnet50(in_channels, num_classes, image_size, **options):
 # ----------------------------------------------------------------------------------------------
 def accumulate(total, state, weight):
     """total += weight * state, entry by entry. Batch-norm running means and variances are averaged
-    with the same weights as the parameters (num_batches_tracked too; it only matters for momentum=None)."""
+    with the same weights as the parameters (num_batches_tracked too; it only matters for momentum=None;
+    load_average rounds such integer entries when loading the sum, instead of truncating)."""
     for k, v in state.items():
         total[k] += weight * v.float()
+
+
+def load_average(model, total, strict=True):
+    """Load the weighted sum of client states (accumulate) into model, each entry cast back to its dtype.
+    Integer buffers (num_batches_tracked) are rounded: a float sum such as 9 x (1/9 x 3) can land just
+    below the integer, and a cast would truncate it."""
+    own = model.state_dict()
+    model.load_state_dict({k: v if own[k].is_floating_point() else v.round() for k, v in total.items()}, strict=strict)
 
 
 def client_weights(sizes, weighting):

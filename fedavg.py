@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights,
-                    evaluate, finish_args, load_data, lr_at, make_partition, prepare_batch, rng_state,
+                    evaluate, finish_args, load_average, load_data, lr_at, make_partition, prepare_batch, rng_state,
                     sample_clients, seed_everything, set_rng_state)
 
 
@@ -74,6 +74,11 @@ def parse_args():
     return finish_args(p, p.parse_args(), "fedavg", default_partition=("shards", 2))
 
 
+def prox_term(params, global_params, mu):  # FedProx: Li et al. 2020, Eq. 2
+    """mu/2 ||w - w_t||^2 over all parameters; its gradient mu (w - w_t) pulls the local model toward w_t."""
+    return mu / 2 * sum((w - w0).pow(2).sum() for w, w0 in zip(params, global_params))
+
+
 def local_train(model, indices, data, args, lr, global_params):
     """E epochs (or --local-steps) of SGD on one client; returns the mean training loss (a tensor)."""
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
@@ -85,7 +90,7 @@ def local_train(model, indices, data, args, lr, global_params):
         with autocast(args.device, args.amp):
             loss = F.cross_entropy(model(x).float(), y)
         if args.prox_mu > 0:  # FedProx: + mu/2 ||w - w_t||^2 (Li et al. 2020, Eq. 2)
-            loss = loss + args.prox_mu / 2 * sum((w - w0).pow(2).sum() for w, w0 in zip(model.parameters(), global_params))
+            loss = loss + prox_term(model.parameters(), global_params, args.prox_mu)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -127,7 +132,7 @@ if __name__ == "__main__":
             client.load_state_dict(model.state_dict())
             train_loss += w * local_train(client, partition.train[k], data, args, lr, [p.detach() for p in model.parameters()])
             accumulate(total, client.state_dict(), w)  # batch-norm running statistics are averaged like weights
-        model.load_state_dict(total)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (casts back to each entry's dtype)
+        load_average(model, total)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (McMahan et al. 2017, Alg. 1)
         train_loss = train_loss.item()
         if not np.isfinite(train_loss):
             run.diverged(rnd + 1, train_loss)

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights,
-                    evaluate, finish_args, load_data, lr_at, make_partition, prepare_batch, rng_state,
+                    evaluate, finish_args, load_average, load_data, lr_at, make_partition, prepare_batch, rng_state,
                     sample_clients, seed_everything, set_rng_state,
                     personalize)  # FedBABU: Algorithm 2 fine-tuning
 
@@ -106,6 +106,20 @@ def parse_args():
     return finish_args(p, args, "fedbabu", default_partition=("shards", 10))  # FedBABU: s=10
 
 
+def prox_term(params, global_params, mu):  # FedProx: Li et al. 2020, Eq. 2
+    """mu/2 ||w - w_t||^2 over all parameters; its gradient mu (w - w_t) pulls the local model toward w_t."""
+    return mu / 2 * sum((w - w0).pow(2).sum() for w, w0 in zip(params, global_params))
+
+
+def aggregate(model, total, train_head=False):  # FedBABU: theta_G,ext^k = sum_i n_i/n theta_i,ext^k (Alg. 1 line 9)
+    """The weighted sum of the client states (common.accumulate: parameters and buffers, so batch-norm
+    running statistics are averaged like weights) becomes the global model (common.load_average), except
+    the head: without --train-head it is not aggregated and keeps theta_G,cls^0, bitwise."""
+    if not train_head:  # FedBABU: the head is not aggregated
+        total = {**total, **model.head.state_dict(prefix="head.")}  # FedBABU
+    load_average(model, total)
+
+
 def local_train(model, indices, data, args, lr, global_params):
     """E epochs (or --local-steps) of SGD on one client; returns the mean training loss (a tensor)."""
     params = model.parameters() if args.train_head else model.body.parameters()  # FedBABU: head not in the optimizer (Alg. 1 line 16: SGD on theta_ext given theta_cls^0)
@@ -118,18 +132,13 @@ def local_train(model, indices, data, args, lr, global_params):
         with autocast(args.device, args.amp):
             loss = F.cross_entropy(model(x).float(), y)
         if args.prox_mu > 0:  # FedProx: + mu/2 ||w - w_t||^2 (Li et al. 2020, Eq. 2)
-            loss = loss + args.prox_mu / 2 * sum((w - w0).pow(2).sum() for w, w0 in zip(model.parameters(), global_params))
+            loss = loss + prox_term(model.parameters(), global_params, args.prox_mu)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         loss_sum += loss.detach() * len(batch)
         seen += len(batch)
     return loss_sum / max(seen, 1)
-
-
-def shared_part(model, train_head):  # FedBABU
-    """FedBABU: what is trained and averaged: the body theta_ext (Alg. 1 line 9), or everything with --train-head."""
-    return model if train_head else model.body
 
 
 @torch.no_grad()
@@ -190,14 +199,13 @@ if __name__ == "__main__":
         lr = lr_at(rnd, args)
         clients = sample_clients(sampler, args.num_clients, args.frac)
         weights = client_weights([sizes[k] for k in clients], args.weighting)
-        shared = shared_part(model, args.train_head)  # FedBABU: body only (or all with --train-head)
-        total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in shared.state_dict().items()}  # FedBABU: shared
+        total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items()}
         train_loss = torch.zeros((), device=args.device)
         for k, w in zip(clients, weights):
             client.load_state_dict(model.state_dict())  # FedBABU: broadcast {theta_G,ext^{k-1}, theta_G,cls^0} (Alg. 1 line 6)
             train_loss += w * local_train(client, partition.train[k], data, args, lr, [p.detach() for p in model.parameters()])
-            accumulate(total, shared_part(client, args.train_head).state_dict(), w)  # FedBABU: shared part
-        shared.load_state_dict(total)  # FedBABU: theta_G,ext^k = sum_i n_i/n theta_i,ext^k (Alg. 1 line 9); the head is not aggregated
+            accumulate(total, client.state_dict(), w)  # batch-norm running statistics are averaged like weights
+        aggregate(model, total, args.train_head)  # FedBABU: theta_G,ext^k = sum_i n_i/n theta_i,ext^k (Alg. 1 line 9); the head stays
         train_loss = train_loss.item()
         if not np.isfinite(train_loss):
             run.diverged(rnd + 1, train_loss)

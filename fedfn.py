@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights,
-                    evaluate, finish_args, load_data, lr_at, make_partition, prepare_batch, rng_state,
+                    evaluate, finish_args, load_average, load_data, lr_at, make_partition, prepare_batch, rng_state,
                     sample_clients, seed_everything, set_rng_state,
                     personalize)  # FedFN: FedFN-FT (Appendix D.3)
 
@@ -136,6 +136,11 @@ def fn_forward(model, x, fn=True, scale=1.0):  # FedFN: Section 4.1, z = theta_c
     return model.head(s * F.normalize(f, dim=1)), f
 
 
+def prox_term(params, global_params, mu):  # FedProx: Li et al. 2020, Eq. 2
+    """mu/2 ||w - w_t||^2 over all parameters; its gradient mu (w - w_t) pulls the local model toward w_t."""
+    return mu / 2 * sum((w - w0).pow(2).sum() for w, w0 in zip(params, global_params))
+
+
 def local_train(model, indices, data, args, lr, global_params, correction=None):  # FedFN: + SCAFFOLD correction
     """E epochs (or --local-steps) of SGD on one client; returns (mean training loss tensor, steps K).
     `correction` (SCAFFOLD): c - c_i per parameter, added to every gradient (Karimireddy et al. 2020, Alg. 1)."""
@@ -151,7 +156,7 @@ def local_train(model, indices, data, args, lr, global_params, correction=None):
         if args.fr_mu > 0:  # FedFN: FedFR, Eq. (1): L_CE + mu ||f(x; theta_ext)||_2 (batch mean)
             loss = loss + args.fr_mu * f.float().norm(dim=1).mean()
         if args.prox_mu > 0:  # FedProx: + mu/2 ||w - w_t||^2 (Li et al. 2020, Eq. 2)
-            loss = loss + args.prox_mu / 2 * sum((w - w0).pow(2).sum() for w, w0 in zip(model.parameters(), global_params))
+            loss = loss + prox_term(model.parameters(), global_params, args.prox_mu)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if correction is not None:  # FedFN: SCAFFOLD, y_i <- y_i - eta_l (g_i(y_i) - c_i + c)
@@ -168,7 +173,14 @@ def effective_steps(steps, momentum):  # FedFN: SCAFFOLD with heavy-ball momentu
     """K' with sum of the K momentum updates = K' * (constant gradient): (K - rho(1-rho^K)/(1-rho))/(1-rho)."""
     if momentum == 0:
         return float(steps)
+    if momentum == 1:  # the limit of the formula: 1 + 2 + ... + K (torch's SGD accepts momentum 1)
+        return steps * (steps + 1) / 2
     return (steps - momentum * (1 - momentum ** steps) / (1 - momentum)) / (1 - momentum)
+
+
+def scaffold_correction(c, c_i):  # FedFN: SCAFFOLD, y_i <- y_i - eta_l (g_i(y_i) - c_i + c)
+    """c - c_i per parameter, added to every local gradient (Karimireddy et al. 2020, Alg. 1 line 10)."""
+    return [cc - ci for cc, ci in zip(c, c_i)]
 
 
 def scaffold_client_update(c_i, c, x, y, steps, lr, momentum):  # FedFN: SCAFFOLD option II
@@ -188,6 +200,26 @@ def fedexp_server_lr(sq_norm_mean, avg_update_sq_norm, eps):  # FedFN: FedEXP st
     """Jhunjhunwala et al. 2023: eta_g = max(1, sum_i p_i ||Delta_i||^2 / (2 (||Delta_bar||^2 + eps)))
     (with p_i = 1/M this is their sum_i ||Delta_i||^2 / (2M(||Delta_bar||^2 + eps)))."""
     return max(1.0, float(sq_norm_mean) / (2 * (float(avg_update_sq_norm) + eps)))
+
+
+def sq_dist(xs, ys):  # FedFN: FedEXP
+    """||x - y||^2 summed over all parameters (lists of tensors), in float32."""
+    return sum((a - b).float().pow(2).sum() for a, b in zip(xs, ys))
+
+
+def fedexp_step(params, x_old, sq_norm_mean, eps):  # FedFN: FedEXP server step (Jhunjhunwala et al. 2023, Alg. 1)
+    """w_{t+1} = w_t - eta_g Delta_bar, Delta_bar = w_t - sum_i p_i y_i. `params` (a list) hold the average
+    sum_i p_i y_i on entry and w_{t+1} on return; x_old is w_t, sq_norm_mean sum_i p_i ||Delta_i||^2. Returns eta_g."""
+    eta_g = fedexp_server_lr(sq_norm_mean, sq_dist(params, x_old), eps)
+    for p, x0 in zip(params, x_old):
+        p.copy_(x0 + eta_g * (p - x0))
+    return eta_g
+
+
+def midpoint_(params, x_old):  # FedFN: FedEXP reports the average of the last two iterates, (w_t + w_{t+1}) / 2
+    """params <- (params + x_old) / 2, in place."""
+    for p, x0 in zip(params, x_old):
+        p.add_(x0).mul_(0.5)
 
 
 def four_factors(weight, feats, labels, num_classes, fn=True):  # FedFN: Section 3.1 / Appendix B.3
@@ -259,7 +291,7 @@ if __name__ == "__main__":
         for k, w in zip(clients, weights):
             client.load_state_dict(model.state_dict())
             c_k = c_local.get(k, [torch.zeros_like(v) for v in x_old]) if scaffold else None  # FedFN
-            correction = [c - ck for c, ck in zip(c_global, c_k)] if scaffold else None  # FedFN: c - c_i
+            correction = scaffold_correction(c_global, c_k) if scaffold else None  # FedFN: c - c_i
             loss, steps = local_train(client, partition.train[k], data, args, lr, x_old, correction)  # FedFN: x_old = detached w_t
             train_loss += w * loss  # FedFN
             y = [v.detach() for v in client.parameters()]  # FedFN: y_i
@@ -267,22 +299,18 @@ if __name__ == "__main__":
                 c_local[k], delta = scaffold_client_update(c_k, c_global, x_old, y, steps, lr, args.momentum)
                 delta_c_sum = [a + d for a, d in zip(delta_c_sum, delta)]
             if fedexp:  # FedFN: ||Delta_i||^2 = ||w_t - y_i||^2
-                sq_norm_mean += w * sum((a - b).float().pow(2).sum() for a, b in zip(x_old, y))
+                sq_norm_mean += w * sq_dist(x_old, y)
             accumulate(total, client.state_dict(), w)  # batch-norm running statistics are averaged like weights
-        model.load_state_dict(total)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (casts back to each entry's dtype)
+        load_average(model, total)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (McMahan et al. 2017, Alg. 1)
         if scaffold:  # FedFN: x <- x + (1/|S|) sum Delta y_i (server step 1, weighted as above); c update
             c_global = scaffold_server_update(c_global, delta_c_sum, args.num_clients)
         eval_model = model  # FedFN
         if fedexp:  # FedFN: w_{t+1} = w_t - eta_g Delta_bar, Delta_bar = w_t - sum_i p_i y_i
             with torch.no_grad():
-                avg_sq = sum((a - b).float().pow(2).sum() for a, b in zip(model.parameters(), x_old))
-                eta_g = fedexp_server_lr(sq_norm_mean, avg_sq, args.fedexp_eps)
-                for p, x0 in zip(model.parameters(), x_old):
-                    p.copy_(x0 + eta_g * (p - x0))
+                eta_g = fedexp_step(list(model.parameters()), x_old, sq_norm_mean, args.fedexp_eps)
                 client.load_state_dict(model.state_dict())  # evaluate (w_t + w_{t+1}) / 2, as the FedEXP paper does
                 if rnd > 0:
-                    for p, x0 in zip(client.parameters(), x_old):
-                        p.add_(x0).mul_(0.5)
+                    midpoint_(list(client.parameters()), x_old)
                 eval_model = client
         train_loss = train_loss.item()
         if not np.isfinite(train_loss):

@@ -80,7 +80,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights,
-                    evaluate, finish_args, load_data, lr_at, make_partition, prepare_batch, rng_state,
+                    evaluate, finish_args, load_average, load_data, lr_at, make_partition, prepare_batch, rng_state,
                     sample_clients, seed_everything, set_rng_state,
                     FeatureNorm)  # FedLN: sqrt(d)-scaled feature normalization
 
@@ -357,7 +357,7 @@ if __name__ == "__main__":
             x, server["m"], server["v"] = fedyogi_step(x, total, server["m"], server["v"], args.server_lr,
                                                        args.yogi_beta1, args.yogi_beta2, args.yogi_tau)
             total.update(x)
-        model.load_state_dict(total)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (casts back to each entry's dtype)
+        load_average(model, total)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (each entry cast back to its dtype)
         train_loss = train_loss.item()
         if not np.isfinite(train_loss):
             run.diverged(rnd + 1, train_loss)

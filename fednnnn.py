@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights,
-                    evaluate, finish_args, load_data, lr_at, make_partition, prepare_batch, rng_state,
+                    evaluate, finish_args, load_average, load_data, lr_at, make_partition, prepare_batch, rng_state,
                     sample_clients, seed_everything, set_rng_state)
 
 
@@ -245,13 +245,13 @@ if __name__ == "__main__":
         w_next, momentum = fednnnn_step(w_t, total, momentum, client_sq, weights, args.beta, args.gamma,  # FedNNNN: Eqs. 4-5, 12-13
                                         not args.no_normalize, args.norm_scope, args.norm_eps)
         norms = norm_stats(w_t, w_next, total, client_sq, weights, kinds)  # FedNNNN: before w_t is overwritten
-        model.load_state_dict({**total, **w_next})  # FedNNNN: broadcast w_{t+1}; BN running statistics: the plain average
+        load_average(model, {**total, **w_next})  # FedNNNN: broadcast w_{t+1}; BN running statistics: the plain average
         train_loss = train_loss.item()
         if not np.isfinite(train_loss):
             run.diverged(rnd + 1, train_loss)
 
         if (rnd + 1) % args.eval_every == 0 or rnd + 1 == args.rounds:
-            client.load_state_dict(total)  # FedNNNN: the evaluation model = FedAvg average (Sec. 4.1)
+            load_average(client, total)  # FedNNNN: the evaluation model = FedAvg average (Sec. 4.1)
             client.eval()  # FedNNNN: evaluate the evaluation model, not the broadcast one
             acc, loss = evaluate(client, data.x_test, data.y_test, data, amp=args.amp)  # FedNNNN: the evaluation model
             metrics = {"round": rnd + 1, "test_acc": acc, "test_loss": loss, "train_loss": train_loss, "lr": lr, **norms}  # FedNNNN: + norms

@@ -74,7 +74,8 @@ def test_shards_sizes_and_class_limit(s):
     # shards never straddle classes when the shard size divides the class size (200): s = 1, 2, 5
     limit = s if 200 % shard == 0 else 2 * s
     assert all(len(classes_of(data, t)) <= limit for t in p.train)
-    assert max(len(classes_of(data, t)) for t in p.train) > (s if limit == 2 * s else 0)
+    most = max(len(classes_of(data, t)) for t in p.train)
+    assert most > s if limit == 2 * s else most == s  # straddling shards give some client more than s classes
     if s == 1:  # 2000 samples / 20 shards of 100, classes of 200: one class per shard
         assert all(len(classes_of(data, t)) == 1 for t in p.train)
 
@@ -358,3 +359,176 @@ def test_folder_without_images_or_with_mixed_sizes_exits_2(tmp_path, capsys):
     with pytest.raises(SystemExit, match="differ in size") as e:
         common.folder_dataset(str(tmp_path / "mixed"))
     assert e.value.code == 2
+
+
+# ------------------------------------------------------------------ partition helpers, by hand
+def assert_disjoint_cover(parts, expected):
+    """parts are disjoint and together hold exactly the indices `expected`."""
+    allidx = np.concatenate([np.asarray(p, dtype=int) for p in parts])
+    assert len(allidx) == len(set(allidx.tolist())), "a sample was given to two clients"
+    assert sorted(allidx.tolist()) == sorted(np.asarray(expected).tolist()), "a sample was lost or invented"
+
+
+def test_cut_sizes_by_hand():
+    pieces = common._cut(np.arange(10), [1, 1, 1])  # bounds round(10/3, 20/3) = 3, 7
+    assert [p.tolist() for p in pieces] == [[0, 1, 2], [3, 4, 5, 6], [7, 8, 9]]  # consecutive, in order
+    assert [len(p) for p in common._cut(np.arange(8), [0.5, 0.25, 0.25])] == [4, 2, 2]
+    assert [len(p) for p in common._cut(np.arange(8), [2, 6])] == [2, 6]  # shares need not sum to 1
+    assert [len(p) for p in common._cut(np.arange(6), [1, 0, 2])] == [2, 0, 4]  # a zero share: an empty piece
+
+
+def test_split_iid_sizes_follow_weights():
+    parts = common.split_iid(100, np.array([0.5, 0.3, 0.2]), np.random.default_rng(0))
+    assert [len(p) for p in parts] == [50, 30, 20]
+    assert_disjoint_cover(parts, range(100))
+    assert parts[0].tolist() != list(range(50)), "a random permutation, not the storage order"
+
+
+def test_split_shards_deals_whole_equal_shards():
+    """60 samples of 5 classes, n = 3 clients, s = 2: 6 shards of 10 consecutive samples of the label-sorted
+    order; each client holds exactly two of them."""
+    labels = np.random.default_rng(1).permutation(np.repeat(np.arange(5), 12))
+    order = np.argsort(labels, kind="stable")
+    parts = common.split_shards(labels, 3, 2, np.full(3, 1 / 3), np.random.default_rng(0))
+    assert_disjoint_cover(parts, range(60))
+    rank = np.empty(60, dtype=int)
+    rank[order] = np.arange(60)  # position of each sample in the sorted order
+    dealt = []
+    for p in parts:
+        shards = sorted(set((rank[p] // 10).tolist()))
+        assert len(p) == 20 and len(shards) == 2, "two whole shards of 10 each"
+        assert sorted(rank[p].tolist()) == [r for j in shards for r in range(10 * j, 10 * j + 10)]
+        dealt += shards
+    assert sorted(dealt) == list(range(6))
+    assert [sorted(set((rank[p] // 10).tolist())) for p in parts] != [[0, 1], [2, 3], [4, 5]], "shards are dealt at random"
+
+
+def test_split_shards_powerlaw_counts_by_hand():
+    """Weights 0.5, 0.3, 0.2 over 6 shards: 1 + floor(w * (6 - 3)) = 2, 1, 1 shards, the largest client takes the
+    remaining 2: 4, 1, 1 shards of 10 samples."""
+    labels = np.repeat(np.arange(3), 20)
+    parts = common.split_shards(labels, 3, 2, np.array([0.5, 0.3, 0.2]), np.random.default_rng(0))
+    assert [len(p) for p in parts] == [40, 10, 10]
+    assert_disjoint_cover(parts, range(60))
+    parts = common.split_shards(labels, 3, 2, np.array([0.2, 0.5, 0.3]), np.random.default_rng(0))
+    assert [len(p) for p in parts] == [10, 40, 10]  # the remainder goes to the largest weight, wherever it is
+    # 4 clients, s = 5: 20 shards of 10; 1 + floor(w * 16) = 7, 5, 4, 2 (sum 18), the largest takes 2 more
+    labels = np.repeat(np.arange(4), 50)
+    parts = common.split_shards(labels, 4, 5, np.array([0.4, 0.3, 0.2, 0.1]), np.random.default_rng(0))
+    assert [len(p) for p in parts] == [90, 50, 40, 20]
+    assert_disjoint_cover(parts, range(200))
+    (one,) = common.split_shards(labels, 1, 3, np.array([1.0]), np.random.default_rng(0))  # a single client
+    assert sorted(one.tolist()) == list(range(200))
+
+
+def test_split_classes_round_robin_by_hand():
+    """4 classes of 6 samples. per_client = 2, n = 4: client k holds classes start[2k % 4], start[(2k + 1) % 4],
+    so clients 0 and 2 share one pair, 1 and 3 the other, and each class is halved: 3 + 3."""
+    labels = np.repeat(np.arange(4), 6)
+    parts = common.split_classes(labels, 4, 4, 2, np.full(4, 0.25), np.random.default_rng(0))
+    assert_disjoint_cover(parts, range(24))
+    held = [sorted(set(labels[p].tolist())) for p in parts]
+    assert held[0] == held[2] and held[1] == held[3] and sorted(held[0] + held[1]) == [0, 1, 2, 3]
+    assert all(np.bincount(labels[p], minlength=4).tolist().count(3) == 2 for p in parts)
+    # per_client = 3: every class has 3 holders and is cut 2 + 2 + 2
+    parts = common.split_classes(labels, 4, 4, 3, np.full(4, 0.25), np.random.default_rng(0))
+    assert_disjoint_cover(parts, range(24))
+    assert all(sorted(np.bincount(labels[p], minlength=4).tolist()) == [0, 2, 2, 2] for p in parts)
+    # unequal weights: class shared by clients 0 and 2 with weights 0.1 and 0.3 -> 6 * 0.25 = 1.5 -> 2 and 4
+    weights = np.array([0.1, 0.2, 0.3, 0.4])
+    parts = common.split_classes(labels, 4, 4, 2, weights, np.random.default_rng(0))
+    assert [len(p) for p in parts] == [4, 4, 8, 8]  # the other class: 0.2 : 0.4 -> 2 and 4 as well
+
+
+def test_split_classes_skips_unheld_classes_and_keeps_the_rest():
+    labels = np.repeat(np.arange(4), 6)
+    (part,) = common.split_classes(labels, 1, 4, 2, np.array([1.0]), np.random.default_rng(0))
+    assert sorted(set(labels[part].tolist())) == [0, 2]  # class 1 (unheld) comes before class 2 (held)
+    assert_disjoint_cover([part], np.flatnonzero((labels == 0) | (labels == 2)))
+    holders = [[1, 3], [1], []]  # split-2 style explicit holders: class 1 cut 3 + 3, class 3 all to client 0
+    parts = common.split_classes(labels, 3, 4, None, np.full(3, 1 / 3), np.random.default_rng(0), holders=holders)
+    assert [np.bincount(labels[p], minlength=4).tolist() for p in parts] == [[0, 3, 0, 6], [0, 3, 0, 0], [0, 0, 0, 0]]
+    assert parts[2].dtype.kind == "i"  # a client without classes gets an empty index array
+
+
+def test_split_dirichlet_minimum_size_and_alpha():
+    labels = np.repeat(np.arange(5), 40)  # 200 samples, 5 classes
+    for seed in range(3):
+        parts = common.split_dirichlet(labels, 8, 5, 0.3, np.full(8, 1 / 8), np.random.default_rng(seed))
+        assert_disjoint_cover(parts, range(200))
+        assert min(len(p) for p in parts) >= 10  # min(min_size = 10, 200 // 8 = 25)
+    # alpha -> infinity: every class is split evenly (40 / 4 = 10 each); times weights when they differ
+    even = common.split_dirichlet(labels, 4, 5, 1e6, np.full(4, 0.25), np.random.default_rng(0))
+    assert all(np.bincount(labels[p], minlength=5).tolist() == [10] * 5 for p in even)
+    skew = common.split_dirichlet(labels, 4, 5, 1e6, np.array([0.4, 0.3, 0.2, 0.1]), np.random.default_rng(0))
+    assert [len(p) for p in skew] == [80, 60, 40, 20]
+    # alpha -> 0: each class goes (almost) entirely to one client
+    parts = common.split_dirichlet(labels, 4, 5, 1e-3, np.full(4, 0.25), np.random.default_rng(0), min_size=0)
+    counts = np.stack([np.bincount(labels[p], minlength=5) for p in parts])
+    assert (counts.max(0) >= 39).all()
+
+
+def test_split_dirichlet_redraws_until_every_client_has_min_size():
+    """The first draw of seed 0 leaves some client below 10 samples; the default min_size=10 must redraw."""
+    labels = np.repeat(np.arange(5), 40)
+    first = common.split_dirichlet(labels, 8, 5, 0.3, np.full(8, 1 / 8), np.random.default_rng(0), min_size=0)
+    assert min(len(p) for p in first) < 10
+    parts = common.split_dirichlet(labels, 8, 5, 0.3, np.full(8, 1 / 8), np.random.default_rng(0))
+    assert min(len(p) for p in parts) >= 10
+    exactly = common.split_dirichlet(labels, 8, 5, 0.3, np.full(8, 1 / 8), np.random.default_rng(9))
+    assert min(len(p) for p in exactly) == 10  # a client with exactly min_size samples is accepted
+    # 61 samples over 8 clients: the bar is 61 // 8 = 7 (at most 7 fit in every client), not 7.6
+    small = np.repeat(np.arange(5), 13)[:61]
+    parts = common.split_dirichlet(small, 8, 5, 100.0, np.full(8, 1 / 8), np.random.default_rng(0))
+    assert min(len(p) for p in parts) == 7
+    with pytest.raises(SystemExit, match=r"^--alpha: after 100 draws of Dir\(0.0001\) some client still had fewer than "
+                                         "10 samples; use a larger --alpha or fewer --num-clients$") as e:
+        common.split_dirichlet(labels, 8, 5, 1e-4, np.full(8, 1 / 8), np.random.default_rng(0))
+    assert e.value.code == 2
+
+
+def test_split_dirichlet_skips_empty_classes():
+    labels = np.array([0] * 30 + [2] * 30 + [3] * 1)  # class 1 absent, class 3 has one sample
+    parts = common.split_dirichlet(labels, 3, 4, 1.0, np.full(3, 1 / 3), np.random.default_rng(0), min_size=0)
+    assert_disjoint_cover(parts, range(61))
+
+
+def test_client_test_split_by_hand():
+    """Client 0 trains on classes 1 (x3) and 2 (x1), client 1 on class 2 (x3). Test: class 0 x2 -> held by nobody,
+    dropped; class 1 x4 -> all to client 0; class 2 x8 -> 1 : 3 -> 2 and 6."""
+    train = np.array([1, 1, 1, 2, 2, 2, 2])
+    parts = [np.array([0, 1, 2, 3]), np.array([4, 5, 6])]
+    test = np.random.default_rng(3).permutation(np.array([0] * 2 + [1] * 4 + [2] * 8))
+    out = common.client_test_split(test, train, parts, 3, np.random.default_rng(0))
+    assert [np.bincount(test[t], minlength=3).tolist() for t in out] == [[0, 4, 2], [0, 0, 6]]
+    assert_disjoint_cover(out, np.flatnonzero(test != 0))
+    none = common.client_test_split(test, train, [np.array([], dtype=int), np.arange(7)], 3, np.random.default_rng(0))
+    assert none[0].dtype.kind == "i" and len(test[none[0]]) == 0  # an empty index array, still usable as one
+    assert np.bincount(test[none[1]], minlength=3).tolist() == [0, 4, 8]
+
+
+def test_label_counts_by_hand():
+    labels = torch.tensor([2, 0, 2, 1, 2])
+    assert common.label_counts(labels, [torch.tensor([0, 2, 4]), torch.tensor([1, 3])], 4) == [[0, 0, 3, 0], [1, 1, 0, 0]]
+
+
+def test_sample_clients_count_order_and_range():
+    rng = np.random.default_rng(0)
+    assert len(common.sample_clients(rng, 100, 0.29)) == 29  # floor(29.000000000000004), not 28
+    assert len(common.sample_clients(rng, 10, 0.25)) == 2  # floor(2.5)
+    assert len(common.sample_clients(rng, 10, 0.05)) == 1  # at least one client
+    assert common.sample_clients(rng, 4, 1.0) == [0, 1, 2, 3]
+    draws = [common.sample_clients(rng, 20, 0.3) for _ in range(50)]
+    assert all(d == sorted(set(d)) and len(d) == 6 and 0 <= d[0] and d[-1] < 20 for d in draws)
+    assert len({tuple(d) for d in draws}) > 40 and {k for d in draws for k in d} == set(range(20))
+
+
+def test_powerlaw_weights_follow_a_pareto_law():
+    """w_k proportional to 1 + Lomax(1.5) = a Pareto with x_m = 1 and exponent a = 1.5, whose q-quantile is
+    (1 - q)^(-1/a): median 2^(2/3) = 1.587, 90th percentile 10^(2/3) = 4.64 (relative to the smallest weight,
+    which tends to x_m)."""
+    w = common.powerlaw_weights(20000, np.random.default_rng(0))
+    assert w.sum() == pytest.approx(1.0) and (w > 0).all()
+    ratio = w / w.min()
+    assert np.median(ratio) == pytest.approx(2 ** (2 / 3), abs=0.05)
+    assert np.quantile(ratio, 0.9) == pytest.approx(10 ** (2 / 3), abs=0.25)

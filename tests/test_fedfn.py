@@ -67,6 +67,7 @@ def test_fn_logits_by_hand_axis_and_scale():
         logits, feat = fedfn.fn_forward(model, f, fn=True, scale=scale)
         assert torch.allclose(logits, torch.tensor(z), atol=1e-6), scale
         assert torch.equal(feat, f)
+    assert torch.allclose(fedfn.fn_forward(model, f)[0], torch.tensor(expect[1.0]))  # the defaults: FN, s = 1
     assert torch.allclose(fedfn.fn_forward(model, f, fn=False)[0], torch.tensor([[3.5, 10.0], [0.5, 3.0]]))
     assert fedfn.fn_scale("sqrt-d") == "sqrt-d" and fedfn.fn_scale("2.5") == 2.5
     for bad in ("0", "-1", "big"):
@@ -149,30 +150,116 @@ def test_scaffold_correction_is_added_to_the_gradient():
         assert torch.allclose(b - a, torch.full_like(a, -0.5 * 0.3), atol=1e-6)
 
 
-def test_scaffold_one_client_one_step_equals_plain_sgd():
-    """Three rounds of SCAFFOLD (the main loop's per-client steps) with N = 1 and K = 1 give the same
-    model as three plain SGD steps on the same batches, while the control variates are non-zero."""
-    data = tiny_data()
-    args = tiny_args(fn=True, momentum=0.9, weight_decay=1e-3, local_steps=1)
-    sgd, scaf = tiny_model(), tiny_model()
-    opt = torch.optim.SGD(sgd.parameters(), lr=0.1, weight_decay=1e-3)
-    c_global = [torch.zeros_like(p) for p in scaf.parameters()]
-    c_local = {}
-    for rnd in range(3):
-        torch.manual_seed(rnd)
-        fedfn.local_train(sgd, torch.arange(24), data, args, 0.1, None)  # plain SGD step (fresh momentum)
-        x_old = [p.detach().clone() for p in scaf.parameters()]
-        c_k = c_local.get(0, [torch.zeros_like(v) for v in x_old])
-        correction = [c - ck for c, ck in zip(c_global, c_k)]
-        torch.manual_seed(rnd)
-        _, steps = fedfn.local_train(scaf, torch.arange(24), data, args, 0.1, None, correction)
-        assert steps == 1
-        c_local[0], delta = fedfn.scaffold_client_update(c_k, c_global, x_old, [p.detach() for p in scaf.parameters()],
-                                                         steps, 0.1, args.momentum)
-        c_global = fedfn.scaffold_server_update(c_global, delta, num_clients=1)
-    assert max(c.abs().max() for c in c_global) > 1e-3
-    for p, q in zip(sgd.parameters(), scaf.parameters()):
-        assert torch.allclose(p, q, atol=1e-6)
+def test_effective_steps_match_k_momentum_steps_on_a_constant_gradient():
+    """K' is defined by: K steps of PyTorch's heavy-ball SGD on a constant gradient g move w by -lr K' g."""
+    g = torch.tensor([0.5, -2.0])
+    for rho in (0.0, 0.5, 0.9, 1.0):  # 1.0: the limit K (K + 1) / 2
+        for steps in (1, 2, 3, 7):
+            w = torch.zeros(2, requires_grad=True)
+            opt = torch.optim.SGD([w], lr=0.1, momentum=rho)
+            for _ in range(steps):
+                opt.zero_grad()
+                (g * w).sum().backward()  # d/dw = g, whatever w is
+                opt.step()
+            k_eff = fedfn.effective_steps(steps, rho)
+            assert torch.allclose(w.detach(), -0.1 * k_eff * g, rtol=1e-5), (rho, steps)
+
+
+def test_scaffold_three_clients_by_hand():
+    """One SCAFFOLD round (option II, Karimireddy et al. 2020, Alg. 1) on 1-d quadratics f_i(y) = (y - b_i)^2 / 2,
+    N = 4 clients with different c_i (c = their mean, 0.1), clients 0-2 sampled, K = 2 local steps at lr 0.5
+    from x = 0, every step y <- y - lr (g_i(y) + c - c_i), done here by hand:
+      client 0: b = 1, c - c_0 = -0.1: y = 0 -> 0.55 -> 0.825
+      client 1: b = 2, c - c_1 = +0.5: y = 0 -> 0.75 -> 1.125
+      client 2: b = 6, c - c_2 = -0.4: y = 0 -> 3.2  -> 4.8
+    c_i+ = c_i - c + (x - y_i) / (K lr) = the mean true gradient along the client's path: -0.725, -1.625, -4.4;
+    c+ = c + sum_i (c_i+ - c_i) / N = 0.1 + (-0.925 - 1.225 - 4.9) / 4 = -1.6625 (= the mean of all four c_i)."""
+    b = [1.0, 2.0, 6.0]
+    c_all = [0.2, -0.4, 0.5, 0.1]
+    t = lambda v: [torch.tensor([v])]
+    c, x = t(0.1), t(0.0)
+    ys = []
+    for i in range(3):
+        corr = fedfn.scaffold_correction(c, t(c_all[i]))
+        assert torch.allclose(corr[0], torch.tensor([[-0.1, 0.5, -0.4][i]]))
+        y = x[0].clone()
+        for _ in range(2):
+            y = y - 0.5 * ((y - b[i]) + corr[0])
+        ys.append(y)
+    assert torch.allclose(torch.cat(ys), torch.tensor([0.825, 1.125, 4.8]))
+    delta_sum = t(0.0)
+    for i, want in enumerate([-0.725, -1.625, -4.4]):
+        new, delta = fedfn.scaffold_client_update(t(c_all[i]), c, x, [ys[i]], steps=2, lr=0.5, momentum=0.0)
+        assert torch.allclose(new[0], torch.tensor([want])) and torch.allclose(delta[0], torch.tensor([want - c_all[i]]))
+        delta_sum = [delta_sum[0] + delta[0]]
+    c_new = fedfn.scaffold_server_update(c, delta_sum, num_clients=4)
+    assert torch.allclose(c_new[0], torch.tensor([-1.6625]))
+
+
+def test_scaffold_removes_client_drift_on_quadratics():
+    """Closed form: with f_i(y) = ||y - b_i||^2 / 2, a first round of K = 1 sets c_i = grad f_i(x_0) and c to their
+    mean, after which every client's corrected gradient is y - mean(b): all clients follow the same path,
+    y_K = b_bar + (1 - lr)^K (x_1 - b_bar), however different their b_i."""
+    b = [torch.tensor([1.0, -2.0]), torch.tensor([4.0, 0.0]), torch.tensor([-2.0, 5.0])]
+    b_bar, lr, n = sum(b) / 3, 0.1, 3
+    x = [torch.tensor([0.5, 0.5])]
+    c = [torch.zeros(2)]
+    c_local = [[torch.zeros(2)] for _ in b]
+    for rnd, steps in enumerate((1, 5)):
+        ys, delta_sum = [], [torch.zeros(2)]
+        for i in range(n):
+            corr = fedfn.scaffold_correction(c, c_local[i])
+            y = x[0].clone()
+            for _ in range(steps):  # plain SGD on the corrected gradient
+                y = y - lr * ((y - b[i]) + corr[0])
+            ys.append(y)
+            c_local[i], delta = fedfn.scaffold_client_update(c_local[i], c, x, [y], steps, lr, 0.0)
+            delta_sum = [delta_sum[0] + delta[0]]
+        if rnd == 1:
+            for y in ys:
+                assert torch.allclose(y, b_bar + (1 - lr) ** 5 * (x[0] - b_bar), atol=1e-6)
+        c = fedfn.scaffold_server_update(c, delta_sum, n)
+        x = [sum(ys) / n]
+        if rnd == 0:  # c_i = grad f_i(x_0), c = grad f(x_0)
+            assert all(torch.allclose(c_local[i][0], torch.tensor([0.5, 0.5]) - b[i]) for i in range(n))
+            assert torch.allclose(c[0], torch.tensor([0.5, 0.5]) - b_bar, atol=1e-6)
+
+
+def test_fedexp_step_by_hand():
+    """Jhunjhunwala et al. 2023, Alg. 1 on two tensors, three clients with p_i = 1/3, eps = 1/6. From w_t = ([0, 0, 0], [1]):
+    y_1 = ([2, 0, 0], [1]), y_2 = ([0, 2, 0], [1]), y_3 = ([0, 0, 2], [4]): ||Delta_i||^2 = 4, 4, 13, mean 7;
+    the average is ([2/3] * 3, [2]), so ||Delta_bar||^2 = 3 (2/3)^2 + 1 = 7/3 and eta_g = 7 / (2 (7/3 + 1/6)) = 1.4;
+    w_{t+1} = w_t + 1.4 (average - w_t) = ([14/15] * 3, [2.4]); the evaluated midpoint ([7/15] * 3, [1.7])."""
+    x_old = [torch.zeros(3), torch.tensor([1.0])]
+    ys = [[torch.tensor([2.0, 0, 0]), torch.tensor([1.0])], [torch.tensor([0, 2.0, 0]), torch.tensor([1.0])],
+          [torch.tensor([0, 0, 2.0]), torch.tensor([4.0])]]
+    sq = [fedfn.sq_dist(x_old, y) for y in ys]
+    assert [float(v) for v in sq] == [4.0, 4.0, 13.0]
+    avg = [sum(y[j] for y in ys) / 3 for j in range(2)]
+    eta = fedfn.fedexp_step(avg, x_old, sum(sq) / 3, eps=1 / 6)
+    assert eta == pytest.approx(1.4)
+    assert torch.allclose(avg[0], torch.full((3,), 14 / 15)) and torch.allclose(avg[1], torch.tensor([2.4]))
+    fedfn.midpoint_(avg, x_old)
+    assert torch.allclose(avg[0], torch.full((3,), 7 / 15)) and torch.allclose(avg[1], torch.tensor([1.7]))
+    same = [torch.tensor([1.0, 2.0, 2.0]), torch.tensor([3.0])]  # all clients agree: eta_g = 1, FedAvg's step
+    assert fedfn.fedexp_step(same, x_old, fedfn.sq_dist(same, x_old), eps=1e-3) == 1.0
+    assert torch.equal(same[0], torch.tensor([1.0, 2.0, 2.0])) and torch.equal(same[1], torch.tensor([3.0]))
+
+
+def test_prox_term_by_hand_and_in_local_train():
+    w = [torch.tensor([1.0, 2.0], requires_grad=True), torch.tensor([[3.0]], requires_grad=True)]
+    value = fedfn.prox_term(w, [torch.tensor([0.0, 4.0]), torch.tensor([[1.0]])], mu=0.5)  # 0.25 (1 + 4 + 4)
+    assert value.item() == pytest.approx(2.25)
+    data, after = tiny_data(), []
+    for mu in (0.0, 0.4):  # one plain SGD step: prox - plain = -lr mu (w - w_t)
+        model = tiny_model()
+        init = [p.detach().clone() for p in model.parameters()]
+        anchor = [p + 0.1 * torch.randn_like(p) for p in init]
+        torch.manual_seed(1)
+        fedfn.local_train(model, torch.arange(8), data, tiny_args(prox_mu=mu), 0.5, anchor)
+        after.append([p.detach().clone() for p in model.parameters()])
+    for a, b, w0, wt in zip(after[0], after[1], init, anchor):
+        assert torch.allclose(b - a, -0.5 * 0.4 * (w0 - wt), atol=1e-6)
 
 
 def test_fedexp_server_step_matches_formula_and_is_at_least_one():

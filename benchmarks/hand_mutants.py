@@ -1,0 +1,108 @@
+"""Hand-written mutants of the math (issue 14): each replaces one exact snippet of a script, runs the in-process
+tests that should catch it, and restores the file. Complements mutmut (tests/README.md), whose one-token
+mutants cannot express e.g. "the control variate with its sign flipped and scaled by 7".
+
+    OMP_NUM_THREADS=1 python benchmarks/hand_mutants.py          # all; prints KILLED / SURVIVED per mutant
+
+Exit status 1 if any mutant survives. Restores every file, also on Ctrl-C.
+"""
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (name, file, original snippet, mutated snippet, pytest selection)
+MUTANTS = [
+    ("scaffold c_i+: sign flipped and x7", "fedfn.py",
+     "new = [ci - cc + (xx - yy) * scale for", "new = [-7 * (ci - cc + (xx - yy) * scale) for",
+     "tests/test_fedfn.py -k scaffold"),
+    ("scaffold correction c_i - c instead of c - c_i", "fedfn.py",
+     "return [cc - ci for cc, ci in zip(c, c_i)]", "return [ci - cc for cc, ci in zip(c, c_i)]",
+     "tests/test_fedfn.py -k scaffold"),
+    ("scaffold server divides by |S| (no N)", "fedfn.py",
+     "return [cc + d / num_clients for", "return [cc + d for",
+     "tests/test_fedfn.py -k scaffold"),
+    ("scaffold K instead of K' (momentum ignored)", "fedfn.py",
+     "scale = 1.0 / (effective_steps(steps, momentum) * lr)", "scale = 1.0 / (steps * lr)",
+     "tests/test_fedfn.py -k scaffold"),
+    ("effective steps: rho^K -> rho^(K-1)", "fedfn.py",
+     "momentum * (1 - momentum ** steps)", "momentum * (1 - momentum ** (steps - 1))",
+     "tests/test_fedfn.py -k effective_steps"),
+    ("FedEXP: drop the factor 2", "fedfn.py",
+     "float(sq_norm_mean) / (2 * (float(avg_update_sq_norm) + eps))", "float(sq_norm_mean) / (float(avg_update_sq_norm) + eps)",
+     "tests/test_fedfn.py -k fedexp"),
+    ("FedEXP: step from the average, not from w_t", "fedfn.py",
+     "p.copy_(x0 + eta_g * (p - x0))", "p.copy_(p + eta_g * (p - x0))",
+     "tests/test_fedfn.py -k fedexp"),
+    ("FedEXP: midpoint not halved", "fedfn.py",
+     "p.add_(x0).mul_(0.5)", "p.add_(x0)",
+     "tests/test_fedfn.py -k fedexp"),
+    ("FN: normalize each feature dimension (axis 0)", "fedfn.py",
+     "model.head(s * F.normalize(f, dim=1))", "model.head(s * F.normalize(f, dim=0))",
+     "tests/test_fedfn.py -k fn_logits"),
+    ("FN: scale dropped", "fedfn.py",
+     "model.head(s * F.normalize(f, dim=1))", "model.head(F.normalize(f, dim=1))",
+     "tests/test_fedfn.py -k fn_logits"),
+    ("fedfn FedProx: mu instead of mu/2", "fedfn.py",
+     "return mu / 2 * sum(", "return mu * sum(",
+     "tests/test_fedfn.py -k prox"),
+    ("fedavg FedProx: mu instead of mu/2", "fedavg.py",
+     "return mu / 2 * sum(", "return mu * sum(",
+     "tests/test_fedavg.py -k 'prox_term or fedprox_step'"),
+    ("fedavg FedProx: (w + w_t)", "fedavg.py",
+     "sum((w - w0).pow(2).sum()", "sum((w + w0).pow(2).sum()",
+     "tests/test_fedavg.py -k 'prox_term or fedprox_step'"),
+    ("load_average: integer buffers truncated (the old behaviour)", "common.py",
+     "else v.round() for k, v in total.items()", "else v for k, v in total.items()",
+     "tests/test_fedavg.py -k aggregate"),
+    ("fedbabu aggregate: the head averaged too (FedAvg)", "fedbabu.py",
+     "    if not train_head:  # FedBABU: the head is not aggregated", "    if False:  # FedBABU: the head is not aggregated",
+     "tests/test_fedbabu.py -k 'aggregate or head_survives'"),
+    ("accumulate: weight ignored", "common.py",
+     "total[k] += weight * v.float()", "total[k] += v.float()",
+     "tests/test_fedavg.py -k 'accumulate or aggregate'"),
+    ("client weights: uniform for samples", "common.py",
+     'w = torch.ones_like(sizes) if weighting == "uniform" else sizes', "w = torch.ones_like(sizes)",
+     "tests/test_fedavg.py -k client_weights"),
+    ("shards: one shard too many", "common.py",
+     "num_shards = n * s", "num_shards = n * s + 1",
+     "tests/test_common.py -k 'shards or partition'"),
+    ("dirichlet: power-law weights ignored", "common.py",
+     "p = rng.dirichlet(np.full(n, alpha)) * weights", "p = rng.dirichlet(np.full(n, alpha))",
+     "tests/test_common.py -k dirichlet"),
+    ("client test split: equal shares instead of training counts", "common.py",
+     "_cut(idx, counts[owners, cls])", "_cut(idx, np.ones(len(owners)))",
+     "tests/test_common.py -k client_test"),
+]
+
+
+def run(selection):
+    cmd = f"{sys.executable} -m pytest -q -x -p no:cacheprovider {selection}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, shell=True, cwd=ROOT, env=env, capture_output=True, text=True).returncode
+
+
+def main():
+    survived = []
+    for name, path, old, new, selection in MUTANTS:
+        full = os.path.join(ROOT, path)
+        with open(full) as f:
+            source = f.read()
+        assert source.count(old) == 1, f"{name}: snippet not found exactly once in {path}"
+        try:
+            with open(full, "w") as f:
+                f.write(source.replace(old, new))
+            killed = run(selection) != 0
+        finally:
+            with open(full, "w") as f:
+                f.write(source)
+        print(("KILLED  " if killed else "SURVIVED"), f"{name}  [{path}; {selection}]", flush=True)
+        if not killed:
+            survived.append(name)
+    print(f"{len(MUTANTS) - len(survived)}/{len(MUTANTS)} killed")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
