@@ -18,9 +18,9 @@ The mission's example, s=2 (Table 1, second row), from an image folder if offlin
     python fedfn.py --dataset folder --data-dir /path/to/cifar10 --shards 2
 CPU smoke test: python fedfn.py --dataset synthetic --model cnn --num-clients 10 --frac 0.5 --rounds 20 --local-epochs 2
 Measured (benchmarks/reproduce/fedfn.sh small: 8-channel 4convNet, 50 rounds, E=5; real CIFAR-10,
-seeds 0-2, 2-core CPU, about 5 min a run): s=2 FedFN 27.0 +- 1.5 vs FedAvg 36.1 +- 1.0, s=10 31.6 +- 1.0
-vs 38.5 +- 0.7 (FedFN at FedAvg's lr 0.01: 24.5, 28.2): the paper's gain does not show at this scale
-(docs/fedfn.md, "Results"); VGG11 runs need a GPU.
+seeds 0-2, 2-core CPU, 6-12 min a run): s=2 FedFN 34.0 +- 1.1 vs FedAvg 42.0 +- 1.2, s=10 51.8 +- 1.0
+vs 55.2 +- 0.5; with --fn-scale sqrt-d (lr 0.01) 41.9 and 54.0: the paper's gain does not show at this
+scale, and the deficit is the logit bound of the unit feature (docs/fedfn.md, "Results"); VGG11 runs need a GPU.
 
 Choices the paper leaves open, made here: no weight decay (the FedBABU code base has none); the last
 batch of a local epoch may be short; F.normalize (norm clamped at 1e-12) so an all-zero ReLU feature
