@@ -54,6 +54,7 @@ CLAIMS = {
             ("after 1 ft epoch", ("summary_by_epoch", "1"), None),
             ("after 2 ft epochs", ("summary_by_epoch", "2"), None),
             ("after 10 ft epochs", ("summary_by_epoch", "10"), None),
+            ("global test acc", ("summary", "test_acc"), None),  # the final global model on the whole test set
         ],
         "note": "Accuracies are means over clients of per-client test accuracy (Algorithm 2); +- is over seeds, "
                 "the paper's +- (not shown) is over clients. Speed (Table 6) is only given for CIFAR-100/MobileNet "
