@@ -13,8 +13,8 @@ The paper's realistic setting (Tables 3-6; add --train-head for FedAvg, --prox-m
     python fedbabu.py --dataset cifar100          # MobileNet, N=100, s=10, f=0.1, tau=10, 32 rounds
     python fedbabu.py --dataset cifar10 --model convnet4 --shards 2   # Appendix F (Tables 12-13)
 Measured (benchmarks/reproduce/fedbabu.sh small: 8-channel 4convNet, s=10, 16 rounds; real CIFAR-10,
-seeds 0-2, 2-core CPU, about 6 min a run): personalized 58.4 +- 0.8 vs FedAvg 57.2 +- 0.7, after one
-fine-tuning epoch 57.2 vs 45.3, initial 41.5 vs 42.6 (paper: 76.25 / 69.11). Details: docs/fedbabu.md, "Results".
+seeds 0-2, 2-core CPU, about 7 min a run): personalized 58.0 +- 1.5 vs FedAvg 57.6 +- 0.8, after one
+fine-tuning epoch 56.9 vs 46.4, initial 41.8 vs 43.5 (paper: 76.25 / 69.11). Details: docs/fedbabu.md, "Results".
 
 Choices the paper leaves open, made here (and deviations):
 - Frozen head = not in the optimizer (and no gradient), the same as the official "lr 0 for the head"
