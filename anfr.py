@@ -232,7 +232,7 @@ def dp_gradients(model, x, y, sigma, max_norm, expected_batch):  # ANFR: DP-SGD 
         grads, losses = vmap(grad_and_value(loss_one), in_dims=(None, 0, 0))(params, x, y)
         summed = {n: g.sum(0) for n, g in clip_per_sample(grads, max_norm).items()}
     else:  # an empty Poisson batch: noise only
-        summed, losses = {n: torch.zeros_like(p) for n, p in params.items()}, torch.zeros(1, device=y.device)
+        summed, losses = {n: torch.zeros_like(p) for n, p in params.items()}, x.new_zeros(())
     for n, p in model.named_parameters():
         p.grad = (summed[n] + sigma * max_norm * torch.randn_like(p)) / expected_batch
     return losses.mean().detach()
@@ -278,7 +278,7 @@ def dp_epsilon(q, sigma, steps, delta, orders=DP_ORDERS):  # ANFR: the accountan
     conversion of Balle et al. 2020 (as Opacus): eps = R - (log delta + log a)/(a - 1) + log((a - 1)/a)."""
     if steps == 0:
         return 0.0
-    a = np.array(orders, dtype=float)
+    a = np.asarray(orders)
     rdp = steps * np.array([rdp_subsampled_gaussian(q, sigma, o) for o in orders])
     eps = rdp - (np.log(delta) + np.log(a)) / (a - 1) + np.log((a - 1) / a)
     return float(np.nanmin(eps))

@@ -191,7 +191,7 @@ def norm_stats(w, w_next, w_avg, client_sq, weights, kinds):  # FedNNNN
     s_sq = torch.stack([(w_next[n] - w[n]).pow(2).sum() for n in names])
     out = {}
     for group in ["", "conv", "fc", "other"]:
-        mask = torch.tensor([group in ("", kinds[n]) for n in names], device=client_sq.device)
+        mask = torch.tensor([group in ("", kinds[n]) for n in names])  # on the CPU: it indexes any device
         if mask.any():
             suffix = f"_{group}" if group else ""
             out["N" + suffix] = n_sq[mask].sum().sqrt()

@@ -206,6 +206,26 @@ def test_cosine_schedule_and_steps():
     assert len(list(common.client_batches(torch.arange(66), 32, epochs=2))) == 6
 
 
+def test_class_selectivity_more_classes_than_channels_and_small_means():
+    """4 classes x 2 channels (not square, so the class axis is the one reduced), means far below 1 (the
+    1e-12 guard only keeps an all-zero channel finite)."""
+    acts = torch.tensor([[0.04, 0.0], [0.0, 0.0], [0.02, 0.0], [0.02, 0.0]], dtype=torch.float64)
+    csi = anfr.class_selectivity(acts)  # channel 0: max 0.04, the others' mean 0.04 / 3 -> (1 - 1/3) / (1 + 1/3)
+    assert torch.allclose(csi, torch.tensor([0.5, 0.0], dtype=torch.float64), rtol=1e-12, atol=0)
+
+
+def test_cosine_one_step_run_and_dp_steps_per_round():
+    assert anfr.cosine_lr(1.0, 1, 1) == pytest.approx(0.0, abs=1e-15)  # a one-step run also ends at 0
+    assert anfr.cosine_lr(2.0, 0, 0) == 2.0
+    dp = SimpleNamespace(local_steps=None, local_epochs=2, batch_size=32, dp_noise_multiplier=1.0)
+    assert anfr.steps_per_round(100, dp) == 2 * 3  # Poisson batches: 1/q = 100 / 32 = 3.125 -> 3 per epoch
+    assert anfr.steps_per_round(10, dp) == 2 * 1  # 10 / 32 rounds to 0: at least one batch per epoch
+    plain = SimpleNamespace(local_steps=None, local_epochs=2, batch_size=32, dp_noise_multiplier=None)
+    assert anfr.steps_per_round(1, plain) == 2  # a one-sample client keeps its lone batch
+    assert len(list(common.client_batches(torch.arange(1), 32, epochs=2))) == 2
+    assert anfr.steps_per_round(1000, SimpleNamespace(local_steps=7, local_epochs=2, batch_size=32, dp_noise_multiplier=1.0)) == 7
+
+
 def test_class_selectivity_index():
     acts = torch.tensor([[4.0, 1.0, 0.0], [0.0, 1.0, 0.0], [2.0, 1.0, 3.0]])  # [classes, channels]
     csi = anfr.class_selectivity(acts)  # (max - mean of the others) / (max + mean of the others)
@@ -256,6 +276,57 @@ def test_per_sample_clipping_bounds_each_norm():
     assert torch.allclose(out["a"][0] / out["b"][0], torch.tensor([0.75, 0.0]))  # direction kept
 
 
+def test_per_sample_clipping_factor_as_opacus_at_tiny_norms():
+    """Opacus's factor min(1, C / (||g_i|| + 1e-6)), visible at norms near 1e-6: norms 5e-6 and 5e-7, C = 1e-6
+    -> factors 1e-6 / 6e-6 = 1/6 and 1e-6 / 1.5e-6 = 2/3 (the second sample is scaled although ||g|| < C)."""
+    grads = {"a": torch.tensor([[3e-6, 0.0], [3e-7, 0.0]], dtype=torch.float64),
+             "b": torch.tensor([[4e-6], [4e-7]], dtype=torch.float64)}
+    out = anfr.clip_per_sample(grads, max_norm=1e-6)
+    factor = torch.tensor([1 / 6, 2 / 3], dtype=torch.float64)
+    for n in grads:
+        assert torch.allclose(out[n], grads[n] * factor[:, None], rtol=1e-12, atol=0), n
+    optimizers = pytest.importorskip("opacus.optimizers")
+    params = {n: torch.nn.Parameter(torch.zeros(g.shape[1:], dtype=torch.float64)) for n, g in grads.items()}
+    for n, p in params.items():
+        p.grad_sample = grads[n]
+    opt = optimizers.DPOptimizer(torch.optim.SGD(list(params.values()), lr=1.0), noise_multiplier=0.0,
+                                 max_grad_norm=1e-6, expected_batch_size=2)
+    opt.clip_and_accumulate()  # Opacus's own clipping, summed over the batch
+    for n, p in params.items():
+        assert torch.allclose(out[n].sum(0), p.summed_grad, rtol=1e-12, atol=0), n
+
+
+def _linear_ce_grad(model, x, y):
+    """d CE(W x + b, y) / d(W, b) = ((p - e_y) x^T, p - e_y), by hand."""
+    r = torch.softmax(model(x[None]).detach()[0], 0) - F.one_hot(y, model.out_features).to(x.dtype)
+    return {"weight": r[:, None] * x[None, :], "bias": r}
+
+
+def test_dp_gradients_one_sample_and_empty_batch_by_hand():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2).double()
+    x, y = torch.tensor([[1.0, -2.0, 0.5]], dtype=torch.float64), torch.tensor([1])
+    g = _linear_ce_grad(model, x[0], y[0])
+    norm = torch.sqrt(sum(v.pow(2).sum() for v in g.values())).item()
+    loss = anfr.dp_gradients(model, x, y, sigma=0.0, max_norm=100.0, expected_batch=4)  # a batch of one, unclipped
+    assert loss.item() == pytest.approx(F.cross_entropy(model(x), y).item(), rel=1e-12)
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, g[n] / 4, rtol=1e-10, atol=0), n
+    torch.manual_seed(7)  # clipped to C = 0.1, plus the noise sigma C z / B, z from torch's generator in parameter order
+    anfr.dp_gradients(model, x, y, sigma=0.5, max_norm=0.1, expected_batch=4)
+    torch.manual_seed(7)
+    z = {n: torch.randn_like(p) for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, (g[n] * 0.1 / (norm + 1e-6) + 0.5 * 0.1 * z[n]) / 4, rtol=1e-10, atol=1e-15), n
+    torch.manual_seed(3)  # an empty Poisson batch: noise only, loss 0
+    loss = anfr.dp_gradients(model, x[:0], y[:0], sigma=0.5, max_norm=2.0, expected_batch=4)
+    torch.manual_seed(3)
+    z = {n: torch.randn_like(p) for n, p in model.named_parameters()}
+    assert loss.item() == 0.0
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, 0.5 * 2.0 * z[n] / 4, rtol=1e-12, atol=0), n
+
+
 def test_dp_gradients_match_per_sample_loop():
     torch.manual_seed(0)
     model = common.resnet(3, 4, 8, depth=18, width=4, norm="nf", attention="eca")
@@ -274,6 +345,27 @@ def test_dp_gradients_match_per_sample_loop():
     anfr.dp_gradients(model, x, y, sigma=1.0, max_norm=0.5, expected_batch=4)  # noise N(0, (sigma C)^2) / B
     noise = torch.cat([(p.grad - ref[n] / 4).flatten() for n, p in model.named_parameters()]) * 4
     assert 0.45 < noise.std().item() < 0.55
+
+
+def test_rdp_log_erfc_and_log_sub():
+    for x in (0.1, 1.0, 5.0, 20.0, 26.0):
+        assert anfr._log_erfc(x) == pytest.approx(math.log(math.erfc(x)), rel=1e-12)
+    # erfc underflows past x ~ 27.2; the asymptotic series erfc x = e^{-x^2} / (x sqrt(pi)) sum_n (-1)^n (2n-1)!! / (2x^2)^n,
+    # 8 terms (error < 1e-15 here), checked against math.erfc at x = 26 where both exist
+    for x in (26.0, 28.0, 40.0, 1e3):
+        series = sum((-1) ** n * math.prod(range(1, 2 * n, 2)) / (2 * x * x) ** n for n in range(8))
+        ref = -x * x - math.log(x * math.sqrt(math.pi)) + math.log(series)
+        assert abs(anfr._log_erfc(x) - ref) < 1e-8, x  # the code keeps 3 terms: error 15 / (8 x^6) < 4e-9
+    assert anfr._log_sub(math.log(5.0), math.log(3.0)) == pytest.approx(math.log(2.0), rel=1e-12)
+    assert anfr._log_sub(1.5, 1.5) == -math.inf  # log(e^a - e^a) = log 0
+
+
+def test_rdp_edge_cases():
+    assert anfr.rdp_subsampled_gaussian(0.0, 1.1, 2.5) == 0.0  # nobody sampled: no privacy loss
+    assert anfr.rdp_subsampled_gaussian(0.05, 0.0, 2.5) == math.inf  # no noise
+    q = 0.05  # sigma = 1, alpha = 2 by hand: A_2 = 1 + q^2 (e^{1/sigma^2} - 1)
+    assert anfr.rdp_subsampled_gaussian(q, 1.0, 2) == pytest.approx(math.log(1 + q * q * (math.e - 1)), rel=1e-12)
+    assert anfr.rdp_subsampled_gaussian(1.0, 2.0, 3) == pytest.approx(3 / 8, rel=1e-15)  # alpha / (2 sigma^2)
 
 
 def test_rdp_accountant():

@@ -56,6 +56,7 @@ def test_ln_after_relu_zero_mean_unit_variance_per_sample():
     assert isinstance(body[1], nn.ReLU) and isinstance(body[2], nn.GroupNorm) and body[2].num_groups == 1
     conv_ln, dense_ln = capture(body[2]), capture(body[-1])
     assert isinstance(body[-2], nn.ReLU) and isinstance(body[-1], nn.GroupNorm)
+    assert all(m.affine and m.weight is not None for m in body if isinstance(m, nn.GroupNorm))  # --ln-affine reaches it
     model.train()
     model(images(data))
     for out, shape in ((conv_ln["y"], (8, 16, 28, 28)), (dense_ln["y"], (8, 384))):
@@ -164,6 +165,14 @@ def test_table3_variants_fill_the_ln_slots():
     assert len(slots) == 3 and all(isinstance(each[i], fedln.ScaleNorm) for i in slots)
     assert [type(last[i]) for i in slots] == [fedln.MeanShift, fedln.MeanShift, nn.GroupNorm]
     assert last[slots[-1]].num_groups == 1 and not last[slots[-1]].affine
+    tiny = torch.full((2, 16), 1e-4)  # ||x|| = 4e-4, above n's eps = 1e-5: scaled to sqrt(16) x / ||x|| = 1 per entry
+    assert all(torch.allclose(each[i](tiny), torch.ones(2, 16)) for i in slots)
+    # n^L in every slot: the bias-free CNN's logits ignore the input's scale
+    torch.manual_seed(0)
+    model, x = fedln.build(model_args(norm="fn-each"), data), images(data, n=4)
+    with torch.no_grad():
+        for c in (1e-3, 1e3):
+            assert torch.allclose(model(c * x), model(x), rtol=1e-4, atol=1e-5), c
 
 
 def same_weights(a, b):
@@ -260,6 +269,10 @@ def test_yogi_update_matches_formula():
     _, _, v_big = fedln.yogi_update({"w": torch.zeros(1)}, {"w": torch.tensor([0.1])}, {"w": torch.zeros(1)},
                                     {"w": torch.tensor([1.0])}, lr, b1, b2, tau)
     assert torch.allclose(v_big["w"], torch.tensor([1.0 - 0.01 * 0.01]))
+    # v = D^2: sign 0 leaves v as it is
+    x_eq, m_eq, v_eq = fedln.yogi_update({"w": torch.zeros(1)}, {"w": torch.tensor([0.5])}, {"w": torch.zeros(1)},
+                                         {"w": torch.tensor([0.25])}, lr, b1, b2, tau)
+    assert v_eq["w"].item() == 0.25 and x_eq["w"].item() == pytest.approx(lr * 0.05 / (0.5 + tau), rel=1e-6)
 
 
 def test_fedyogi_step_moves_towards_the_clients():
@@ -405,6 +418,10 @@ def test_figure3_images_are_from_different_classes():
     assert len(set(pick.tolist())) == 20 and torch.bincount(labels[pick], minlength=10).tolist() == [2] * 10
     assert torch.equal(pick, fedln.figure3_images(labels, 20, seed=3))  # fixed for a seed
     assert not torch.equal(pick, fedln.figure3_images(labels, 20, seed=4))
+    uneven = torch.tensor([0, 0, 1, 0, 2, 2])  # classes of 3, 1 and 2 images: the rounds skip the used-up classes
+    pick = fedln.figure3_images(uneven, 6, seed=0)
+    assert sorted(pick.tolist()) == list(range(6)) and uneven[pick].tolist()[:3] == [0, 1, 2]
+    assert uneven[pick].tolist()[3:] == [0, 2, 0]
 
 
 def logged_svs_match_the_saved_model(run_dir, norm, overfit=False):

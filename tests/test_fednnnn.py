@@ -120,6 +120,16 @@ def test_zero_or_tiny_n_is_not_normalized():
     assert torch.allclose(step, 0.6 * avg, rtol=1e-6, atol=1e-15)  # factor 1, not E/N ~ 1e9
 
 
+def test_zero_or_tiny_n_threshold_is_eps_times_e():
+    """One client, weight 1, Delta = (1, 0): N = 1; its squared norm passed as 4 makes E = 2. The factor is
+    E/N = 2 only when N > eps E (the docstring's N <= eps E gives 1), so eps = 0.5 sits exactly on the edge."""
+    w, w_avg = {"a": torch.zeros(2, dtype=torch.float64)}, {"a": torch.tensor([1.0, 0.0], dtype=torch.float64)}
+    d0, client_sq = {"a": torch.zeros(2, dtype=torch.float64)}, torch.tensor([[4.0]], dtype=torch.float64)
+    for eps, factor in ((0.5, 1.0), (0.49, 2.0), (0.8, 1.0), (1e-6, 2.0)):
+        w_next, _ = fednnnn.fednnnn_step(w, w_avg, d0, client_sq, [1.0], beta=0.5, gamma=0.0, eps=eps)
+        assert torch.equal(w_next["a"], torch.tensor([0.5 * factor, 0.0], dtype=torch.float64)), eps
+
+
 def test_fedavg_setting_is_the_plain_average_bitwise():
     w, deltas, weights, w_avg, client_sq = hand_round(5, dtype=torch.float32)
     d = {n: torch.randn_like(v) for n, v in w.items()}  # any d_t: gamma = 0 forgets it
@@ -171,6 +181,14 @@ def test_param_kinds_by_module_type_and_only_trainable():
     assert kinds["head.weight"] == kinds["head.bias"] == "fc"
     lenet_kinds = fednnnn.param_kinds(common.MODELS["lenet"](1, 10, 28))
     assert list(lenet_kinds.values()) == ["conv"] * 4 + ["fc"] * 4
+
+
+def test_param_kinds_of_parameters_on_the_root_module():
+    assert fednnnn.param_kinds(nn.Linear(2, 3)) == {"weight": "fc", "bias": "fc"}
+    assert fednnnn.param_kinds(nn.Conv2d(1, 2, 3)) == {"weight": "conv", "bias": "conv"}
+    seq = nn.Sequential(nn.Conv1d(1, 2, 3), nn.BatchNorm1d(2), nn.Linear(2, 1, bias=False))
+    assert fednnnn.param_kinds(seq) == {"0.weight": "conv", "0.bias": "conv", "1.weight": "other", "1.bias": "other",
+                                        "2.weight": "fc"}
 
 
 @pytest.mark.parametrize("name,dim", [("lenet", 500), ("cnn6", 192)])
