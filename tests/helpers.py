@@ -43,6 +43,19 @@ def assert_same_model(dir_a, dir_b):
         assert torch.equal(a[k], b[k]), k
 
 
+def set_state(net, scale, batches):
+    """Hand-made state: the float entries are `scale` times 1, 2, ... in state order, integer counters `batches`."""
+    values, i = {}, 1
+    for k, v in net.state_dict().items():
+        if v.is_floating_point():
+            values[k] = scale * torch.arange(i, i + v.numel(), dtype=torch.float).view_as(v)
+            i += v.numel()
+        else:
+            values[k] = torch.tensor(batches)
+    net.load_state_dict(values)
+    return net
+
+
 def run_parallel(*commands, workers=2):
     """Run several (script, *flags) commands, `workers` at a time (the CI machine has 2 cores)."""
     from concurrent.futures import ThreadPoolExecutor

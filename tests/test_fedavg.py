@@ -13,7 +13,7 @@ import torch
 import common
 
 import fedavg
-from helpers import ROOT, TINY, assert_same_model, metrics, run_batches, run_script, summary
+from helpers import ROOT, TINY, assert_same_model, metrics, run_batches, run_script, set_state, summary
 
 
 def test_client_weights():
@@ -40,19 +40,6 @@ def test_accumulate_is_the_weighted_sum():
 def bn_net():
     """Linear(1 -> 2, no bias) + BatchNorm1d(2): a weight, an affine pair, running statistics, an int64 counter."""
     return torch.nn.Sequential(torch.nn.Linear(1, 2, bias=False), torch.nn.BatchNorm1d(2))
-
-
-def set_state(net, scale, batches):
-    """Hand-made state: the float entries are `scale` times 1, 2, ... in state order, the counter `batches`."""
-    values, i = {}, 1
-    for k, v in net.state_dict().items():
-        if v.is_floating_point():
-            values[k] = scale * torch.arange(i, i + v.numel(), dtype=torch.float).view_as(v)
-            i += v.numel()
-        else:
-            values[k] = torch.tensor(batches)
-    net.load_state_dict(values)
-    return net
 
 
 def script_aggregates():

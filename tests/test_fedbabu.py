@@ -14,7 +14,7 @@ import torch.nn as nn
 
 import fedbabu
 from common import MODELS, Classifier, Data, evaluate, personalize
-from helpers import ROOT, assert_same_model, metrics, run_script, summary
+from helpers import ROOT, assert_same_model, metrics, run_script, set_state, summary
 
 # 4 clients, 2 sampled per round; the 8-channel 4convNet keeps the whole file fast on a CPU.
 TINY = ["--dataset", "synthetic", "--device", "cpu", "--model", "convnet4-tiny", "--num-clients", "4",
@@ -62,16 +62,7 @@ def test_local_train_freezes_head_only_without_train_head(train_head):
 def hand_model(scale):
     """Body Linear(2 -> 2) + BatchNorm1d(2) (running statistics and an int64 counter), head Linear(2 -> 3);
     every float entry is `scale` times 1, 2, ... in state order, the counter 4."""
-    model = Classifier(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)), 2, 3)
-    values, i = {}, 1
-    for k, v in model.state_dict().items():
-        if v.is_floating_point():
-            values[k] = scale * torch.arange(i, i + v.numel(), dtype=torch.float).view_as(v)
-            i += v.numel()
-        else:
-            values[k] = torch.tensor(4)
-    model.load_state_dict(values)
-    return model
+    return set_state(Classifier(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)), 2, 3), scale, batches=4)
 
 
 @pytest.mark.parametrize("train_head", [False, True])
