@@ -47,7 +47,6 @@ import argparse
 import math
 import os
 import re
-import sys
 
 import numpy as np
 import torch
@@ -57,7 +56,7 @@ from torch.func import functional_call, grad_and_value, vmap  # ANFR: per-sample
 from tqdm import tqdm
 
 from common import (AUGMENTATIONS, RESNET_LAYOUT, Run, accumulate, autocast, build_model, client_batches, client_weights,
-                    evaluate, finish_args, load_average, load_data, make_partition, prepare_batch, rng_state, sample_clients,
+                    evaluate, finish_args, load_average, load_data, make_partition, prepare_batch, refuse, rng_state, sample_clients,
                     seed_everything, set_rng_state)
 
 ARCHS = {"bn": ("bn", False), "gn": ("gn", False), "se": ("bn", True), "nf": ("nf", False), "anfr": ("nf", True)}  # ANFR: --arch -> (norm, attention?)
@@ -379,8 +378,7 @@ if __name__ == "__main__":
         try:
             print("--init-from: loaded %d of %d entries" % load_pretrained(model, args.init_from, RESNET_LAYOUT[args.depth][1]))
         except ValueError as e:
-            print(f"anfr.py: error: --init-from {args.init_from}: {e}", file=sys.stderr)
-            raise SystemExit(2)
+            refuse(f"--init-from {args.init_from}: {e}")
     run = Run(args, "anfr")
     run.write_partition(partition, data)
     sampler = np.random.default_rng(args.seed)  # client sampling, independent of the partition

@@ -5,7 +5,6 @@ refusals after the data is loaded (exit 2, one line)."""
 import argparse
 import json
 import math
-import os
 import sys
 import urllib.error
 
