@@ -17,8 +17,8 @@ Reproduce (CPU, synthetic data, about a minute):
 CIFAR-10 non-IID-B (Table 2, 76.7% in the paper; the defaults), from the image folder (no internet needed):
     python fednnnn.py --dataset folder --data-dir /path/to/cifar10
     python fednnnn.py --dataset folder --data-dir /path/to/cifar10 --classes-per-client 2   # exactly 2 classes each
-Measured (benchmarks/reproduce/fednnnn.sh small: cnn6-narrow, s=2, 100 rounds; real CIFAR-10, seeds 0-1,
-2-core CPU, about 10 min a run): FedNNNN 48.3, Norm-Norm 48.2, Momentum 43.2, FedAvg 42.6 (paper,
+Measured (benchmarks/reproduce/fednnnn.sh small: cnn6-narrow, s=2, 100 rounds; real CIFAR-10, seeds 0-2,
+2-core CPU, about 9 min a run): FedNNNN 49.8, Norm-Norm 48.5, Momentum 43.4, FedAvg 43.1 (paper,
 Table 2: 76.7, 76.7, 74.3, 72.6). Details: docs/fednnnn.md, "Results".
 
 Non-IID-B partition: the paper says "clients have images of only 2 classes" (Sec. 5.1) and gives no
