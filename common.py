@@ -781,6 +781,13 @@ def accumulate(total, state, weight):
         total[k] += weight * v.float()
 
 
+def prox_term(params, anchor, mu):
+    """FedProx's proximal term mu/2 sum_w ||w - w_t||^2 (Li et al. 2020, Eq. 2); its gradient mu (w - w_t)
+    pulls the local model toward w_t. anchor: the global parameters w_t, detached (no gradient may reach
+    the global model)."""
+    return mu / 2 * sum((w - w0).pow(2).sum() for w, w0 in zip(params, anchor))
+
+
 def load_average(model, total, strict=True):
     """Load the weighted sum of client states (accumulate) into model, each entry cast back to its dtype.
     Integer buffers (num_batches_tracked) are rounded: a float sum such as 9 x (1/9 x 3) can land just

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights,
-                    evaluate, finish_args, load_average, load_data, lr_at, make_partition, prepare_batch, rng_state,
+                    evaluate, finish_args, load_average, load_data, lr_at, make_partition, prepare_batch, prox_term, rng_state,
                     sample_clients, seed_everything, set_rng_state)
 
 
@@ -72,11 +72,6 @@ def parse_args():
     g.add_argument("--resume", default=None, metavar="DIR", help="continue the interrupted run in DIR (its config.json is used)")
     g.add_argument("--stop-after", type=int, default=None, help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
     return finish_args(p, p.parse_args(), "fedavg", default_partition=("shards", 2))
-
-
-def prox_term(params, global_params, mu):  # FedProx: Li et al. 2020, Eq. 2
-    """mu/2 ||w - w_t||^2 over all parameters; its gradient mu (w - w_t) pulls the local model toward w_t."""
-    return mu / 2 * sum((w - w0).pow(2).sum() for w, w0 in zip(params, global_params))
 
 
 def local_train(model, indices, data, args, lr, global_params):

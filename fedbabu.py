@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights,
-                    evaluate, finish_args, load_average, load_data, lr_at, make_partition, prepare_batch, rng_state,
+                    evaluate, finish_args, load_average, load_data, lr_at, make_partition, prepare_batch, prox_term, rng_state,
                     sample_clients, seed_everything, set_rng_state,
                     personalize)  # FedBABU: Algorithm 2 fine-tuning
 
@@ -104,11 +104,6 @@ def parse_args():
     if args.ft_epochs < 0 or min(args.ft_eval_epochs, default=0) < 0 or args.ft_lr < 0:  # FedBABU
         p.error("--ft-epochs, --ft-eval-epochs, --ft-lr: must be >= 0")  # FedBABU
     return finish_args(p, args, "fedbabu", default_partition=("shards", 10))  # FedBABU: s=10
-
-
-def prox_term(params, global_params, mu):  # FedProx: Li et al. 2020, Eq. 2
-    """mu/2 ||w - w_t||^2 over all parameters; its gradient mu (w - w_t) pulls the local model toward w_t."""
-    return mu / 2 * sum((w - w0).pow(2).sum() for w, w0 in zip(params, global_params))
 
 
 def aggregate(model, total, train_head=False):  # FedBABU: theta_G,ext^k = sum_i n_i/n theta_i,ext^k (Alg. 1 line 9)

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights,
-                    evaluate, finish_args, load_average, load_data, lr_at, make_partition, prepare_batch, rng_state,
+                    evaluate, finish_args, load_average, load_data, lr_at, make_partition, prepare_batch, prox_term, rng_state,
                     sample_clients, seed_everything, set_rng_state,
                     personalize)  # FedFN: FedFN-FT (Appendix D.3)
 
@@ -134,11 +134,6 @@ def fn_forward(model, x, fn=True, scale=1.0):  # FedFN: Section 4.1, z = theta_c
         return model.head(f), f
     s = f.shape[1] ** 0.5 if scale == "sqrt-d" else scale
     return model.head(s * F.normalize(f, dim=1)), f
-
-
-def prox_term(params, global_params, mu):  # FedProx: Li et al. 2020, Eq. 2
-    """mu/2 ||w - w_t||^2 over all parameters; its gradient mu (w - w_t) pulls the local model toward w_t."""
-    return mu / 2 * sum((w - w0).pow(2).sum() for w, w0 in zip(params, global_params))
 
 
 def local_train(model, indices, data, args, lr, global_params, correction=None):  # FedFN: + SCAFFOLD correction

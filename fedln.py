@@ -80,7 +80,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights,
-                    evaluate, finish_args, load_average, load_data, lr_at, make_partition, prepare_batch, rng_state,
+                    evaluate, finish_args, load_average, load_data, lr_at, make_partition, prepare_batch, prox_term, rng_state,
                     sample_clients, seed_everything, set_rng_state,
                     FeatureNorm)  # FedLN: sqrt(d)-scaled feature normalization
 
@@ -223,12 +223,6 @@ def local_train(model, indices, data, args, lr, global_params, correction=None):
         loss_sum += loss.detach() * len(batch)
         seen += len(batch)
     return loss_sum / max(seen, 1)
-
-
-def prox_term(params, anchor, mu):
-    """FedLN: FedProx's proximal term mu/2 sum_w ||w - w_t||^2 (Li et al. 2020, Eq. 2); its gradient is
-    mu (w - w_t). anchor: the global parameters w_t, detached (no gradient may reach the global model)."""
-    return mu / 2 * sum((w - w0).pow(2).sum() for w, w0 in zip(params, anchor))
 
 
 def scaffold_correction(c, c_k, names):

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 import fedfn
+import common
 from common import Classifier, Data, synthetic_dataset
 from helpers import assert_same_model, metrics, run_parallel, summary
 
@@ -248,7 +249,7 @@ def test_fedexp_step_by_hand():
 
 def test_prox_term_by_hand_and_in_local_train():
     w = [torch.tensor([1.0, 2.0], requires_grad=True), torch.tensor([[3.0]], requires_grad=True)]
-    value = fedfn.prox_term(w, [torch.tensor([0.0, 4.0]), torch.tensor([[1.0]])], mu=0.5)  # 0.25 (1 + 4 + 4)
+    value = common.prox_term(w, [torch.tensor([0.0, 4.0]), torch.tensor([[1.0]])], mu=0.5)  # 0.25 (1 + 4 + 4)
     assert value.item() == pytest.approx(2.25)
     data, after = tiny_data(), []
     for mu in (0.0, 0.4):  # one plain SGD step: prox - plain = -lr mu (w - w_t)

@@ -142,7 +142,7 @@ def test_fedavg_setting_is_the_plain_average_bitwise():
 def test_prox_term_value_and_gradient_by_hand():
     w = torch.tensor([1.0, 2.0], requires_grad=True)
     v = torch.tensor([[0.5]], requires_grad=True)
-    term = fednnnn.prox_term([w, v], [torch.tensor([0.0, 4.0]), torch.tensor([[1.5]])], mu=0.1)
+    term = common.prox_term([w, v], [torch.tensor([0.0, 4.0]), torch.tensor([[1.5]])], mu=0.1)
     assert term.item() == pytest.approx(0.05 * (1 + 4 + 1))  # mu/2 (||(1, -2)||^2 + ||-1||^2), Eq. 7
     term.backward()
     assert torch.allclose(w.grad, torch.tensor([0.1, -0.2])) and torch.allclose(v.grad, torch.tensor([[-0.1]]))  # mu (w - w_t)
