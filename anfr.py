@@ -56,8 +56,8 @@ from torch.func import functional_call, grad_and_value, vmap  # ANFR: per-sample
 from tqdm import tqdm
 
 from common import (AUGMENTATIONS, RESNET_LAYOUT, Run, accumulate, autocast, build_model, client_batches, client_weights,
-                    evaluate, finish_args, load_average, load_data, make_partition, prepare_batch, refuse, rng_state, sample_clients,
-                    seed_everything, set_rng_state)
+                    each_client, evaluate, finish_args, load_average, load_data, make_partition, prepare_batch, refuse, rng_state,
+                    sample_clients, seed_everything, set_rng_state, setup_distributed)
 
 ARCHS = {"bn": ("bn", False), "gn": ("gn", False), "se": ("bn", True), "nf": ("nf", False), "anfr": ("nf", True)}  # ANFR: --arch -> (norm, attention?)
 DP_ORDERS = [1 + x / 10 for x in range(1, 100)] + list(range(12, 64))  # ANFR: Renyi orders (those of Opacus)
@@ -369,6 +369,7 @@ def local_train(model, opt, batches, data, args, first_step, total, prox_pairs, 
 
 if __name__ == "__main__":
     args = parse_args()
+    setup_distributed(args)  # torchrun: join the other ranks (nothing when run alone)
     seed_everything(args.seed)
     data = load_data(args)
     partition = make_partition(args, data)  # uses its own generator seeded by --data-seed
@@ -417,7 +418,7 @@ if __name__ == "__main__":
             client.load_state_dict(local[k], strict=False)
 
     metrics = {}
-    bar = tqdm(range(start, args.rounds), initial=start, total=args.rounds, desc="anfr", unit="round")
+    bar = tqdm(range(start, args.rounds), initial=start, total=args.rounds, desc="anfr", unit="round", disable=not run.main)
     for rnd in bar:
         clients = sample_clients(sampler, args.num_clients, args.frac)
         weights = client_weights([sizes[k] for k in clients], args.weighting)
@@ -425,7 +426,8 @@ if __name__ == "__main__":
         dc_sum = zeros() if c is not None else None
         train_loss = torch.zeros((), device=args.device)
         x_params = {n: p.detach().clone() for n, p in model.named_parameters() if n in shared_params}
-        for k, w in zip(clients, weights):
+
+        def train_client(k):  # what client k does this round; returns what the server sums and what client k keeps
             load_client(k)
             if args.dp_noise_multiplier is None:
                 batches = client_batches(partition.train[k], args.batch_size, args.local_epochs, args.local_steps)
@@ -438,15 +440,20 @@ if __name__ == "__main__":
                 correction = ([named[n] for n in shared_params], [c[n] - c_k[n] for n in shared_params])
             loss, steps, lr_sum = local_train(client, opts[k], batches, data, args, client_steps[k], total_steps[k],
                                               prox_pairs, correction, dp_batch=min(args.batch_size, sizes[k]))
-            client_steps[k] += steps
-            dp_steps[k] += steps if args.dp_noise_multiplier is not None else 0
-            train_loss += w * loss
-            state = client.state_dict()
+            return {"loss": loss, "steps": steps, "lr_sum": lr_sum, "state": client.state_dict(), "opt": opts[k].state_dict()}
+
+        for k, w, out in each_client(clients, weights, train_client, args.seed, rnd):  # torchrun: split over ranks, summed in client order
+            opts[k].load_state_dict(out["opt"])  # ANFR: client k's AdamW state, on every rank (a no-op where k trained)
+            client_steps[k] += out["steps"]
+            dp_steps[k] += out["steps"] if args.dp_noise_multiplier is not None else 0
+            train_loss += w * out["loss"]
+            state = out["state"]
             accumulate(total, {key: state[key] for key in shared}, w)  # the shared entries (BN statistics too)
             if local_keys:  # ANFR: FedPer / FedBN: these entries stay with client k
                 local[k] = {key: state[key].clone() for key in local_keys}
             if c is not None:  # ANFR: SCAFFOLD c_i+ (Eq. 4), and its change for the server
-                new = scaffold_control(c_k, c, x_params, {n: state[n].float() for n in shared_params}, max(lr_sum, 1e-12))
+                c_k = c_i[k] if c_i[k] is not None else zeros()
+                new = scaffold_control(c_k, c, x_params, {n: state[n].float() for n in shared_params}, max(out["lr_sum"], 1e-12))
                 for n in shared_params:
                     dc_sum[n] += new[n] - c_k[n]
                 c_i[k] = new

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -173,12 +174,17 @@ class Data:
 def load_data(args):
     """Load args.dataset into a Data on args.device (downloaded to / cached in args.data_dir)."""
     name = args.dataset
+    rank, world = rank_and_world()
+    if rank > 0:
+        dist.barrier()  # torchrun: rank 0 downloads / decodes and caches first, the others then read its files
     if name == "synthetic":
         x_tr, y_tr, x_te, y_te = synthetic_dataset(args.data_seed)
     elif name == "folder":
         x_tr, y_tr, x_te, y_te = folder_dataset(args.data_dir)
     else:
         x_tr, y_tr, x_te, y_te = torchvision_dataset(name, args.data_dir)
+    if rank == 0 and world > 1:
+        dist.barrier()
     # An image folder stores its images class by class. Evaluation cuts the test set into consecutive
     # batches, and a model whose batch norm keeps no running statistics normalizes each batch with its
     # own statistics, so a class-sorted test set would be scored on batches of one or two classes.
@@ -818,7 +824,7 @@ def set_rng_state(state, sampler):
 
 
 def _atomic_save(obj, path):
-    tmp = path + ".tmp"
+    tmp = f"{path}.{os.getpid()}.tmp"  # one per process: two writers never share a temporary file
     torch.save(obj, tmp)
     os.replace(tmp, path)
 
@@ -827,20 +833,24 @@ class Run:
     """The run directory: config.json, partition.json, metrics.jsonl, checkpoint.pt, summary.json.
 
     Ctrl-C once asks the loop to stop after the current round (the loop then checkpoints and exits);
-    Ctrl-C twice aborts at once.
+    Ctrl-C twice aborts at once. Under torchrun only rank 0 writes (run.main) and Ctrl-C ends every
+    rank at once (torchrun stops them): resume from the last checkpoint.
     """
 
     def __init__(self, args, script):
         self.args, self.script, self.dir = args, script, args.out
+        self.main = rank_and_world()[0] == 0  # torchrun: rank 0 alone writes the run folder
         self.stop_requested = False
         self.start = time.time()
         self.elapsed_before = 0.0
-        os.makedirs(self.dir, exist_ok=True)
-        if not args.resume:
-            with open(os.path.join(self.dir, "config.json"), "w") as f:
-                json.dump({k: v for k, v in vars(args).items() if k not in RUNTIME_FLAGS}, f, indent=2)
-            open(os.path.join(self.dir, "metrics.jsonl"), "w").close()
-        signal.signal(signal.SIGINT, self._on_sigint)
+        if self.main:
+            os.makedirs(self.dir, exist_ok=True)
+            if not args.resume:
+                with open(os.path.join(self.dir, "config.json"), "w") as f:
+                    json.dump({k: v for k, v in vars(args).items() if k not in RUNTIME_FLAGS}, f, indent=2)
+                open(os.path.join(self.dir, "metrics.jsonl"), "w").close()
+        if rank_and_world()[1] == 1:
+            signal.signal(signal.SIGINT, self._on_sigint)
 
     def _on_sigint(self, *_):
         print("\ninterrupt: finishing this round, then writing a checkpoint (Ctrl-C again aborts)",
@@ -853,6 +863,8 @@ class Run:
         return self.elapsed_before + time.time() - self.start
 
     def write_partition(self, partition, data):
+        if not self.main:
+            return
         info = {"scheme": partition.scheme,
                 "train": label_counts(data.y_train, partition.train, data.num_classes)}
         if partition.test is not None:
@@ -862,35 +874,42 @@ class Run:
 
     def log(self, metrics):
         metrics = {**metrics, "elapsed_s": round(self.elapsed, 3)}
-        with open(os.path.join(self.dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(metrics) + "\n")
-            f.flush()
+        if self.main:
+            with open(os.path.join(self.dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+                f.flush()
         return metrics
 
     def save_checkpoint(self, round_done, state):
         """state: everything the method keeps (global model, server/client state); RNG added here."""
-        _atomic_save({"round": round_done, "elapsed_s": self.elapsed, **state},
-                     os.path.join(self.dir, "checkpoint.pt"))
+        if self.main:
+            _atomic_save({"round": round_done, "elapsed_s": self.elapsed, **state},
+                         os.path.join(self.dir, "checkpoint.pt"))
 
     def load_checkpoint(self):
-        """Load checkpoint.pt and drop metrics logged after it, so the resumed log has no repeats."""
+        """Load checkpoint.pt and drop metrics logged after it, so the resumed log has no repeats.
+        Under torchrun every rank reads the file (with several nodes, --out must be on a shared disk)."""
         ckpt = torch.load(os.path.join(self.dir, "checkpoint.pt"), map_location=self.args.device,
                           weights_only=False)
         self.elapsed_before = ckpt["elapsed_s"]
-        path = os.path.join(self.dir, "metrics.jsonl")
-        with open(path) as f:
-            lines = [l for l in f if l.strip() and json.loads(l)["round"] <= ckpt["round"]]
-        with open(path, "w") as f:
-            f.writelines(lines)
+        if self.main:
+            path = os.path.join(self.dir, "metrics.jsonl")
+            with open(path) as f:
+                lines = [l for l in f if l.strip() and json.loads(l)["round"] <= ckpt["round"]]
+            with open(path, "w") as f:
+                f.writelines(lines)
         return ckpt
 
     def finish(self, summary, model=None):
         summary = {**summary, "wall_time_s": round(self.elapsed, 3), "device": device_name(self.args.device),
-                   "torch": torch.__version__, "script": self.script}
-        with open(os.path.join(self.dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        if model is not None and self.args.save_model:
-            torch.save(model.state_dict(), os.path.join(self.dir, "model.pt"))
+                   "torch": torch.__version__, "script": self.script, "processes": rank_and_world()[1]}
+        if self.main:
+            tmp = os.path.join(self.dir, "summary.json.tmp")  # written whole or not at all
+            with open(tmp, "w") as f:
+                json.dump(summary, f, indent=2)
+            os.replace(tmp, os.path.join(self.dir, "summary.json"))
+            if model is not None and self.args.save_model:
+                _atomic_save(model.state_dict(), os.path.join(self.dir, "model.pt"))
         return summary
 
     def diverged(self, round_idx, loss):
@@ -904,6 +923,114 @@ def device_name(device):
         return torch.cuda.get_device_name(torch.device(device))
     import platform
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+
+
+# ----------------------------------------------------------------------------------------------
+# Several processes: `torchrun --nproc_per_node K script.py ...` splits each round's clients over
+# K ranks. Every rank keeps the same global model and server state; a client's result is sent to
+# every rank, and every rank sums the results in client order, so the run equals the one-process
+# run bit for bit (with the same threads per process). Alone, these helpers do nothing extra.
+# ----------------------------------------------------------------------------------------------
+def setup_distributed(args):
+    """Under torchrun (WORLD_SIZE > 1): join the process group (NCCL on GPUs, gloo on CPU), give each
+    rank its own GPU (cuda:LOCAL_RANK), and silence the stdout of ranks other than 0. Alone: nothing."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or dist.is_initialized():
+        return
+    cuda = args.device.startswith("cuda")
+    if cuda:
+        local_rank = int(os.environ["LOCAL_RANK"])
+        if local_rank >= torch.cuda.device_count():
+            refuse(f"--device {args.device}: local rank {local_rank} needs GPU cuda:{local_rank}, but this machine "
+                   f"shows {torch.cuda.device_count()}; start at most that many processes per machine (--nproc_per_node)")
+        args.device = f"cuda:{local_rank}"
+        torch.cuda.set_device(args.device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    if dist.get_rank() != 0:
+        sys.stdout = open(os.devnull, "w")  # rank 0 prints; errors (stderr) still show from every rank
+
+
+def rank_and_world():
+    """(this process's rank, number of processes); (0, 1) without torchrun."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def client_seed(seed, rnd, k):
+    """Seed of client k's random stream in round rnd (batch order, augmentation, dropout, DP noise).
+    It depends on (seed, round, client) only, never on which process trains the client or on the
+    clients trained before it. k = -1 seeds what follows the round's clients (server, fine-tuning)."""
+    return int(np.random.SeedSequence([seed, rnd, k + 1]).generate_state(1)[0])
+
+
+def each_client(clients, weights, train_client, seed, rnd):
+    """Train this round's clients; yield (k, weight, result) for every sampled client k, in client
+    order, on every rank. result = train_client(k): a dict (or list) of tensors and numbers.
+
+    Alone, the clients train one after another. Under torchrun with K ranks, the i-th sampled client
+    trains on rank i mod K, K clients at a time, and each result is broadcast from its rank to all
+    (so a result may be read until the next client of the loop is trained, not later). Each client
+    trains from its own seed (client_seed), so a run does not depend on K.
+    """
+    rank, world = rank_and_world()
+    for first in range(0, len(clients), world):
+        wave = clients[first:first + world]  # one client per rank; the last wave may leave ranks idle
+        result = None
+        if rank < len(wave):
+            torch.manual_seed(client_seed(seed, rnd, wave[rank]))
+            result = train_client(wave[rank])
+        for j, k in enumerate(wave):
+            yield k, weights[first + j], result if world == 1 else _broadcast(result, src=j)
+    torch.manual_seed(client_seed(seed, rnd, -1))  # after the clients: the same stream on every rank
+
+
+class _Slot(int):
+    """Where a tensor was taken out of a client's result (its index in the flat list)."""
+
+
+def _map_leaves(obj, fn):
+    """obj with fn applied to every leaf (anything but a dict, list or tuple), the layout kept."""
+    if isinstance(obj, dict):
+        return {k: _map_leaves(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_leaves(v, fn) for v in obj)
+    return fn(obj)
+
+
+def _take_tensors(obj, tensors):
+    """obj with each tensor moved to the list `tensors` and replaced by its _Slot."""
+    def take(leaf):
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        tensors.append(leaf)
+        return _Slot(len(tensors) - 1)
+    return _map_leaves(obj, take)
+
+
+def _put_tensors(obj, tensors):
+    return _map_leaves(obj, lambda leaf: tensors[leaf] if isinstance(leaf, _Slot) else leaf)
+
+
+def _broadcast(result, src):
+    """Rank src's result to every rank: its layout (and any plain numbers) pickled, its tensors in
+    one flat buffer per dtype, unconverted (bitwise). Rank src gets its own objects back."""
+    sender, tensors = dist.get_rank() == src, []
+    header = [None]
+    if sender:
+        header = [(_take_tensors(result, tensors), [(t.dtype, t.shape, t.device.type) for t in tensors])]
+    dist.broadcast_object_list(header, src=src)
+    layout, specs = header[0]
+    wire = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    received = [None] * len(specs)
+    for dtype in dict.fromkeys(spec[0] for spec in specs):
+        idx = [i for i, spec in enumerate(specs) if spec[0] == dtype]
+        sizes = [specs[i][1].numel() for i in idx]
+        if sender:
+            buf = torch.cat([tensors[i].detach().reshape(-1).to(wire) for i in idx])
+        else:
+            buf = torch.empty(sum(sizes), dtype=dtype, device=wire)
+        dist.broadcast(buf, src=src)
+        for i, part in zip(idx, buf.split(sizes)):
+            received[i] = part.view(specs[i][1]).to("cpu" if specs[i][2] == "cpu" else wire)
+    return result if sender else _put_tensors(layout, received)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -43,9 +43,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights,
+from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights, each_client,
                     evaluate, finish_args, load_average, load_data, lr_at, make_partition, prepare_batch, prox_term, rng_state,
-                    sample_clients, seed_everything, set_rng_state,
+                    sample_clients, seed_everything, set_rng_state, setup_distributed,
                     personalize)  # FedBABU: Algorithm 2 fine-tuning
 
 
@@ -168,6 +168,7 @@ def nohead_accuracy(model, data, train_parts, test_parts, amp=False):  # FedBABU
 
 if __name__ == "__main__":
     args = parse_args()
+    setup_distributed(args)  # torchrun: join the other ranks (nothing when run alone)
     seed_everything(args.seed)
     data = load_data(args)
     partition = make_partition(args, data)  # uses its own generator seeded by --data-seed
@@ -189,17 +190,22 @@ if __name__ == "__main__":
         run.save_checkpoint(rounds_done, {"model": model.state_dict(), "rng": rng_state(sampler)})
 
     metrics = {}
-    bar = tqdm(range(start, args.rounds), initial=start, total=args.rounds, desc="fedbabu", unit="round")  # FedBABU: name
+    bar = tqdm(range(start, args.rounds), initial=start, total=args.rounds, desc="fedbabu", unit="round", disable=not run.main)  # FedBABU: name
     for rnd in bar:
         lr = lr_at(rnd, args)
         clients = sample_clients(sampler, args.num_clients, args.frac)
         weights = client_weights([sizes[k] for k in clients], args.weighting)
         total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items()}
         train_loss = torch.zeros((), device=args.device)
-        for k, w in zip(clients, weights):
+
+        def train_client(k):  # what client k does this round; returns what the server sums
             client.load_state_dict(model.state_dict())  # FedBABU: broadcast {theta_G,ext^{k-1}, theta_G,cls^0} (Alg. 1 line 6)
-            train_loss += w * local_train(client, partition.train[k], data, args, lr, [p.detach() for p in model.parameters()])
-            accumulate(total, client.state_dict(), w)  # batch-norm running statistics are averaged like weights
+            loss = local_train(client, partition.train[k], data, args, lr, [p.detach() for p in model.parameters()])
+            return {"loss": loss, "state": client.state_dict()}
+
+        for k, w, out in each_client(clients, weights, train_client, args.seed, rnd):  # torchrun: split over ranks, summed in client order
+            train_loss += w * out["loss"]
+            accumulate(total, out["state"], w)  # batch-norm running statistics are averaged like weights
         aggregate(model, total, args.train_head)  # FedBABU: theta_G,ext^k = sum_i n_i/n theta_i,ext^k (Alg. 1 line 9); the head stays
         train_loss = train_loss.item()
         if not np.isfinite(train_loss):

@@ -48,9 +48,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights,
+from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights, each_client,
                     evaluate, finish_args, load_average, load_data, lr_at, make_partition, prepare_batch, prox_term, rng_state,
-                    sample_clients, seed_everything, set_rng_state,
+                    sample_clients, seed_everything, set_rng_state, setup_distributed,
                     personalize)  # FedFN: FedFN-FT (Appendix D.3)
 
 
@@ -245,6 +245,7 @@ def analyze(model, data, args, batch_size=2000):  # FedFN: the four factors of t
 
 if __name__ == "__main__":
     args = parse_args()
+    setup_distributed(args)  # torchrun: join the other ranks (nothing when run alone)
     seed_everything(args.seed)
     data = load_data(args)
     partition = make_partition(args, data)  # uses its own generator seeded by --data-seed
@@ -257,6 +258,7 @@ if __name__ == "__main__":
     scaffold, fedexp = args.agg == "scaffold", args.agg == "fedexp"  # FedFN
     c_global = [torch.zeros_like(w) for w in model.parameters()] if scaffold else None  # FedFN: SCAFFOLD c
     c_local = {}  # FedFN: SCAFFOLD c_i of each client that has trained (absent = zeros)
+    param_names = [n for n, _ in model.named_parameters()]  # FedFN: y_i = these entries of client i's state
     start = 0
     if args.resume:
         ckpt = run.load_checkpoint()
@@ -273,7 +275,7 @@ if __name__ == "__main__":
         run.save_checkpoint(rounds_done, state)  # FedFN
 
     metrics, eval_model = {}, model  # FedFN: eval_model = the model evaluated (FedEXP: averaged iterates)
-    bar = tqdm(range(start, args.rounds), initial=start, total=args.rounds, desc="fedfn", unit="round")  # FedFN
+    bar = tqdm(range(start, args.rounds), initial=start, total=args.rounds, desc="fedfn", unit="round", disable=not run.main)  # FedFN
     for rnd in bar:
         lr = lr_at(rnd, args)
         clients = sample_clients(sampler, args.num_clients, args.frac)
@@ -283,19 +285,23 @@ if __name__ == "__main__":
         x_old = [w.detach().clone() for w in model.parameters()]  # FedFN: w_t, for SCAFFOLD / FedEXP
         delta_c_sum = [torch.zeros_like(w) for w in x_old] if scaffold else None  # FedFN
         sq_norm_mean = torch.zeros((), device=args.device)  # FedFN: FedEXP sum_i p_i ||Delta_i||^2
-        for k, w in zip(clients, weights):
+        c_of = lambda k: c_local.get(k, [torch.zeros_like(v) for v in x_old])  # FedFN: SCAFFOLD c_i (0 until client i trains)
+
+        def train_client(k):  # what client k does this round; returns what the server sums
             client.load_state_dict(model.state_dict())
-            c_k = c_local.get(k, [torch.zeros_like(v) for v in x_old]) if scaffold else None  # FedFN
-            correction = scaffold_correction(c_global, c_k) if scaffold else None  # FedFN: c - c_i
+            correction = scaffold_correction(c_global, c_of(k)) if scaffold else None  # FedFN: c - c_i
             loss, steps = local_train(client, partition.train[k], data, args, lr, x_old, correction)  # FedFN: x_old = detached w_t
-            train_loss += w * loss  # FedFN
-            y = [v.detach() for v in client.parameters()]  # FedFN: y_i
+            return {"loss": loss, "state": client.state_dict(), "steps": steps}  # FedFN: + steps
+
+        for k, w, out in each_client(clients, weights, train_client, args.seed, rnd):  # torchrun: split over ranks, summed in client order
+            train_loss += w * out["loss"]
+            y = [out["state"][n] for n in param_names]  # FedFN: y_i
             if scaffold:  # FedFN: c_i+ (option II) and the server's sum of delta c_i
-                c_local[k], delta = scaffold_client_update(c_k, c_global, x_old, y, steps, lr, args.momentum)
+                c_local[k], delta = scaffold_client_update(c_of(k), c_global, x_old, y, out["steps"], lr, args.momentum)
                 delta_c_sum = [a + d for a, d in zip(delta_c_sum, delta)]
             if fedexp:  # FedFN: ||Delta_i||^2 = ||w_t - y_i||^2
                 sq_norm_mean += w * sq_dist(x_old, y)
-            accumulate(total, client.state_dict(), w)  # batch-norm running statistics are averaged like weights
+            accumulate(total, out["state"], w)  # batch-norm running statistics are averaged like weights
         load_average(model, total)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (McMahan et al. 2017, Alg. 1)
         if scaffold:  # FedFN: x <- x + (1/|S|) sum Delta y_i (server step 1, weighted as above); c update
             c_global = scaffold_server_update(c_global, delta_c_sum, args.num_clients)

@@ -79,9 +79,9 @@ import torch.nn as nn  # FedLN: nn.Sequential to append FeatureNorm
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights,
+from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights, each_client,
                     evaluate, finish_args, load_average, load_data, lr_at, make_partition, prepare_batch, prox_term, rng_state,
-                    sample_clients, seed_everything, set_rng_state,
+                    sample_clients, seed_everything, set_rng_state, setup_distributed,
                     FeatureNorm)  # FedLN: sqrt(d)-scaled feature normalization
 
 NORM_MODELS = ("normcnn", "resnet18", "resnet50")  # FedLN: models with normalization slots (--norm ln | gn | bn)
@@ -290,6 +290,7 @@ def singular_values(model, x):
 
 if __name__ == "__main__":
     args = parse_args()
+    setup_distributed(args)  # torchrun: join the other ranks (nothing when run alone)
     seed_everything(args.seed)
     data = load_data(args)
     partition = make_partition(args, data)  # uses its own generator seeded by --data-seed
@@ -324,7 +325,7 @@ if __name__ == "__main__":
         run.save_checkpoint(rounds_done, {"model": model.state_dict(), "rng": rng_state(sampler), "server": server})  # FedLN: + server
 
     metrics = {}
-    bar = tqdm(range(start, args.rounds), initial=start, total=args.rounds, desc="fedln", unit="round")  # FedLN
+    bar = tqdm(range(start, args.rounds), initial=start, total=args.rounds, desc="fedln", unit="round", disable=not run.main)  # FedLN
     for rnd in bar:
         lr = lr_at(rnd, args)
         clients = sample_clients(sampler, args.num_clients, args.frac)
@@ -334,13 +335,18 @@ if __name__ == "__main__":
         total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items()}
         train_loss = torch.zeros((), device=args.device)
         new_c = {}  # FedLN: SCAFFOLD's c_k+ of this round's clients
-        for k, w in zip(clients, weights):
+
+        def train_client(k):  # what client k does this round; returns what the server sums
             client.load_state_dict(model.state_dict())
             correction = scaffold_correction(server["c"], server["c_k"][k], names) if args.agg == "scaffold" else None  # FedLN: c - c_k
-            train_loss += w * local_train(client, partition.train[k], data, args, lr, [p.detach() for p in model.parameters()], correction)  # FedLN: + correction
-            accumulate(total, client.state_dict(), w)  # batch-norm running statistics are averaged like weights
+            loss = local_train(client, partition.train[k], data, args, lr, [p.detach() for p in model.parameters()], correction)  # FedLN: + correction
+            return {"loss": loss, "state": client.state_dict()}
+
+        for k, w, out in each_client(clients, weights, train_client, args.seed, rnd):  # torchrun: split over ranks, summed in client order
+            train_loss += w * out["loss"]
+            accumulate(total, out["state"], w)  # batch-norm running statistics are averaged like weights
             if args.agg == "scaffold":  # FedLN: Option II update of c_k (Alg. 1)
-                new_c[k] = scaffold_control(server["c_k"][k], server["c"], model.state_dict(), client.state_dict(), args.local_steps, lr)
+                new_c[k] = scaffold_control(server["c_k"][k], server["c"], model.state_dict(), out["state"], args.local_steps, lr)
         if args.agg == "scaffold":  # FedLN: c <- c + 1/N sum_{k in S} (c_k+ - c_k), then c_k <- c_k+
             server["c"] = scaffold_server_control(server["c"], [server["c_k"][k] for k in new_c], list(new_c.values()), args.num_clients)
             for k, c_k in new_c.items():

@@ -49,9 +49,9 @@ import torch.nn as nn  # FedNNNN: module types for the conv / fc split
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights,
+from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights, each_client,
                     evaluate, finish_args, load_average, load_data, lr_at, make_partition, prepare_batch, prox_term, rng_state,
-                    sample_clients, seed_everything, set_rng_state)
+                    sample_clients, seed_everything, set_rng_state, setup_distributed)
 
 
 def parse_args():
@@ -196,6 +196,7 @@ def norm_stats(w, w_next, w_avg, client_sq, weights, kinds):  # FedNNNN
 
 if __name__ == "__main__":
     args = parse_args()
+    setup_distributed(args)  # torchrun: join the other ranks (nothing when run alone)
     seed_everything(args.seed)
     data = load_data(args)
     partition = make_partition(args, data)  # uses its own generator seeded by --data-seed
@@ -220,7 +221,7 @@ if __name__ == "__main__":
         run.save_checkpoint(rounds_done, {"model": model.state_dict(), "momentum": momentum, "rng": rng_state(sampler)})  # FedNNNN: + d_t
 
     metrics = {}
-    bar = tqdm(range(start, args.rounds), initial=start, total=args.rounds, desc="fednnnn", unit="round")  # FedNNNN
+    bar = tqdm(range(start, args.rounds), initial=start, total=args.rounds, desc="fednnnn", unit="round", disable=not run.main)  # FedNNNN
     for rnd in bar:
         lr = lr_at(rnd, args)
         clients = sample_clients(sampler, args.num_clients, args.frac)
@@ -229,11 +230,16 @@ if __name__ == "__main__":
         train_loss = torch.zeros((), device=args.device)
         global_state = model.state_dict()  # FedNNNN: w_t (views of the parameters, no copy)
         client_sq = []  # FedNNNN: ||Delta^k_p||^2 per client and parameter tensor
-        for k, w in zip(clients, weights):
+
+        def train_client(k):  # what client k does this round; returns what the server sums
             client.load_state_dict(model.state_dict())
-            train_loss += w * local_train(client, partition.train[k], data, args, lr, [p.detach() for p in model.parameters()])
-            accumulate(total, client.state_dict(), w)  # batch-norm running statistics are averaged like weights
-            client_sq.append(sq_norms(client.state_dict(), global_state, names))  # FedNNNN: Eq. 2
+            loss = local_train(client, partition.train[k], data, args, lr, [p.detach() for p in model.parameters()])
+            return {"loss": loss, "state": client.state_dict()}
+
+        for k, w, out in each_client(clients, weights, train_client, args.seed, rnd):  # torchrun: split over ranks, summed in client order
+            train_loss += w * out["loss"]
+            accumulate(total, out["state"], w)  # batch-norm running statistics are averaged like weights
+            client_sq.append(sq_norms(out["state"], global_state, names))  # FedNNNN: Eq. 2
         client_sq = torch.stack(client_sq)  # FedNNNN: [m, T]
         w_t = {n: global_state[n] for n in names}  # FedNNNN
         w_next, momentum = fednnnn_step(w_t, total, momentum, client_sq, weights, args.beta, args.gamma,  # FedNNNN: Eqs. 4-5, 12-13

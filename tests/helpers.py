@@ -63,16 +63,7 @@ def run_parallel(*commands, workers=2):
         return [f.result() for f in [pool.submit(run_script, *c) for c in commands]]
 
 
-DRIVER = """import json, runpy, sys
-for argv in json.loads(sys.argv[1]):
-    print("running", *argv, file=sys.stderr, flush=True)
-    sys.argv = argv
-    try:
-        runpy.run_path(argv[0], run_name="__main__")
-    except SystemExit as e:  # --stop-after exits 0; anything else fails the batch
-        if e.code not in (None, 0):
-            raise
-"""
+RUN_BATCH = os.path.join(ROOT, "tests", "run_batch.py")
 
 
 def run_batches(*batches):
@@ -81,7 +72,7 @@ def run_batches(*batches):
     seeds everything it uses, so sharing a process does not change its results (tested against
     separate processes in test_fedavg.py). Fails on a non-zero exit."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", DRIVER, json.dumps([[str(a) for a in c] for c in batch])],
+    procs = [subprocess.Popen([sys.executable, RUN_BATCH, json.dumps([[str(a) for a in c] for c in batch])],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for batch in batches]
     for p in procs:

@@ -532,3 +532,44 @@ def test_powerlaw_weights_follow_a_pareto_law():
     ratio = w / w.min()
     assert np.median(ratio) == pytest.approx(2 ** (2 / 3), abs=0.05)
     assert np.quantile(ratio, 0.9) == pytest.approx(10 ** (2 / 3), abs=0.25)
+
+
+# ------------------------------------------------------------------ clients' random streams (issue 18)
+def test_each_client_gives_every_client_its_own_stream():
+    """Client k's draws depend on (seed, round, k) only: not on the clients before it, not on the draws
+    made before the loop; and the stream after the loop is the same whatever the clients were."""
+    draw = lambda k: {"r": torch.rand(3), "k": k}
+    torch.manual_seed(123)
+    first = {k: out["r"] for k, _, out in common.each_client([4, 1, 7], [0.2, 0.3, 0.5], draw, 5, 2)}
+    after_first = torch.rand(2)
+    torch.manual_seed(999)  # another state before the loop, another order, one client fewer
+    second = {k: out["r"] for k, _, out in common.each_client([7, 4], [0.5, 0.5], draw, 5, 2)}
+    after_second = torch.rand(2)
+    assert torch.equal(first[7], second[7]) and torch.equal(first[4], second[4])
+    assert torch.equal(after_first, after_second)
+    assert not torch.equal(first[4], first[1])  # distinct clients, distinct streams
+    other_round = {k: out["r"] for k, _, out in common.each_client([4], [1.0], draw, 5, 3)}
+    other_seed = {k: out["r"] for k, _, out in common.each_client([4], [1.0], draw, 6, 2)}
+    assert not torch.equal(first[4], other_round[4]) and not torch.equal(first[4], other_seed[4])
+    torch.manual_seed(common.client_seed(5, 2, 4))  # the documented seed
+    assert torch.equal(torch.rand(3), first[4])
+
+
+def test_each_client_yields_clients_weights_and_results_in_order():
+    got = list(common.each_client([4, 1, 7], [0.2, 0.3, 0.5], lambda k: {"k": k * 10}, 0, 0))
+    assert [(k, w, out["k"]) for k, w, out in got] == [(4, 0.2, 40), (1, 0.3, 10), (7, 0.5, 70)]
+
+
+def test_result_layout_survives_taking_out_and_putting_back_tensors():
+    """What _broadcast sends: the layout (with plain numbers) and the tensors apart, rebuilt alike."""
+    result = {"loss": torch.tensor(1.5), "steps": 3, "state": {"w": torch.ones(2, 2), "n": torch.tensor(4)},
+              "opt": {"state": {0: {"step": torch.tensor(2.0)}}, "param_groups": [{"lr": 0.1, "params": [0]}]},
+              "pair": (torch.zeros(1), None)}
+    tensors = []
+    layout = common._take_tensors(result, tensors)
+    assert len(tensors) == 5 and all(isinstance(t, torch.Tensor) for t in tensors)
+    back = common._put_tensors(layout, [t.clone() for t in tensors])
+    assert back["steps"] == 3 and back["opt"]["param_groups"] == [{"lr": 0.1, "params": [0]}]
+    assert back["pair"][1] is None and isinstance(back["pair"], tuple)
+    assert torch.equal(back["state"]["w"], torch.ones(2, 2)) and back["state"]["n"].item() == 4
+    assert back["opt"]["state"][0]["step"].item() == 2.0 and back["loss"].item() == 1.5

@@ -99,10 +99,10 @@ def documented_commands():
             found += [(f"{doc}:{line}", argv) for argv in block_commands(body)]
         prose = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)
         for m in re.finditer(r"`([^`]+)`", prose):
-            if m.group(1).startswith("python ") and ".py" in m.group(1):
+            if m.group(1).startswith(("python ", "torchrun ")) and ".py" in m.group(1):
                 line = prose[:m.start()].count("\n") + 1
                 found.append((f"{doc}:{line} (inline)", tokens(m.group(1).replace("\n", " "))))
-    real = lambda argv: argv[0] in ("bash", "pip") or (argv[0] in ("python", "python3") and len(argv) > 1
+    real = lambda argv: argv[0] in ("bash", "pip", "torchrun") or (argv[0] in ("python", "python3") and len(argv) > 1
                                                          and (argv[1] == "-m" or re.fullmatch(r"[\w./-]+\.py", argv[1])))
     return [(where, argv) for where, argv in found if real(argv)]  # not `python <script>.py ...`
 
@@ -197,6 +197,13 @@ def test_documented_command_is_accepted(where, argv, places, monkeypatch, capsys
         if "-r" in argv:
             assert os.path.isfile(os.path.join(ROOT, argv[argv.index("-r") + 1])), f"{where}: {' '.join(argv)}"
         return
+    if argv[0] == "torchrun":  # torchrun's own flags by its parser, then the script's by the script's
+        from torch.distributed.run import get_args_parser
+        try:
+            launch = get_args_parser().parse_args(argv[1:])
+        except SystemExit:
+            pytest.fail(f"{where}: torchrun rejects `{shlex.join(argv)}`: {capsys.readouterr().err.strip()}")
+        argv = ["python", launch.training_script, *launch.training_script_args]
     if argv[1] == "-m":
         return  # python -m pytest ...
     script = argv[1]

@@ -1,0 +1,166 @@
+"""torchrun: K processes (gloo on CPU) give the one-process run bit for bit, resume with another K,
+and a failing rank stops the whole run with nothing half-written."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import ROOT, RUN_BATCH, assert_same_model, metrics, run_script, summary
+from test_common import write_folder
+
+SYNTH = ["--dataset", "synthetic", "--device", "cpu", "--rounds", "3", "--save-model"]
+# Each script with the method state that must travel between ranks: 5 sampled clients, so K = 2 and
+# K = 3 leave a rank without a client in the last wave.
+CASES = {
+    "fedavg": [*SYNTH, "--model", "mlp", "--num-clients", "6", "--frac", "0.9", "--local-steps", "3",
+               "--batch-size", "16", "--prox-mu", "0.01", "--client-test"],
+    "fedbabu": [*SYNTH, "--model", "convnet4-tiny", "--num-clients", "5", "--frac", "1", "--local-steps", "3",
+                "--batch-size", "32", "--ft-epochs", "1", "--ft-eval-epochs", "0", "1", "--ft-lr", "0.001"],
+    "fedfn": [*SYNTH, "--model", "convnet4-tiny", "--num-clients", "5", "--frac", "1", "--local-steps", "3",
+              "--batch-size", "32", "--agg", "scaffold", "--client-test", "--ft-epochs", "1"],
+    "fedln": [*SYNTH, "--model", "cnn", "--num-clients", "5", "--frac", "1", "--local-steps", "3",
+              "--batch-size", "32", "--agg", "scaffold", "--norm", "fn"],
+    "fednnnn": [*SYNTH, "--model", "cnn6-narrow", "--num-clients", "5", "--frac", "1", "--local-steps", "3",
+                "--batch-size", "32", "--eval-every", "2"],
+    "anfr": [*SYNTH, "--arch", "bn", "--depth", "18", "--width", "8", "--image-size", "16", "--num-clients", "5",
+             "--frac", "1", "--alpha", "1.0", "--local-steps", "3", "--batch-size", "16", "--agg", "scaffold",
+             "--pfl", "fedbn"],
+}
+EXTRA = {  # other per-client state: FedEXP's norms, FedYogi's moments, DP-SGD's noise and step counts
+    "fedfn-fedexp": ("fedfn", [*CASES["fedfn"], "--agg", "fedexp", "--ft-epochs", "0", "--client-test"]),  # the last of a flag wins
+    "fedln-fedyogi": ("fedln", [*CASES["fedln"], "--agg", "fedyogi"]),
+    "anfr-dp": ("anfr", [*CASES["anfr"], "--agg", "fedavg", "--arch", "nf", "--dp-noise-multiplier", "1.0", "--pfl", "fedper"]),
+}
+VOLATILE = ("wall_time_s", "elapsed_s", "processes", "device")
+RESUMED = {"fedfn-2-3": ("fedfn", 2, 3), "anfr-3-1": ("anfr", 3, 1)}  # stopped under K, resumed under K'
+
+
+def torchrun_cmd(k, *args):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(k), *map(str, args)]
+
+
+def start(cmd):
+    return subprocess.Popen([str(a) for a in cmd], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})  # one thread per rank, as torchrun sets
+
+
+def finish(*procs):
+    outs = [p.communicate() for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, f"{p.args[-2:]} exited {p.returncode}:\n{err[-4000:]}"
+    return [out for out, _ in outs]
+
+
+def batch(runs):
+    return json.dumps([[str(a) for a in argv] for argv in runs])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every case alone (k1), under torchrun with 2 and 3 ranks (k2, k3), and the resume pairs:
+    one process per K runs its whole list (tests/run_batch.py), so torch is imported once per rank."""
+    tmp = tmp_path_factory.mktemp("torchrun")
+    cases = {name: EXTRA.get(name, (name, CASES.get(name))) for name in [*CASES, *EXTRA]}
+    cases["fedavg-one-client"] = ("fedavg", [*CASES["fedavg"], "--frac", "0.2"])  # 1 client a round: ranks idle
+    # an image folder not yet cached, one copy per K: rank 0 decodes and caches it, the others wait and read
+    cases["fedavg-folder"] = ("fedavg", [*CASES["fedavg"], "--dataset", "folder", "--data-dir", "{images}", "--iid"])
+    for k in ("k1", "k2", "k3"):
+        write_folder(tmp / f"images-{k}", per_class=20)
+    run = lambda name, k, *more: [f"{cases[name][0]}.py", *[str(f).replace("{images}", str(tmp / f"images-{k}")) for f in cases[name][1]],
+                                  *more, "--out", tmp / name / k]
+    for name, (script, _, _) in RESUMED.items():
+        cases[name] = (script, [*CASES[script], "--rounds", "4", "--eval-every", "1"])
+    alone = [run(name, "k1") for name in cases]
+    by_k = {k: [run(name, f"k{k}") for name in cases if name not in RESUMED] for k in (2, 3)}
+    for name, (_, first, _) in RESUMED.items():
+        by_k[first].append(run(name, "resumed", "--stop-after", "2"))
+    outs = finish(start([sys.executable, RUN_BATCH, batch(alone)]), start(torchrun_cmd(2, RUN_BATCH, batch(by_k[2]))))
+    outs += finish(start(torchrun_cmd(3, RUN_BATCH, batch(by_k[3]))))
+    stopped = {name: not (tmp / name / "resumed" / "summary.json").exists() for name in RESUMED}
+    resumes = {1: [], 3: []}
+    for name, (script, _, then) in RESUMED.items():
+        resumes[then].append([f"{script}.py", "--resume", tmp / name / "resumed"])
+    finish(start([sys.executable, RUN_BATCH, batch(resumes[1])]), start(torchrun_cmd(3, RUN_BATCH, batch(resumes[3]))))
+    return tmp, outs, stopped
+
+
+def assert_same_run(one, other):
+    assert metrics(other) == metrics(one)
+    strip = lambda d: {k: v for k, v in summary(d).items() if k not in VOLATILE}
+    assert strip(other) == strip(one)
+    assert_same_model(one, other)
+
+
+@pytest.mark.parametrize("case", [*CASES, *EXTRA, "fedavg-one-client", "fedavg-folder"])
+def test_torchrun_equals_one_process(case, runs):
+    """Metrics, summary and final model of 2 and 3 ranks equal those of one process, bit for bit."""
+    tmp, _, _ = runs
+    for k in (2, 3):
+        assert summary(tmp / case / f"k{k}")["processes"] == k
+        assert_same_run(tmp / case / "k1", tmp / case / f"k{k}")
+
+
+def test_one_cache_of_a_new_image_folder(runs):
+    tmp, _, _ = runs
+    for k in ("k2", "k3"):
+        assert sorted(os.listdir(tmp / f"images-{k}")) == [".cleanfl-cache.pt", "test", "train"]  # no *.tmp left
+
+
+def test_only_rank_0_prints(runs):
+    _, outs, _ = runs
+    runs_per_k = len(CASES) + len(EXTRA) + 2
+    assert outs[1].count("final test accuracy") == runs_per_k  # K = 2: rank 0's lines, not rank 1's
+    assert outs[2].count("final test accuracy") == runs_per_k
+
+
+@pytest.mark.parametrize("case", RESUMED)
+def test_resume_with_another_number_of_processes(case, runs):
+    """Stopped after 2 of 4 rounds under K ranks, resumed under K' (3 after 2; 1 after 3): the one-process
+    run from start to end. Per-client state (SCAFFOLD c_i, AdamW states, FedBN entries) is on every rank
+    and in rank 0's checkpoint."""
+    tmp, _, stopped = runs
+    assert stopped[case]
+    assert_same_run(tmp / case / "k1", tmp / case / "resumed")
+
+
+FAIL_RANK = """import os, runpy, sys
+sys.path.insert(0, os.getcwd())  # the repository root
+import torch.distributed as dist
+import common
+train = common.client_batches
+def failing(*a, **kw):  # rank 1 fails in round 3 (its first batch of that round)
+    if dist.get_rank() == 1 and failing.calls >= 4:
+        raise RuntimeError("injected failure on rank 1")
+    failing.calls += 1
+    return train(*a, **kw)
+failing.calls = 0
+common.client_batches = failing
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_failing_rank_stops_every_rank_and_leaves_whole_files(tmp_path):
+    wrapper = tmp_path / "fail_rank.py"
+    wrapper.write_text(FAIL_RANK)
+    flags = [*CASES["fedavg"], "--rounds", "5", "--eval-every", "1"]
+    out = tmp_path / "run"
+    whole = start([sys.executable, "fedavg.py", *flags, "--out", tmp_path / "whole"])  # meanwhile, the reference
+    proc = start(torchrun_cmd(2, wrapper, "fedavg.py", *flags, "--out", out))
+    _, stderr = proc.communicate(timeout=300)
+    finish(whole)
+    assert proc.returncode != 0
+    assert "injected failure on rank 1" in stderr  # the cause, from the failing rank
+    assert "rank      : 1" in stderr  # torchrun's report names it
+    assert not (out / "summary.json").exists() and not (out / "model.pt").exists()
+    assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
+    rows = metrics(out)  # every line whole; the rounds before the failure (rank 1 fails in round 3)
+    assert [r["round"] for r in rows] == [1, 2]
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert ckpt["round"] == 2
+    # and the run can go on from there, alone, to the uninterrupted result
+    run_script("fedavg.py", "--resume", out)
+    assert_same_run(tmp_path / "whole", out)
