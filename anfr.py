@@ -442,7 +442,7 @@ if __name__ == "__main__":
                                               prox_pairs, correction, dp_batch=min(args.batch_size, sizes[k]))
             return {"loss": loss, "steps": steps, "lr_sum": lr_sum, "state": client.state_dict(), "opt": opts[k].state_dict()}
 
-        for k, w, out in each_client(clients, weights, train_client, args.seed, rnd):  # torchrun: split over ranks, summed in client order
+        for k, w, out in each_client(clients, weights, train_client, args.seed, rnd):  # own seed per client; torchrun: split over ranks, summed in order
             opts[k].load_state_dict(out["opt"])  # ANFR: client k's AdamW state, on every rank (a no-op where k trained)
             client_steps[k] += out["steps"]
             dp_steps[k] += out["steps"] if args.dp_noise_multiplier is not None else 0

@@ -4,6 +4,7 @@ Nothing method-specific lives here. Every method script imports what it needs fr
 keeps its own training loop, so `python fedavg.py` plus this file is everything a reader must copy.
 """
 import argparse
+import atexit
 import datetime
 import hashlib
 import itertools
@@ -12,6 +13,7 @@ import math
 import os
 import random
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -174,16 +176,17 @@ class Data:
 def load_data(args):
     """Load args.dataset into a Data on args.device (downloaded to / cached in args.data_dir)."""
     name = args.dataset
-    rank, world = rank_and_world()
-    if rank > 0:
-        dist.barrier()  # torchrun: rank 0 downloads / decodes and caches first, the others then read its files
+    world = rank_and_world()[1]
+    first = int(os.environ.get("LOCAL_RANK", "0")) == 0  # torchrun: one process per machine loads first
+    if not first:
+        dist.barrier()  # ... downloads / decodes and caches, then the others read its files
     if name == "synthetic":
         x_tr, y_tr, x_te, y_te = synthetic_dataset(args.data_seed)
     elif name == "folder":
         x_tr, y_tr, x_te, y_te = folder_dataset(args.data_dir)
     else:
         x_tr, y_tr, x_te, y_te = torchvision_dataset(name, args.data_dir)
-    if rank == 0 and world > 1:
+    if first and world > 1:
         dist.barrier()
     # An image folder stores its images class by class. Evaluation cuts the test set into consecutive
     # batches, and a model whose batch norm keeps no running statistics normalizes each batch with its
@@ -817,14 +820,14 @@ def rng_state(sampler):
 
 
 def set_rng_state(state, sampler):
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(state["torch"].cpu())  # CPU tensors, also when the checkpoint was mapped to a GPU
     sampler.bit_generator.state = state["numpy_sampler"]
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 def _atomic_save(obj, path):
-    tmp = f"{path}.{os.getpid()}.tmp"  # one per process: two writers never share a temporary file
+    tmp = f"{path}.{socket.gethostname()}.{os.getpid()}.tmp"  # one per process: writers never share a temporary file
     torch.save(obj, tmp)
     os.replace(tmp, path)
 
@@ -933,18 +936,25 @@ def device_name(device):
 # ----------------------------------------------------------------------------------------------
 def setup_distributed(args):
     """Under torchrun (WORLD_SIZE > 1): join the process group (NCCL on GPUs, gloo on CPU), give each
-    rank its own GPU (cuda:LOCAL_RANK), and silence the stdout of ranks other than 0. Alone: nothing."""
+    rank its own GPU (cuda:LOCAL_RANK, or cuda:0 where a process sees one GPU), take rank 0's --out,
+    and silence the stdout of ranks other than 0. Alone: nothing."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 or dist.is_initialized():
         return
     cuda = args.device.startswith("cuda")
     if cuda:
-        local_rank = int(os.environ["LOCAL_RANK"])
-        if local_rank >= torch.cuda.device_count():
-            refuse(f"--device {args.device}: local rank {local_rank} needs GPU cuda:{local_rank}, but this machine "
-                   f"shows {torch.cuda.device_count()}; start at most that many processes per machine (--nproc_per_node)")
-        args.device = f"cuda:{local_rank}"
+        gpu, visible = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
+        gpu = 0 if visible == 1 else gpu  # e.g. a scheduler that gives each process one GPU
+        if gpu >= visible:
+            refuse(f"--device {args.device}: local rank {gpu} needs GPU cuda:{gpu}, but this machine shows {visible}; "
+                   f"start at most that many processes per machine (--nproc_per_node)")
+        args.device = f"cuda:{gpu}"
         torch.cuda.set_device(args.device)
-    dist.init_process_group("nccl" if cuda else "gloo")
+    # a long timeout: ranks wait for rank 0's first download or decoding, and for a wave's slowest client
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=6))
+    atexit.register(dist.destroy_process_group)
+    out = [args.out]
+    dist.broadcast_object_list(out, src=0)  # the default run folder has a time stamp: rank 0's
+    args.out = out[0]
     if dist.get_rank() != 0:
         sys.stdout = open(os.devnull, "w")  # rank 0 prints; errors (stderr) still show from every rank
 
@@ -966,9 +976,10 @@ def each_client(clients, weights, train_client, seed, rnd):
     order, on every rank. result = train_client(k): a dict (or list) of tensors and numbers.
 
     Alone, the clients train one after another. Under torchrun with K ranks, the i-th sampled client
-    trains on rank i mod K, K clients at a time, and each result is broadcast from its rank to all
-    (so a result may be read until the next client of the loop is trained, not later). Each client
-    trains from its own seed (client_seed), so a run does not depend on K.
+    trains on rank i mod K, K clients at a time, and each result is broadcast from its rank to all.
+    A result is valid inside the loop body only (it may be the live client model): clone what you keep.
+    Each client trains from its own seed (client_seed: torch's global generator is reseeded), so a run
+    does not depend on K. A result is a dict / list / tuple of tensors and plain numbers.
     """
     rank, world = rank_and_world()
     for first in range(0, len(clients), world):
@@ -1029,7 +1040,7 @@ def _broadcast(result, src):
             buf = torch.empty(sum(sizes), dtype=dtype, device=wire)
         dist.broadcast(buf, src=src)
         for i, part in zip(idx, buf.split(sizes)):
-            received[i] = part.view(specs[i][1]).to("cpu" if specs[i][2] == "cpu" else wire)
+            received[i] = part.view(specs[i][1]).to("cpu" if specs[i][2] == "cpu" else wire).clone()  # not a view of buf
     return result if sender else _put_tensors(layout, received)
 
 

@@ -293,7 +293,7 @@ if __name__ == "__main__":
             loss, steps = local_train(client, partition.train[k], data, args, lr, x_old, correction)  # FedFN: x_old = detached w_t
             return {"loss": loss, "state": client.state_dict(), "steps": steps}  # FedFN: + steps
 
-        for k, w, out in each_client(clients, weights, train_client, args.seed, rnd):  # torchrun: split over ranks, summed in client order
+        for k, w, out in each_client(clients, weights, train_client, args.seed, rnd):  # own seed per client; torchrun: split over ranks, summed in order
             train_loss += w * out["loss"]
             y = [out["state"][n] for n in param_names]  # FedFN: y_i
             if scaffold:  # FedFN: c_i+ (option II) and the server's sum of delta c_i

@@ -35,7 +35,8 @@ EXTRA = {  # other per-client state: FedEXP's norms, FedYogi's moments, DP-SGD's
     "anfr-dp": ("anfr", [*CASES["anfr"], "--agg", "fedavg", "--arch", "nf", "--dp-noise-multiplier", "1.0", "--pfl", "fedper"]),
 }
 VOLATILE = ("wall_time_s", "elapsed_s", "processes", "device")
-RESUMED = {"fedfn-2-3": ("fedfn", 2, 3), "anfr-3-1": ("anfr", 3, 1)}  # stopped under K, resumed under K'
+RESUMED = {"fedfn-2-3": ("fedfn", 2, 3), "anfr-3-2": ("anfr", 3, 2)}  # stopped under K, resumed under K'
+# (resumed alone after torchrun: test_failing_rank_stops_every_rank_and_leaves_whole_files)
 
 
 def torchrun_cmd(k, *args):
@@ -80,10 +81,8 @@ def runs(tmp_path_factory):
     outs = finish(start([sys.executable, RUN_BATCH, batch(alone)]), start(torchrun_cmd(2, RUN_BATCH, batch(by_k[2]))))
     outs += finish(start(torchrun_cmd(3, RUN_BATCH, batch(by_k[3]))))
     stopped = {name: not (tmp / name / "resumed" / "summary.json").exists() for name in RESUMED}
-    resumes = {1: [], 3: []}
-    for name, (script, _, then) in RESUMED.items():
-        resumes[then].append([f"{script}.py", "--resume", tmp / name / "resumed"])
-    finish(start([sys.executable, RUN_BATCH, batch(resumes[1])]), start(torchrun_cmd(3, RUN_BATCH, batch(resumes[3]))))
+    finish(*[start(torchrun_cmd(then, RUN_BATCH, batch([[f"{script}.py", "--resume", tmp / name / "resumed"]])))
+             for name, (script, _, then) in RESUMED.items()])
     return tmp, outs, stopped
 
 
@@ -118,7 +117,7 @@ def test_only_rank_0_prints(runs):
 
 @pytest.mark.parametrize("case", RESUMED)
 def test_resume_with_another_number_of_processes(case, runs):
-    """Stopped after 2 of 4 rounds under K ranks, resumed under K' (3 after 2; 1 after 3): the one-process
+    """Stopped after 2 of 4 rounds under K ranks, resumed under K' (3 after 2; 2 after 3): the one-process
     run from start to end. Per-client state (SCAFFOLD c_i, AdamW states, FedBN entries) is on every rank
     and in rank 0's checkpoint."""
     tmp, _, stopped = runs
@@ -164,3 +163,42 @@ def test_failing_rank_stops_every_rank_and_leaves_whole_files(tmp_path):
     # and the run can go on from there, alone, to the uninterrupted result
     run_script("fedavg.py", "--resume", out)
     assert_same_run(tmp_path / "whole", out)
+
+
+INSPECT = """import hashlib, json, os, runpy, sys
+sys.path.insert(0, os.getcwd())  # the repository root
+import torch, torch.distributed as dist
+import common
+trained, real = [], common.each_client
+def each_client(clients, weights, train_client, seed, rnd):  # count the clients this rank trains
+    def counted(k):
+        trained.append([rnd, k])
+        return train_client(k)
+    return real(clients, weights, counted, seed, rnd)
+common.each_client = each_client
+sys.argv = sys.argv[1:]
+g = runpy.run_path(sys.argv[0], run_name="__main__")
+digest = lambda ts: hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes() for t in ts)).hexdigest()
+c_local = [t for k in sorted(g["c_local"]) for t in g["c_local"][k]]
+print("INSPECT", json.dumps({"rank": dist.get_rank(), "trained": trained, "sampled": g["clients"],
+      "model": digest(g["model"].state_dict().values()), "c_local": digest(c_local)}), file=sys.stderr)
+"""
+
+
+def test_each_rank_trains_its_share_and_all_ranks_end_equal(tmp_path):
+    """Rank r trains the clients at positions r, r+K, ... of the sampled list, and no other (the
+    speed-up); at the end every rank holds the same global model and the same SCAFFOLD c_i."""
+    wrapper = tmp_path / "count_clients.py"  # (not inspect.py: that is a stdlib module torch imports)
+    wrapper.write_text(INSPECT)
+    flags = [*CASES["fedfn"], "--ft-epochs", "0", "--rounds", "2", "--frac", "1"]  # every client in every round
+    proc = start(torchrun_cmd(2, wrapper, "fedfn.py", *flags, "--out", tmp_path / "run"))
+    _, err = proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    rows = {r["rank"]: r for r in (json.loads(line.split("INSPECT ", 1)[1]) for line in err.splitlines() if "INSPECT " in line)}
+    assert sorted(rows) == [0, 1]
+    order = rows[0]["sampled"]  # the last round's sampled clients (all 5 here, in sampled order)
+    assert sorted(order) == [0, 1, 2, 3, 4]
+    for r in (0, 1):
+        assert [k for rnd, k in rows[r]["trained"] if rnd == 1] == order[r::2]
+        assert len(rows[r]["trained"]) == 2 * len(order[r::2])  # two rounds, nothing trained twice
+    assert rows[0]["model"] == rows[1]["model"] and rows[0]["c_local"] == rows[1]["c_local"]
