@@ -547,6 +547,7 @@ def test_each_client_gives_every_client_its_own_stream():
     after_second = torch.rand(2)
     assert torch.equal(first[7], second[7]) and torch.equal(first[4], second[4])
     assert torch.equal(after_first, after_second)
+    assert not torch.equal(after_first, first[1][:2])  # the stream after the loop is no client's stream
     assert not torch.equal(first[4], first[1])  # distinct clients, distinct streams
     other_round = {k: out["r"] for k, _, out in common.each_client([4], [1.0], draw, 5, 3)}
     other_seed = {k: out["r"] for k, _, out in common.each_client([4], [1.0], draw, 6, 2)}
