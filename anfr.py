@@ -12,10 +12,11 @@ Reproduce (CPU, synthetic data, about a minute):
 CIFAR-10 split-2 from scratch, Appendix B.3 / Table 9 (a GPU; --arch bn|gn|se|nf|anfr, --agg ...):
     python anfr.py --dataset cifar10 --arch anfr --agg scaffold
 Measured (benchmarks/reproduce/anfr.sh small: ResNet-18 of width 8, 25 rounds of 50 steps; real
-CIFAR-10 split-2, seeds 0-2, 2-core CPU, about 6 min a run): BN 51.6, SE 51.2, GN 37.0, ANFR 30.0,
-NF 28.6 (paper, Table 9: 80.89, 81.19, 78.52, 83.20, 81.66): not reproduced at that scale; the NF
-networks also trail on IID clients (ANFR 37.4 vs BN 54.3). Details: docs/anfr.md, "Results". These runs predate
-the timm fixes below (NF shortcut, SE width, gamma), which change the NF and SE nets: to be rerun.
+CIFAR-10 split-2, seeds 0-2, 2-core CPU, 4-9 min a run, models matched to timm): BN 51.3, SE 50.7,
+GN 36.9, ANFR 28.2, NF 27.8 (paper, Table 9: 80.89, 81.19, 78.52, 83.20, 81.66): not reproduced at
+that scale. With the NF blocks' last gains starting at 1 instead of timm's 0 (--last-gain-init 1),
+NF 42.4 and ANFR 42.7: the zero-started residual branches explain about 60% of the gap to BN. On IID
+clients ANFR still trails (39.6 vs BN 54.5). Details: docs/anfr.md, "Results".
 
 Models = timm's ResNet-50s (the paper's), checked logit for logit in tests/test_anfr.py: NF blocks as
 timm's NormFreeBlock (x2 attention gain, gamma = timm's measured 1.7139588, the last conv's gain g
