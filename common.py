@@ -177,7 +177,7 @@ def load_data(args):
     """Load args.dataset into a Data on args.device (downloaded to / cached in args.data_dir)."""
     name = args.dataset
     world = rank_and_world()[1]
-    first = int(os.environ.get("LOCAL_RANK", "0")) == 0  # torchrun: one process per machine loads first
+    first = world == 1 or int(os.environ["LOCAL_RANK"]) == 0  # torchrun: one process per machine loads first
     if not first:
         dist.barrier()  # ... downloads / decodes and caches, then the others read its files
     if name == "synthetic":
@@ -827,8 +827,14 @@ def set_rng_state(state, sampler):
 
 
 def _atomic_save(obj, path):
+    """torch.save obj (json.dump for a *.json path) to a temporary file, then rename it to path: the
+    file is whole or absent, whenever the process stops."""
     tmp = f"{path}.{socket.gethostname()}.{os.getpid()}.tmp"  # one per process: writers never share a temporary file
-    torch.save(obj, tmp)
+    if path.endswith(".json"):
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2)
+    else:
+        torch.save(obj, tmp)
     os.replace(tmp, path)
 
 
@@ -842,7 +848,8 @@ class Run:
 
     def __init__(self, args, script):
         self.args, self.script, self.dir = args, script, args.out
-        self.main = rank_and_world()[0] == 0  # torchrun: rank 0 alone writes the run folder
+        rank, world = rank_and_world()
+        self.main = rank == 0  # torchrun: rank 0 alone writes the run folder
         self.stop_requested = False
         self.start = time.time()
         self.elapsed_before = 0.0
@@ -852,7 +859,7 @@ class Run:
                 with open(os.path.join(self.dir, "config.json"), "w") as f:
                     json.dump({k: v for k, v in vars(args).items() if k not in RUNTIME_FLAGS}, f, indent=2)
                 open(os.path.join(self.dir, "metrics.jsonl"), "w").close()
-        if rank_and_world()[1] == 1:
+        if world == 1:
             signal.signal(signal.SIGINT, self._on_sigint)
 
     def _on_sigint(self, *_):
@@ -907,10 +914,7 @@ class Run:
         summary = {**summary, "wall_time_s": round(self.elapsed, 3), "device": device_name(self.args.device),
                    "torch": torch.__version__, "script": self.script, "processes": rank_and_world()[1]}
         if self.main:
-            tmp = os.path.join(self.dir, "summary.json.tmp")  # written whole or not at all
-            with open(tmp, "w") as f:
-                json.dump(summary, f, indent=2)
-            os.replace(tmp, os.path.join(self.dir, "summary.json"))
+            _atomic_save(summary, os.path.join(self.dir, "summary.json"))
             if model is not None and self.args.save_model:
                 _atomic_save(model.state_dict(), os.path.join(self.dir, "model.pt"))
         return summary
@@ -973,13 +977,13 @@ def client_seed(seed, rnd, k):
 
 def each_client(clients, weights, train_client, seed, rnd):
     """Train this round's clients; yield (k, weight, result) for every sampled client k, in client
-    order, on every rank. result = train_client(k): a dict (or list) of tensors and numbers.
+    order, on every rank. result = train_client(k): a dict / list / tuple of tensors and plain numbers.
 
     Alone, the clients train one after another. Under torchrun with K ranks, the i-th sampled client
     trains on rank i mod K, K clients at a time, and each result is broadcast from its rank to all.
     A result is valid inside the loop body only (it may be the live client model): clone what you keep.
     Each client trains from its own seed (client_seed: torch's global generator is reseeded), so a run
-    does not depend on K. A result is a dict / list / tuple of tensors and plain numbers.
+    does not depend on K.
     """
     rank, world = rank_and_world()
     for first in range(0, len(clients), world):
