@@ -57,7 +57,7 @@ from torch.func import functional_call, grad_and_value, vmap  # ANFR: per-sample
 from tqdm import tqdm
 
 from common import (AUGMENTATIONS, RESNET_LAYOUT, Run, accumulate, autocast, build_model, client_batches, client_weights,
-                    each_client, evaluate, finish_args, load_average, load_data, make_partition, prepare_batch, refuse, rng_state,
+                    each_client, evaluate, finish_args, load_average, load_data, make_partition, prepare_batch, prox_term, refuse, rng_state,
                     sample_clients, seed_everything, set_rng_state, setup_distributed)
 
 ARCHS = {"bn": ("bn", False), "gn": ("gn", False), "se": ("bn", True), "nf": ("nf", False), "anfr": ("nf", True)}  # ANFR: --arch -> (norm, attention?)
@@ -348,7 +348,7 @@ def local_train(model, opt, batches, data, args, first_step, total, prox_pairs, 
             with autocast(args.device, args.amp):
                 loss = F.cross_entropy(model(x).float(), y)
             if args.agg == "fedprox":  # FedProx: + mu/2 ||w - w_t||^2 (Li et al. 2020, Eq. 2)
-                loss = loss + args.prox_mu / 2 * sum((w - w0).pow(2).sum() for w, w0 in prox_pairs)
+                loss = loss + prox_term(*zip(*prox_pairs), args.prox_mu)  # the (w, w_t) pairs as two lists
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if args.clip > 0:  # ANFR: gradient-norm clipping (Appendix A.1)
