@@ -56,9 +56,11 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad_and_value, vmap  # ANFR: per-sample gradients for DP-SGD
 from tqdm import tqdm
 
-from common import (AUGMENTATIONS, RESNET_LAYOUT, Run, accumulate, autocast, build_model, client_batches, client_weights,
-                    each_client, evaluate, finish_args, load_average, load_data, make_partition, prepare_batch, prox_term, refuse, rng_state,
-                    sample_clients, seed_everything, set_rng_state, setup_distributed)
+from common import (AUGMENTATIONS, RESNET_LAYOUT, Run, accumulate, autocast, build_model, client_batches,
+                    client_weights, decay_rate, device_flag, each_client, evaluate, finish_args, flag_type, fraction,
+                    load_average, load_data, make_partition, non_negative_float, positive_float, positive_int,
+                    prepare_batch, prox_term, refuse, rng_state, sample_clients, seed_everything, seed_int,
+                    set_rng_state, setup_distributed)
 
 ARCHS = {"bn": ("bn", False), "gn": ("gn", False), "se": ("bn", True), "nf": ("nf", False), "anfr": ("nf", True)}  # ANFR: --arch -> (norm, attention?)
 DP_ORDERS = [1 + x / 10 for x in range(1, 100)] + list(range(12, 64))  # ANFR: Renyi orders (those of Opacus)
@@ -70,56 +72,57 @@ def parse_args():
     g.add_argument("--dataset", default="cifar10", help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | synthetic")
     g.add_argument("--data-dir", default="./data", help="download folder, or the image folder (train/<class>/*, test/<class>/*) for --dataset folder")
     g.add_argument("--augment", default="crop-flip", choices=AUGMENTATIONS, help="on-device augmentation of training batches (at the stored size)")
-    g.add_argument("--image-size", type=int, default=None, help="ANFR: resize every batch to this size after augmentation (the paper: 224; default: keep)")  # ANFR
+    g.add_argument("--image-size", type=flag_type(int, 8), default=None, help="ANFR: resize every batch to this size after augmentation (the paper: 224; default: keep)")  # ANFR
     g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2)")
     g.add_argument("--iid", action="store_true", help="uniform random split")
-    g.add_argument("--shards", type=int, default=None, help="S: sort by label, N*S shards, S per client")
-    g.add_argument("--classes-per-client", type=int, default=None, help="C: each client holds C classes, each class split evenly among its holders")
-    g.add_argument("--alpha", type=float, default=None, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
+    g.add_argument("--shards", type=positive_int, default=None, help="S: sort by label, N*S shards, S per client")
+    g.add_argument("--classes-per-client", type=positive_int, default=None, help="C: each client holds C classes, each class split evenly among its holders")
+    g.add_argument("--alpha", type=positive_float, default=None, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
     g.add_argument("--split2", action="store_true", help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each; the default, Appendix A.1)")
     g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes: equal, or power law (unbalanced)")
     g.add_argument("--client-test", action="store_true", help="also evaluate on per-client test sets with each client's label distribution (always on with --pfl)")
-    g.add_argument("--data-seed", type=int, default=None, help="seed of the partition (default: --seed); client sampling uses --seed")
+    g.add_argument("--data-seed", type=seed_int, default=None, help="seed of the partition (default: --seed); client sampling uses --seed")
     g = p.add_argument_group("federation")
-    g.add_argument("--num-clients", type=int, default=5, help="C: number of clients (split-2: 5)")  # ANFR
-    g.add_argument("--frac", type=float, default=1.0, help="fraction of clients sampled per round, in (0, 1] (paper: all)")  # ANFR
-    g.add_argument("--rounds", type=int, default=100, help="T: communication rounds (Appendix A.1: 100)")  # ANFR
-    g.add_argument("--local-epochs", type=int, default=1, help="E: local epochs per round (Appendix A.1: 1)")  # ANFR
-    g.add_argument("--local-steps", type=int, default=None, help="local steps per round instead of --local-epochs")
-    g.add_argument("--batch-size", type=int, default=32, help="B: local batch size (Appendix A.1: 32)")  # ANFR
+    g.add_argument("--num-clients", type=positive_int, default=5, help="C: number of clients (split-2: 5)")  # ANFR
+    g.add_argument("--frac", type=fraction, default=1.0, help="fraction of clients sampled per round, in (0, 1] (paper: all)")  # ANFR
+    g.add_argument("--rounds", type=positive_int, default=100, help="T: communication rounds (Appendix A.1: 100)")  # ANFR
+    g.add_argument("--local-epochs", type=positive_int, default=1, help="E: local epochs per round (Appendix A.1: 1)")  # ANFR
+    g.add_argument("--local-steps", type=positive_int, default=None, help="local steps per round instead of --local-epochs")
+    g.add_argument("--batch-size", type=positive_int, default=32, help="B: local batch size (Appendix A.1: 32)")  # ANFR
     g.add_argument("--weighting", default="samples", choices=["samples", "uniform"], help="aggregation weights: n_k/n, or 1/m")
     g.add_argument("--agg", default="fedavg", choices=["fedavg", "fedprox", "scaffold", "fedadam"], help="ANFR: aggregation method (Table 1)")  # ANFR
     g.add_argument("--pfl", default="none", choices=["none", "fedper", "fedbn"], help="ANFR: personalization (Table 2): FedPer keeps each head local, FedBN each batch norm")  # ANFR
     g = p.add_argument_group("model (the one ResNet of common.py)")
     g.add_argument("--arch", default="anfr", choices=list(ARCHS), help="ANFR: bn | gn (group norm) | se (bn + attention) | nf (NF-ResNet, Eq. 5) | anfr (nf + attention)")  # ANFR
     g.add_argument("--depth", type=int, default=50, choices=[18, 26, 50], help="ANFR: ResNet depth (18: basic blocks; 26, 50: bottlenecks; paper: 50)")  # ANFR
-    g.add_argument("--width", type=int, default=64, help="ANFR: base channel count (64 = standard ResNet)")  # ANFR
+    g.add_argument("--width", type=positive_int, default=64, help="ANFR: base channel count (64 = standard ResNet)")  # ANFR
     g.add_argument("--stem", default="cifar", choices=["cifar", "imagenet"], help="ANFR: conv3x3 stem for 32x32 inputs, or conv7x7 + max-pool (paper, at 224)")  # ANFR
     g.add_argument("--attention", default="se", choices=["se", "eca", "cbam"], help="ANFR: channel attention of --arch se and anfr (Table 5); SE reduction r=16")  # ANFR
     g.add_argument("--init-from", default=None, metavar="PATH", help="ANFR: start from this state dict, ours or timm's (the paper: timm's ImageNet weights; see the docstring); every entry but the head must load")  # ANFR
-    g.add_argument("--last-gain-init", type=float, default=0.0, help="ANFR: start value of the gain g (Eq. 5) of the last conv of each NF residual branch; 0 = timm's NF-ResNets, the paper's models")  # ANFR
+    g.add_argument("--last-gain-init", type=non_negative_float, default=0.0, help="ANFR: start value of the gain g (Eq. 5) of the last conv of each NF residual branch; 0 = timm's NF-ResNets, the paper's models")  # ANFR
     g = p.add_argument_group("optimization")
-    g.add_argument("--lr", type=float, default=1e-3, help="eta: local AdamW learning rate, cosine-decayed over the run (Appendix B.3: 1e-3)")  # ANFR
-    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW decoupled weight decay (not given in the paper; PyTorch's default)")  # ANFR
-    g.add_argument("--clip", type=float, default=1.0, help="ANFR: local gradient-norm clipping (Appendix A.1: 1.0; 0 = off)")  # ANFR
-    g.add_argument("--prox-mu", type=float, default=0.01, help="mu: FedProx proximal term mu/2 ||w - w_t||^2 with --agg fedprox (tuned in {1e-3, 1e-2, ...})")  # ANFR
-    g.add_argument("--server-lr", type=float, default=1e-3, help="ANFR: FedAdam server learning rate eta (Appendix A.2 range 5e-4..1e-1)")  # ANFR
-    g.add_argument("--server-betas", type=float, nargs=2, default=[0.9, 0.99], help="ANFR: FedAdam beta1 beta2 (Reddi et al. 2021)")  # ANFR
-    g.add_argument("--server-tau", type=float, default=1e-3, help="ANFR: FedAdam adaptivity tau (Reddi et al. 2021)")  # ANFR
+    g.add_argument("--lr", type=positive_float, default=1e-3, help="eta: local AdamW learning rate, cosine-decayed over the run (Appendix B.3: 1e-3)")  # ANFR
+    g.add_argument("--weight-decay", type=non_negative_float, default=0.01, help="AdamW decoupled weight decay (not given in the paper; PyTorch's default)")  # ANFR
+    g.add_argument("--clip", type=non_negative_float, default=1.0, help="ANFR: local gradient-norm clipping (Appendix A.1: 1.0; 0 = off)")  # ANFR
+    g.add_argument("--prox-mu", type=non_negative_float, default=None, help="mu: FedProx proximal term mu/2 ||w - w_t||^2, with --agg fedprox only (default 0.01; tuned in {1e-3, 1e-2, ...})")  # ANFR
+    g.add_argument("--server-lr", type=positive_float, default=1e-3, help="ANFR: FedAdam server learning rate eta (Appendix A.2 range 5e-4..1e-1)")  # ANFR
+    g.add_argument("--server-betas", type=decay_rate, nargs=2, default=[0.9, 0.99], help="ANFR: FedAdam beta1 beta2 (Reddi et al. 2021)")  # ANFR
+    g.add_argument("--server-tau", type=positive_float, default=1e-3, help="ANFR: FedAdam adaptivity tau (Reddi et al. 2021)")  # ANFR
     g = p.add_argument_group("differential privacy (Section 4.3)")
-    g.add_argument("--dp-noise-multiplier", type=float, default=None, help="ANFR: sigma; enables DP-SGD on clients (paper: 1.1); architectures without batch norm only")  # ANFR
-    g.add_argument("--dp-max-grad-norm", type=float, default=1.0, help="ANFR: C, per-sample gradient norm bound of DP-SGD (paper: 1.0)")  # ANFR
+    g.add_argument("--dp-noise-multiplier", type=positive_float, default=None, help="ANFR: sigma; enables DP-SGD on clients (paper: 1.1); architectures without batch norm only")  # ANFR
+    g.add_argument("--dp-max-grad-norm", type=positive_float, default=1.0, help="ANFR: C, per-sample gradient norm bound of DP-SGD (paper: 1.0)")  # ANFR
     g = p.add_argument_group("run")
-    g.add_argument("--seed", type=int, default=0, help="seed of model init, client sampling and local shuffling")
-    g.add_argument("--device", default=None, help="cuda if available, else cpu")
+    g.add_argument("--seed", type=seed_int, default=0, help="seed of model init, client sampling and local shuffling")
+    g.add_argument("--device", type=device_flag, default=None, help="cpu, cuda, cuda:N or mps (default: cuda if available, else cpu)")
     g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes (not with DP)")
-    g.add_argument("--eval-every", type=int, default=1, help="evaluate every this many rounds (and at the last)")
-    g.add_argument("--checkpoint-every", type=int, default=None, help="write checkpoint.pt every this many rounds (default: at each evaluation)")
+    g.add_argument("--eval-every", type=positive_int, default=1, help="evaluate every this many rounds (and at the last)")
+    g.add_argument("--checkpoint-every", type=positive_int, default=None, help="write checkpoint.pt every this many rounds (default: at each evaluation)")
     g.add_argument("--analyze", action="store_true", help="ANFR: class selectivity index and attention-weight spread of the last attention module (Sec. 3.4) in summary.json")  # ANFR
     g.add_argument("--out", default=None, help="run folder (default runs/anfr__<dataset>__<seed>__<time>)")
+    g.add_argument("--overwrite", action="store_true", help="replace the run already in --out (without it, such an --out is refused)")
     g.add_argument("--save-model", action="store_true", help="write the final global state_dict to OUT/model.pt")
-    g.add_argument("--resume", default=None, metavar="DIR", help="continue the interrupted run in DIR (its config.json is used)")
-    g.add_argument("--stop-after", type=int, default=None, help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
+    g.add_argument("--resume", default=None, metavar="DIR", help="continue the run in DIR (its config.json is used); with a larger --rounds, extend it")
+    g.add_argument("--stop-after", type=positive_int, default=None, help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
     p.set_defaults(model="resnet")  # ANFR: common.resnet with the options of --arch
     args = p.parse_args()
     args.client_test = args.client_test or args.pfl != "none"  # ANFR: pFL is evaluated on per-client test sets
@@ -129,13 +132,13 @@ def parse_args():
         for bad, msg in [
                 (args.pfl == "fedbn" and not has_bn, f"--pfl fedbn: --arch {args.arch} has no batch norm to keep local; use --arch bn or se, or --pfl fedper"),
                 (dp and has_bn, f"--dp-noise-multiplier: DP-SGD needs per-sample gradients, which batch norm (--arch {args.arch}) mixes; use --arch gn, nf or anfr"),
-                (dp and (args.dp_noise_multiplier < 0 or args.dp_max_grad_norm <= 0), "--dp-noise-multiplier: needs sigma >= 0 and --dp-max-grad-norm > 0"),
-                (args.agg == "fedprox" and args.prox_mu <= 0, f"--prox-mu: --agg fedprox needs mu > 0, got {args.prox_mu}"),
+                (args.agg == "fedprox" and args.prox_mu == 0, "--prox-mu: --agg fedprox needs mu > 0, got 0"),
+                (args.prox_mu is not None and args.agg != "fedprox", f"--prox-mu: the proximal term belongs to --agg fedprox, not --agg {args.agg}; add --agg fedprox or drop --prox-mu"),
                 (args.init_from is not None and not os.path.isfile(args.init_from), f"--init-from: no file {args.init_from}"),
-                (args.last_gain_init != 0 and ARCHS[args.arch][0] != "nf", f"--last-gain-init: --arch {args.arch} has no NF gains; use --arch nf or anfr"),
-                (args.width < 1 or (args.image_size is not None and args.image_size < 8), "--width / --image-size: must be >= 1 / >= 8")]:
+                (args.last_gain_init != 0 and ARCHS[args.arch][0] != "nf", f"--last-gain-init: --arch {args.arch} has no NF gains; use --arch nf or anfr")]:
             if bad:
                 p.error(msg)
+        args.prox_mu = (0.01 if args.prox_mu is None else args.prox_mu) if args.agg == "fedprox" else 0.0  # 0 = no proximal term
     return args
 
 
@@ -383,6 +386,7 @@ if __name__ == "__main__":
             refuse(f"--init-from {args.init_from}: {e}")
     run = Run(args, "anfr")
     run.write_partition(partition, data)
+    run.announce(model, partition, name=f"resnet{args.depth} --arch {args.arch}")  # start-up line  # ANFR: name
     sampler = np.random.default_rng(args.seed)  # client sampling, independent of the partition
     sizes = [len(p) for p in partition.train]
     n_clients = len(sizes)
@@ -494,7 +498,7 @@ if __name__ == "__main__":
             bar.set_postfix(acc=f"{metrics['test_acc']:.4f}", loss=f"{train_loss:.3f}")
             if args.checkpoint_every is None:
                 checkpoint(rnd + 1)
-        if args.checkpoint_every is not None and (rnd + 1) % args.checkpoint_every == 0:
+        if args.checkpoint_every is not None and ((rnd + 1) % args.checkpoint_every == 0 or rnd + 1 == args.rounds):
             checkpoint(rnd + 1)
         if run.stop_requested or (args.stop_after is not None and rnd + 1 - start >= args.stop_after):
             if rnd + 1 < args.rounds:

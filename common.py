@@ -37,95 +37,235 @@ TRAIN_SIZE = {"mnist": 60000, "fashionmnist": 60000, "emnist": 697932, "cifar10"
               "cifar100": 50000, "svhn": 73257}
 
 
-RUNTIME_FLAGS = ("resume", "stop_after")  # not part of a run's config: --resume takes them from the command line
+RUNTIME_FLAGS = ("resume", "stop_after", "overwrite")  # not part of a run's config: they belong to one invocation
+RESUME_FLAGS = ("resume", "stop_after", "rounds", "device")  # what may be given with --resume (--rounds: extend)
+RUN_FILES = ("config.json", "partition.json", "metrics.jsonl", "checkpoint.pt", "summary.json", "model.pt")
+
+
+# Flag types: argparse calls them on the text of a flag, so a bad value ends the parse with exit status 2
+# and "argument --lr: must be > 0, got -0.1", before anything is read or written.
+def flag_type(cast, low=-math.inf, high=math.inf, open_low=False, open_high=False):
+    """An argparse type: cast(text), finite and in [low, high] (an open end where said)."""
+    def check(text):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if cast is int else 'a number'}, got '{text}'")
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        if value < low or (open_low and value == low) or value > high or (open_high and value == high):
+            raise argparse.ArgumentTypeError(f"must be {_range_text(low, high, open_low, open_high)}, got {text}")
+        return value
+    check.__name__ = cast.__name__  # argparse names the type in its own messages
+    return check
+
+
+def _range_text(low, high, open_low, open_high):
+    if high == math.inf:
+        return f"{'>' if open_low else '>='} {low:g}"
+    return f"in {'(' if open_low else '['}{low:g}, {high:g}{')' if open_high else ']'}"
+
+
+positive_int = flag_type(int, 1)  # counts: clients, rounds, epochs, steps, batch size, periods
+non_negative_int = flag_type(int, 0)
+seed_int = flag_type(int, 0, 2**32 - 1)  # numpy's legacy seeding takes at most 32 bits
+positive_float = flag_type(float, 0, open_low=True)  # learning rates, alpha, tau
+non_negative_float = flag_type(float, 0)  # weight decay, mu (0 = off)
+fraction = flag_type(float, 0, 1, open_low=True)  # (0, 1]: --frac, --lr-decay
+decay_rate = flag_type(float, 0, 1, open_high=True)  # [0, 1): momentum and moment decays
+inner_fraction = flag_type(float, 0, 1, open_low=True, open_high=True)  # (0, 1): --lr-decay-at
+
+
+def device_flag(text):
+    """--device: cpu, cuda, cuda:N or mps (whether it exists is checked in finish_args)."""
+    if text in ("cpu", "cuda", "mps") or (text.startswith("cuda:") and text[5:].isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"expected cpu, cuda, cuda:N or mps, got '{text}'")
+
+
+def given_flags(parser, argv=None):
+    """The dests of the flags written on the command line (not left at their defaults)."""
+    unset = object()
+    dests = [a.dest for a in parser._actions if a.dest != "help"] + list(parser._defaults)  # set_defaults too
+    namespace = argparse.Namespace(**{dest: unset for dest in dests})
+    parser.parse_args(argv, namespace=namespace)  # argparse fills in defaults only where nothing is set
+    return {k for k, v in vars(namespace).items() if v is not unset}
 
 
 def default_out_dir(script, args):
+    """runs/<script>__<dataset>__<seed>__<time>, with -2, -3, ... if another run started in the same second."""
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return os.path.join("runs", f"{script}__{args.dataset}__{args.seed}__{stamp}")
+    base = os.path.join("runs", f"{script}__{args.dataset}__{args.seed}__{stamp}")
+    out, n = base, 1
+    while os.path.exists(out):
+        n += 1
+        out = f"{base}-{n}"
+    return out
+
+
+def holds_run(folder):
+    return any(os.path.exists(os.path.join(folder, name)) for name in RUN_FILES)
 
 
 def finish_args(parser, args, script, default_partition):
     """Validate the flags every script shares and fill in derived defaults.
 
     Bad input ends here (exit status 2, one line naming the flag) before any data is touched.
-    `default_partition` is the paper's partition, e.g. ("shards", 2), used when no flag is given.
-    With --resume DIR the run's saved config.json replaces the command line.
+    Ranges of single flags are checked by their argparse types (flag_type); here: flags together,
+    the device, the data folder and the run folder. `default_partition` is the paper's partition,
+    e.g. ("shards", 2), used when no flag is given. --resume DIR: see resume_args.
     """
     if getattr(args, "resume", None):
-        config = os.path.join(args.resume, "config.json")
-        if not os.path.isfile(config) or not os.path.isfile(os.path.join(args.resume, "checkpoint.pt")):
-            parser.error(f"--resume: {args.resume} has no config.json and checkpoint.pt to resume from")
-        with open(config) as f:
-            saved = json.load(f)
-        keep = {k: getattr(args, k, None) for k in RUNTIME_FLAGS}  # these come from this command line
-        args = argparse.Namespace(**{**vars(args), **saved, **keep})
-        args.out = args.resume
-        return args
+        return resume_args(parser, args, script)
     err = parser.error
     if args.dataset not in DATASETS:
         err(f"--dataset: unknown dataset '{args.dataset}'; choose one of {', '.join(DATASETS)}")
     if args.model not in MODELS:
         err(f"--model: unknown model '{args.model}'; choose one of {', '.join(sorted(MODELS))}")
     if args.dataset == "folder":
-        for split in ("train", "test"):
-            if not os.path.isdir(os.path.join(args.data_dir, split)):
-                err(f"--data-dir: a folder dataset needs {os.path.join(args.data_dir, split)}/<class>/*images*")
-        train, test = (os.path.join(args.data_dir, split) for split in ("train", "test"))
-        try:
-            classes = sorted(d for d in os.listdir(train) if os.path.isdir(os.path.join(train, d)))
-        except OSError as e:
-            err(f"--data-dir: cannot list {train} ({e.strerror})")
-        if not classes:
-            err(f"--data-dir: {train} has no class folders; a folder dataset needs {train}/<class>/*images*")
-        missing = [c for c in classes if not os.path.isdir(os.path.join(test, c))]
-        if missing:
-            err(f"--data-dir: {test} lacks the class folder(s) {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} of {train}")
+        check_image_folder(args.data_dir, err)
     given = [k for k in PARTITION_FLAGS if getattr(args, k) not in (None, False)]
     if len(given) > 1:
         err("partition: give at most one of " + ", ".join(PARTITION_FLAGS.values())
             + f" (got {' and '.join(PARTITION_FLAGS[k] for k in given)})")
     if not given:
         setattr(args, default_partition[0], default_partition[1])
-    if args.num_clients < 1:
-        err("--num-clients: must be at least 1")
-    if not 0 < args.frac <= 1:
-        err(f"--frac: must be in (0, 1], got {args.frac}")
-    if args.rounds < 1:
-        err(f"--rounds: must be at least 1, got {args.rounds}")
-    if args.batch_size < 1:
-        err(f"--batch-size: must be at least 1, got {args.batch_size}")
-    if args.alpha is not None and args.alpha <= 0:
-        err(f"--alpha: the Dirichlet concentration must be > 0, got {args.alpha}")
-    if getattr(args, "prox_mu", None) is not None and args.prox_mu < 0:  # every script's FedProx flag
-        err(f"--prox-mu: must be >= 0 (0 = no proximal term), got {args.prox_mu}")
     classes = _num_classes_hint(args)
     if args.shards is not None:
-        if args.shards < 1:
-            err(f"--shards: must be at least 1, got {args.shards}")
         if classes is not None and args.shards > classes:
             err(f"--shards: S={args.shards} is more than the {classes} classes of {args.dataset}")
         size = TRAIN_SIZE.get(args.dataset)
         if size is not None and args.num_clients * args.shards > size:
             err(f"--shards: N*S = {args.num_clients * args.shards} shards is more than the {size} training samples")
-    if args.classes_per_client is not None:
-        if args.classes_per_client < 1 or (classes is not None and args.classes_per_client > classes):
-            err(f"--classes-per-client: C must be in 1..{classes or 'num classes'}, got {args.classes_per_client}")
+    if args.classes_per_client is not None and classes is not None and args.classes_per_client > classes:
+        err(f"--classes-per-client: C must be in 1..{classes}, got {args.classes_per_client}")
     if args.split2 and args.num_clients != 5:
         err(f"--split2: split-2 has exactly 5 clients; pass --num-clients 5 (got {args.num_clients})")
     if args.quantity == "powerlaw" and args.split2:
         err("--quantity: powerlaw works with --iid, --shards, --classes-per-client or --alpha, not --split2")
-    if args.eval_every < 1:
-        err(f"--eval-every: must be at least 1, got {args.eval_every}")
     if args.data_seed is None:
         args.data_seed = args.seed
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        err(f"--device: '{args.device}' asked for but CUDA is not available; use --device cpu")
+    args.device = check_device(args.device, err)
+    if args.amp and args.device == "cpu":
+        print("note: --amp on the CPU: bfloat16 autocast runs, but is usually slower than float32 there",
+              file=sys.stderr)
     if args.out is None:
         args.out = default_out_dir(script, args)
+    elif holds_run(args.out) and not args.overwrite:
+        err(f"--out: {args.out} already holds a run; continue it with --resume {args.out}, "
+            f"write to another --out, or replace it with --overwrite")
+    if int(os.environ.get("RANK", "0")) == 0:  # torchrun: rank 0's folder is the run's
+        check_writable(args.out, err)
+    args.script = script
     return args
+
+
+def resume_args(parser, args, script):
+    """--resume DIR: the run's config.json replaces the command line, which may add only --stop-after,
+    --device, and a larger --rounds (to extend the run; decay points of --lr-decay-at, and anfr.py's
+    cosine, are then fractions of the new total). A finished run is left as it is."""
+    err, folder = parser.error, args.resume
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            saved = json.load(f)
+    except FileNotFoundError:
+        err(f"--resume: {folder} has no config.json, so it holds no run to resume")
+    except (OSError, ValueError) as e:
+        err(f"--resume: cannot read {os.path.join(folder, 'config.json')} ({e})")
+    own = ({a.dest for a in parser._actions} | set(parser._defaults)) - {"help", *RUNTIME_FLAGS}
+    owner = saved.get("script") or (script if set(saved) == own else "another script")
+    if owner != script:
+        hint = f"; resume it with python {owner}.py --resume {folder}" if owner != "another script" else ""
+        err(f"--resume: {folder} holds a run of {owner}, not of {script}.py{hint}")
+    given = given_flags(parser)
+    extra = sorted(given - set(RESUME_FLAGS))
+    if extra:
+        err(f"--{extra[0].replace('_', '-')}: a resumed run keeps the flags of its config.json; "
+            "with --resume give only --rounds (to extend it), --stop-after or --device")
+    rounds = args.rounds if "rounds" in given else saved["rounds"]
+    if rounds < saved["rounds"]:
+        err(f"--rounds: the run in {folder} has {saved['rounds']} rounds; --resume can extend it, not shorten it")
+    summary = _read_json(os.path.join(folder, "summary.json"))
+    if summary and summary.get("diverged"):
+        err(f"--resume: the run in {folder} diverged in round {summary['round']}; start a new one (a smaller --lr?)")
+    if summary and summary.get("final_round", saved["rounds"]) == rounds:
+        print(f"{folder}: this run has finished its {rounds} rounds; nothing to do "
+              f"(a larger --rounds extends it: --resume {folder} --rounds N)")
+        raise SystemExit(0)
+    if not os.path.isfile(os.path.join(folder, "checkpoint.pt")):
+        err(f"--resume: {folder} has config.json but no checkpoint.pt (the run stopped before its first "
+            f"checkpoint); start it again with --out {folder} --overwrite")
+    device = check_device(args.device if "device" in given else saved["device"], err)
+    keep = {"resume": folder, "stop_after": args.stop_after, "overwrite": False, "rounds": rounds, "device": device}
+    args = argparse.Namespace(**{**vars(args), **saved, **keep, "script": script})
+    args.out = folder
+    return args
+
+
+def check_device(device, err):
+    """The device to use: cuda when available if none was asked for; a missing one is refused."""
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            err(f"--device: '{device}' asked for but CUDA is not available; use --device cpu")
+        if ":" in device and int(device[5:]) >= torch.cuda.device_count():
+            err(f"--device: {device} does not exist; this machine has {torch.cuda.device_count()} GPU(s)")
+    if device == "mps" and not torch.backends.mps.is_available():
+        err("--device: 'mps' asked for but Apple's MPS is not available; use --device cpu")
+    return device
+
+
+def check_image_folder(root, err):
+    """--dataset folder: root/train/<class>/ with at least one image each, and the same classes in root/test/."""
+    train, test = (os.path.join(root, split) for split in ("train", "test"))
+    for split in (train, test):
+        if not os.path.isdir(split):
+            err(f"--data-dir: a folder dataset needs {split}/<class>/*images*")
+    try:
+        classes = sorted(d for d in os.listdir(train) if os.path.isdir(os.path.join(train, d)))
+    except OSError as e:
+        err(f"--data-dir: cannot list {train} ({e.strerror})")
+    if not classes:
+        err(f"--data-dir: {train} has no class folders; a folder dataset needs {train}/<class>/*images*")
+    missing = [c for c in classes if not os.path.isdir(os.path.join(test, c))]
+    if missing:
+        err(f"--data-dir: {test} lacks the class folder(s) {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "
+            f"of {train}")
+    empty = [c for c in classes if not any(f.lower().endswith(IMAGE_EXTENSIONS) for f in os.listdir(os.path.join(train, c)))]
+    if empty:
+        err(f"--data-dir: the class folder(s) {', '.join(empty[:3])}{' ...' if len(empty) > 3 else ''} of {train} "
+            "hold no images; remove them or add images")
+
+
+def check_writable(folder, err):
+    """--out must be a folder this process can create and write in; the probe leaves nothing behind."""
+    path, missing = os.path.abspath(folder), []
+    while not os.path.exists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        err(f"--out: {path} is a file, so {folder} cannot be a run folder")
+    probe = os.path.join(folder, f".cleanfl-probe.{os.getpid()}")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        open(probe, "w").close()
+    except OSError as e:
+        err(f"--out: cannot write in {folder} ({e.strerror})")
+    finally:
+        if os.path.exists(probe):
+            os.remove(probe)
+        for made in missing:  # deepest first
+            if os.path.isdir(made):
+                os.rmdir(made)
+
+
+def _read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def _num_classes_hint(args):
@@ -266,37 +406,36 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".ppm", ".webp", ".
 def folder_dataset(root):
     """Read root/{train,test}/<class>/* once and cache the decoded uint8 tensors.
 
-    The cache sits in root (root/.cleanfl-cache.pt), or in ~/.cache/cleanfl when root is read-only.
-    Class index = position of the folder name in sorted order.
+    The cache sits in root (root/.cleanfl-cache.pt), or in ~/.cache/cleanfl when root is read-only. It is
+    keyed on the folder's contents (every image's path, size and modification time), so added, removed
+    or replaced images are decoded anew. Class index = position of the folder name in sorted order.
     """
     root = os.path.abspath(root)
     key = hashlib.sha1(root.encode()).hexdigest()[:16]
     caches = [os.path.join(root, ".cleanfl-cache.pt"),
               os.path.join(os.path.expanduser("~"), ".cache", "cleanfl", f"folder-{key}.pt")]
-    stamp = [os.path.getmtime(os.path.join(root, s)) for s in ("train", "test")]
+    classes = sorted(d for d in os.listdir(os.path.join(root, "train"))
+                     if os.path.isdir(os.path.join(root, "train", d)))
+    files = {split: [(c, os.path.join(root, split, classes[c], f)) for c in range(len(classes))
+                     for f in sorted(os.listdir(os.path.join(root, split, classes[c])))
+                     if f.lower().endswith(IMAGE_EXTENSIONS)]
+             for split in ("train", "test")}
+    stamp = _fingerprint([path for split in files.values() for _, path in split], root)
     for path in caches:
         if os.path.isfile(path):
             cached = torch.load(path)
             if cached.get("stamp") == stamp:
                 return cached["tensors"]
-    classes = sorted(d for d in os.listdir(os.path.join(root, "train"))
-                     if os.path.isdir(os.path.join(root, "train", d)))
     tensors = []
     for split in ("train", "test"):
-        xs, ys = [], []
-        files = [(c, f) for c in range(len(classes))
-                 for f in sorted(os.listdir(os.path.join(root, split, classes[c])))
-                 if f.lower().endswith(IMAGE_EXTENSIONS)]
-        for c, f in _progress(files, desc=f"decoding {split}/"):
-            xs.append(_decode_image(os.path.join(root, split, classes[c], f)))
-            ys.append(c)
+        xs = [_decode_image(path) for _, path in _progress(files[split], desc=f"decoding {split}/")]
         if not xs:
             refuse(f"--data-dir: no images found under {os.path.join(root, split)}/<class>/")
         shapes = {tuple(x.shape) for x in xs}
         if len(shapes) > 1:
             refuse(f"--data-dir: images under {root}/{split} differ in size ({sorted(shapes)[:3]}...); "
-                     "resize them to one size first")
-        tensors += [torch.stack(xs), torch.tensor(ys)]
+                   "resize them to one size first")
+        tensors += [torch.stack(xs), torch.tensor([c for c, _ in files[split]])]
     for path in caches:  # first writable place wins
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -305,6 +444,15 @@ def folder_dataset(root):
         except OSError:
             continue
     return tensors
+
+
+def _fingerprint(paths, root):
+    """sha1 of every file's path (relative to root), size and modification time, in the given order."""
+    h = hashlib.sha1()
+    for path in paths:
+        st = os.stat(path)
+        h.update(f"{os.path.relpath(path, root)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
 
 
 def _decode_image(path):
@@ -827,23 +975,46 @@ def set_rng_state(state, sampler):
 
 
 def _atomic_save(obj, path):
-    """torch.save obj (json.dump for a *.json path) to a temporary file, then rename it to path: the
-    file is whole or absent, whenever the process stops."""
+    """torch.save obj (JSON for a *.json path, text for a str) to a temporary file, then rename it to
+    path: the file is whole or absent, whenever the process stops."""
     tmp = f"{path}.{socket.gethostname()}.{os.getpid()}.tmp"  # one per process: writers never share a temporary file
-    if path.endswith(".json"):
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=2)
-    else:
-        torch.save(obj, tmp)
-    os.replace(tmp, path)
+    try:
+        if isinstance(obj, str) or path.endswith(".json"):
+            with open(tmp, "w") as f:
+                f.write(obj if isinstance(obj, str) else json.dumps(_json_safe(obj), indent=2, allow_nan=False))
+        else:
+            torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):  # interrupted (or failed) before the rename
+            os.remove(tmp)
+
+
+def _json_safe(obj):
+    """obj with every NaN or infinity replaced by None (JSON has neither; json.dumps would write NaN)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def _interrupted(*_):
+    """Ctrl-C when a round cannot be finished first (before the loop, or a second time): one line, no traceback."""
+    print("\ninterrupted; the run folder keeps what was saved (resume from its last checkpoint with --resume)",
+          file=sys.stderr)
+    raise SystemExit(130)
 
 
 class Run:
     """The run directory: config.json, partition.json, metrics.jsonl, checkpoint.pt, summary.json.
 
+    Every file is written whole (a temporary file, then a rename); NaN and infinity are written as null.
     Ctrl-C once asks the loop to stop after the current round (the loop then checkpoints and exits);
-    Ctrl-C twice aborts at once. Under torchrun only rank 0 writes (run.main) and Ctrl-C ends every
-    rank at once (torchrun stops them): resume from the last checkpoint.
+    Ctrl-C twice stops at once with one line. Under torchrun only rank 0 writes (run.main) and Ctrl-C
+    ends every rank at once (torchrun stops them): resume from the last checkpoint.
     """
 
     def __init__(self, args, script):
@@ -853,20 +1024,25 @@ class Run:
         self.stop_requested = False
         self.start = time.time()
         self.elapsed_before = 0.0
+        self.metrics_path = os.path.join(self.dir, "metrics.jsonl")
         if self.main:
             os.makedirs(self.dir, exist_ok=True)
             if not args.resume:
-                with open(os.path.join(self.dir, "config.json"), "w") as f:
-                    json.dump({k: v for k, v in vars(args).items() if k not in RUNTIME_FLAGS}, f, indent=2)
-                open(os.path.join(self.dir, "metrics.jsonl"), "w").close()
+                for name in RUN_FILES:  # --overwrite: the earlier run's files go (finish_args refused them otherwise)
+                    if os.path.exists(os.path.join(self.dir, name)):
+                        os.remove(os.path.join(self.dir, name))
+                _atomic_save("", self.metrics_path)
+            # the config (with --resume --rounds N: the extended one)
+            _atomic_save({k: v for k, v in vars(args).items() if k not in RUNTIME_FLAGS},
+                         os.path.join(self.dir, "config.json"))
         if world == 1:
             signal.signal(signal.SIGINT, self._on_sigint)
 
     def _on_sigint(self, *_):
-        print("\ninterrupt: finishing this round, then writing a checkpoint (Ctrl-C again aborts)",
+        print("\ninterrupt: finishing this round, then writing a checkpoint (Ctrl-C again stops at once)",
               file=sys.stderr)
         self.stop_requested = True
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGINT, _interrupted)
 
     @property
     def elapsed(self):
@@ -879,15 +1055,23 @@ class Run:
                 "train": label_counts(data.y_train, partition.train, data.num_classes)}
         if partition.test is not None:
             info["test"] = label_counts(data.y_test, partition.test, data.num_classes)
-        with open(os.path.join(self.dir, "partition.json"), "w") as f:
-            json.dump(info, f)
+        _atomic_save(info, os.path.join(self.dir, "partition.json"))
+
+    def announce(self, model, partition, name=None):
+        """The start-up line: device, model and parameter count, partition, run folder."""
+        sizes = [len(p) for p in partition.train]
+        params = sum(p.numel() for p in model.parameters())
+        if self.main:
+            print(f"{self.script}: {device_name(self.args.device)} | model {name or self.args.model}, {params:,} parameters "
+                  f"| {partition.scheme}: {len(sizes)} clients, {min(sizes)}-{max(sizes)} training samples each "
+                  f"| run folder {self.dir}{' (resumed)' if self.args.resume else ''}", flush=True)
 
     def log(self, metrics):
         metrics = {**metrics, "elapsed_s": round(self.elapsed, 3)}
         if self.main:
-            with open(os.path.join(self.dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(metrics) + "\n")
-                f.flush()
+            with open(self.metrics_path) as f:
+                before = f.read()
+            _atomic_save(before + json.dumps(_json_safe(metrics), allow_nan=False) + "\n", self.metrics_path)
         return metrics
 
     def save_checkpoint(self, round_done, state):
@@ -903,16 +1087,15 @@ class Run:
                           weights_only=False)
         self.elapsed_before = ckpt["elapsed_s"]
         if self.main:
-            path = os.path.join(self.dir, "metrics.jsonl")
-            with open(path) as f:
-                lines = [l for l in f if l.strip() and json.loads(l)["round"] <= ckpt["round"]]
-            with open(path, "w") as f:
-                f.writelines(lines)
+            with open(self.metrics_path) as f:
+                lines = [line for line in f if line.strip() and json.loads(line)["round"] <= ckpt["round"]]
+            _atomic_save("".join(lines), self.metrics_path)
         return ckpt
 
     def finish(self, summary, model=None):
-        summary = {**summary, "wall_time_s": round(self.elapsed, 3), "device": device_name(self.args.device),
-                   "torch": torch.__version__, "script": self.script, "processes": rank_and_world()[1]}
+        summary = {**summary, "wall_time_s": round(self.elapsed, 3),
+                   "device": device_name(self.args.device), "torch": torch.__version__, "script": self.script,
+                   "processes": rank_and_world()[1]}
         if self.main:
             _atomic_save(summary, os.path.join(self.dir, "summary.json"))
             if model is not None and self.args.save_model:
@@ -941,8 +1124,11 @@ def device_name(device):
 def setup_distributed(args):
     """Under torchrun (WORLD_SIZE > 1): join the process group (NCCL on GPUs, gloo on CPU), give each
     rank its own GPU (cuda:LOCAL_RANK, or cuda:0 where a process sees one GPU), take rank 0's --out,
-    and silence the stdout of ranks other than 0. Alone: nothing."""
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or dist.is_initialized():
+    and silence the stdout of ranks other than 0. Alone: Ctrl-C from here on ends with one line, no traceback."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        signal.signal(signal.SIGINT, _interrupted)  # until Run's handler lets the loop finish its round
+        return
+    if dist.is_initialized():
         return
     cuda = args.device.startswith("cuda")
     if cuda:

@@ -27,9 +27,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights, each_client,
-                    evaluate, finish_args, load_average, load_data, lr_at, make_partition, prepare_batch, prox_term, rng_state,
-                    sample_clients, seed_everything, set_rng_state, setup_distributed)
+from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights, decay_rate,
+                    device_flag, each_client, evaluate, finish_args, fraction, inner_fraction, load_average, load_data,
+                    lr_at, make_partition, non_negative_float, positive_float, positive_int, prepare_batch, prox_term,
+                    rng_state, sample_clients, seed_everything, seed_int, set_rng_state, setup_distributed)
 
 
 def parse_args():
@@ -40,39 +41,40 @@ def parse_args():
     g.add_argument("--augment", default="crop-flip", choices=AUGMENTATIONS, help="on-device augmentation of training batches")
     g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2)")
     g.add_argument("--iid", action="store_true", help="uniform random split")
-    g.add_argument("--shards", type=int, default=None, help="S: sort by label, N*S shards, S per client (default: S=2, McMahan's pathological non-IID)")
-    g.add_argument("--classes-per-client", type=int, default=None, help="C: each client holds C classes, each class split evenly among its holders")
-    g.add_argument("--alpha", type=float, default=None, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
+    g.add_argument("--shards", type=positive_int, default=None, help="S: sort by label, N*S shards, S per client (default: S=2, McMahan's pathological non-IID)")
+    g.add_argument("--classes-per-client", type=positive_int, default=None, help="C: each client holds C classes, each class split evenly among its holders")
+    g.add_argument("--alpha", type=positive_float, default=None, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
     g.add_argument("--split2", action="store_true", help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
     g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes: equal, or power law (unbalanced)")
     g.add_argument("--client-test", action="store_true", help="also evaluate on per-client test sets with each client's label distribution")
-    g.add_argument("--data-seed", type=int, default=None, help="seed of the partition (default: --seed); client sampling uses --seed")
+    g.add_argument("--data-seed", type=seed_int, default=None, help="seed of the partition (default: --seed); client sampling uses --seed")
     g = p.add_argument_group("federation")
-    g.add_argument("--num-clients", type=int, default=100, help="K: number of clients")
-    g.add_argument("--frac", type=float, default=0.1, help="C: fraction of clients sampled per round, in (0, 1]")
-    g.add_argument("--rounds", type=int, default=200, help="T: communication rounds")
-    g.add_argument("--local-epochs", type=int, default=5, help="E: local epochs per round")
-    g.add_argument("--local-steps", type=int, default=None, help="local SGD steps per round instead of --local-epochs")
-    g.add_argument("--batch-size", type=int, default=50, help="B: local batch size")
+    g.add_argument("--num-clients", type=positive_int, default=100, help="K: number of clients")
+    g.add_argument("--frac", type=fraction, default=0.1, help="C: fraction of clients sampled per round, in (0, 1]")
+    g.add_argument("--rounds", type=positive_int, default=200, help="T: communication rounds")
+    g.add_argument("--local-epochs", type=positive_int, default=5, help="E: local epochs per round")
+    g.add_argument("--local-steps", type=positive_int, default=None, help="local SGD steps per round instead of --local-epochs")
+    g.add_argument("--batch-size", type=positive_int, default=50, help="B: local batch size")
     g.add_argument("--weighting", default="samples", choices=["samples", "uniform"], help="aggregation weights: n_k/n, or 1/m")
     g = p.add_argument_group("optimization")
     g.add_argument("--model", default="cnn", help="cnn | resnet18 | ... (see common.MODELS)")
-    g.add_argument("--lr", type=float, default=0.01, help="eta: local learning rate")
-    g.add_argument("--momentum", type=float, default=0.9, help="local SGD momentum (reset every round)")
-    g.add_argument("--weight-decay", type=float, default=5e-4, help="local L2 weight decay")
-    g.add_argument("--lr-decay-at", type=float, nargs="*", default=[], help="fractions of the run at which lr is multiplied by --lr-decay, e.g. 0.5 0.75")
-    g.add_argument("--lr-decay", type=float, default=0.1, help="lr multiplier at each --lr-decay-at")
-    g.add_argument("--prox-mu", type=float, default=0.0, help="mu: FedProx proximal term mu/2 ||w - w_t||^2 (0 = FedAvg)")
+    g.add_argument("--lr", type=positive_float, default=0.01, help="eta: local learning rate")
+    g.add_argument("--momentum", type=decay_rate, default=0.9, help="local SGD momentum (reset every round)")
+    g.add_argument("--weight-decay", type=non_negative_float, default=5e-4, help="local L2 weight decay")
+    g.add_argument("--lr-decay-at", type=inner_fraction, nargs="*", default=[], help="fractions of the run at which lr is multiplied by --lr-decay, e.g. 0.5 0.75")
+    g.add_argument("--lr-decay", type=fraction, default=0.1, help="lr multiplier at each --lr-decay-at")
+    g.add_argument("--prox-mu", type=non_negative_float, default=0.0, help="mu: FedProx proximal term mu/2 ||w - w_t||^2 (0 = FedAvg)")
     g = p.add_argument_group("run")
-    g.add_argument("--seed", type=int, default=0, help="seed of model init, client sampling and local shuffling")
-    g.add_argument("--device", default=None, help="cuda if available, else cpu")
+    g.add_argument("--seed", type=seed_int, default=0, help="seed of model init, client sampling and local shuffling")
+    g.add_argument("--device", type=device_flag, default=None, help="cpu, cuda, cuda:N or mps (default: cuda if available, else cpu)")
     g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
-    g.add_argument("--eval-every", type=int, default=1, help="evaluate every this many rounds (and at the last)")
-    g.add_argument("--checkpoint-every", type=int, default=None, help="write checkpoint.pt every this many rounds (default: at each evaluation)")
+    g.add_argument("--eval-every", type=positive_int, default=1, help="evaluate every this many rounds (and at the last)")
+    g.add_argument("--checkpoint-every", type=positive_int, default=None, help="write checkpoint.pt every this many rounds (default: at each evaluation)")
     g.add_argument("--out", default=None, help="run folder (default runs/fedavg__<dataset>__<seed>__<time>)")
+    g.add_argument("--overwrite", action="store_true", help="replace the run already in --out (without it, such an --out is refused)")
     g.add_argument("--save-model", action="store_true", help="write the final global state_dict to OUT/model.pt")
-    g.add_argument("--resume", default=None, metavar="DIR", help="continue the interrupted run in DIR (its config.json is used)")
-    g.add_argument("--stop-after", type=int, default=None, help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
+    g.add_argument("--resume", default=None, metavar="DIR", help="continue the run in DIR (its config.json is used); with a larger --rounds, extend it")
+    g.add_argument("--stop-after", type=positive_int, default=None, help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
     return finish_args(p, p.parse_args(), "fedavg", default_partition=("shards", 2))
 
 
@@ -106,6 +108,7 @@ if __name__ == "__main__":
     run.write_partition(partition, data)
     model = build_model(args.model, data).to(args.device)  # the global model w_t
     client = build_model(args.model, data).to(args.device)  # one client model, reloaded for every client
+    run.announce(model, partition)  # start-up line: device, model, partition, run folder
     sampler = np.random.default_rng(args.seed)  # client sampling, independent of the partition
     sizes = [len(p) for p in partition.train]
     start = 0
@@ -151,7 +154,7 @@ if __name__ == "__main__":
             bar.set_postfix(acc=f"{acc:.4f}", loss=f"{train_loss:.3f}")
             if args.checkpoint_every is None:
                 checkpoint(rnd + 1)
-        if args.checkpoint_every is not None and (rnd + 1) % args.checkpoint_every == 0:
+        if args.checkpoint_every is not None and ((rnd + 1) % args.checkpoint_every == 0 or rnd + 1 == args.rounds):
             checkpoint(rnd + 1)
         if run.stop_requested or (args.stop_after is not None and rnd + 1 - start >= args.stop_after):
             if rnd + 1 < args.rounds:

@@ -42,15 +42,18 @@ fine-tunes the full model for --ft-epochs epochs at 0.1 x --lr by default (Table
 common.personalize.
 """
 import argparse
+import math
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights, each_client,
-                    evaluate, finish_args, load_average, load_data, lr_at, make_partition, prepare_batch, prox_term, rng_state,
-                    sample_clients, seed_everything, set_rng_state, setup_distributed,
+from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights, decay_rate,
+                    device_flag, each_client, evaluate, finish_args, fraction, inner_fraction, load_average, load_data,
+                    lr_at, make_partition, non_negative_float, non_negative_int, positive_float, positive_int,
+                    prepare_batch, prox_term, rng_state, sample_clients, seed_everything, seed_int, set_rng_state,
+                    setup_distributed,
                     personalize)  # FedFN: FedFN-FT (Appendix D.3)
 
 
@@ -62,53 +65,52 @@ def parse_args():
     g.add_argument("--augment", default="flip", choices=AUGMENTATIONS, help="on-device augmentation of training batches (FedFN B.2: horizontal flip only)")  # FedFN: flip only
     g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2)")
     g.add_argument("--iid", action="store_true", help="uniform random split")
-    g.add_argument("--shards", type=int, default=None, help="s: sort by label, N*s shards, s per client (default: s=10; the paper also runs 2, 3, 5)")  # FedFN: s=10
-    g.add_argument("--classes-per-client", type=int, default=None, help="C: each client holds C classes, each class split evenly among its holders")
-    g.add_argument("--alpha", type=float, default=None, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
+    g.add_argument("--shards", type=positive_int, default=None, help="s: sort by label, N*s shards, s per client (default: s=10; the paper also runs 2, 3, 5)")  # FedFN: s=10
+    g.add_argument("--classes-per-client", type=positive_int, default=None, help="C: each client holds C classes, each class split evenly among its holders")
+    g.add_argument("--alpha", type=positive_float, default=None, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
     g.add_argument("--split2", action="store_true", help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
     g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes: equal, or power law (unbalanced)")
     g.add_argument("--client-test", action="store_true", help="also evaluate on per-client test sets with each client's label distribution")
-    g.add_argument("--data-seed", type=int, default=None, help="seed of the partition (default: --seed); client sampling uses --seed")
+    g.add_argument("--data-seed", type=seed_int, default=None, help="seed of the partition (default: --seed); client sampling uses --seed")
     g = p.add_argument_group("federation")
-    g.add_argument("--num-clients", type=int, default=100, help="N: number of clients")  # FedFN: the paper's symbols
-    g.add_argument("--frac", type=float, default=0.1, help="r: fraction of clients sampled per round, in (0, 1]")  # FedFN: the paper's symbols
-    g.add_argument("--rounds", type=int, default=320, help="R: communication rounds")  # FedFN: 320 rounds
-    g.add_argument("--local-epochs", type=int, default=15, help="E: local epochs per round (15 for CIFAR-10, 5 for CIFAR-100)")  # FedFN: E=15
-    g.add_argument("--local-steps", type=int, default=None, help="local SGD steps per round instead of --local-epochs")
-    g.add_argument("--batch-size", type=int, default=50, help="B: local batch size")
+    g.add_argument("--num-clients", type=positive_int, default=100, help="N: number of clients")  # FedFN: the paper's symbols
+    g.add_argument("--frac", type=fraction, default=0.1, help="r: fraction of clients sampled per round, in (0, 1]")  # FedFN: the paper's symbols
+    g.add_argument("--rounds", type=positive_int, default=320, help="R: communication rounds")  # FedFN: 320 rounds
+    g.add_argument("--local-epochs", type=positive_int, default=15, help="E: local epochs per round (15 for CIFAR-10, 5 for CIFAR-100)")  # FedFN: E=15
+    g.add_argument("--local-steps", type=positive_int, default=None, help="local SGD steps per round instead of --local-epochs")
+    g.add_argument("--batch-size", type=positive_int, default=50, help="B: local batch size")
     g.add_argument("--weighting", default="samples", choices=["samples", "uniform"], help="aggregation weights: n_k/n, or 1/m")
     g = p.add_argument_group("optimization")
     g.add_argument("--model", default="vgg11", help="vgg11 | mobilenet | resnet18 | cnn | ... (see common.MODELS)")  # FedFN: VGG11
-    g.add_argument("--lr", type=float, default=0.03, help="eta: initial local learning rate (FN: 0.03 CIFAR-10 VGG11, 0.5 CIFAR-100 MobileNet, 0.1 ResNet18; FedAvg 0.01)")  # FedFN: tuned FN rate
-    g.add_argument("--momentum", type=float, default=0.9, help="local SGD momentum (reset every round)")
-    g.add_argument("--weight-decay", type=float, default=0.0, help="local L2 weight decay (paper: not stated; FedBABU code: none)")  # FedFN: no weight decay
-    g.add_argument("--lr-decay-at", type=float, nargs="*", default=[0.5, 0.75], help="fractions of the run at which lr is multiplied by --lr-decay (B.2: half and three quarters)")  # FedFN: x0.1 at 1/2, 3/4
-    g.add_argument("--lr-decay", type=float, default=0.1, help="lr multiplier at each --lr-decay-at")
-    g.add_argument("--prox-mu", type=float, default=0.0, help="mu: FedProx proximal term mu/2 ||w - w_t||^2 (0 = FedAvg)")
+    g.add_argument("--lr", type=positive_float, default=0.03, help="eta: initial local learning rate (FN: 0.03 CIFAR-10 VGG11, 0.5 CIFAR-100 MobileNet, 0.1 ResNet18; FedAvg 0.01)")  # FedFN: tuned FN rate
+    g.add_argument("--momentum", type=decay_rate, default=0.9, help="local SGD momentum (reset every round)")
+    g.add_argument("--weight-decay", type=non_negative_float, default=0.0, help="local L2 weight decay (paper: not stated; FedBABU code: none)")  # FedFN: no weight decay
+    g.add_argument("--lr-decay-at", type=inner_fraction, nargs="*", default=[0.5, 0.75], help="fractions of the run at which lr is multiplied by --lr-decay (B.2: half and three quarters)")  # FedFN: x0.1 at 1/2, 3/4
+    g.add_argument("--lr-decay", type=fraction, default=0.1, help="lr multiplier at each --lr-decay-at")
+    g.add_argument("--prox-mu", type=non_negative_float, default=0.0, help="mu: FedProx proximal term mu/2 ||w - w_t||^2 (0 = FedAvg)")
     g = p.add_argument_group("FedFN")  # FedFN: the method's flags
     g.add_argument("--no-fn", dest="fn", action="store_false", help="logits theta_cls f instead of theta_cls f/||f||_2 (FedAvg on this code path)")  # FedFN
     g.add_argument("--fn-scale", type=fn_scale, default=1.0, help="s in z = theta_cls (s f/||f||_2): 1 is the paper's FedFN; a number, or sqrt-d for s = sqrt(d) (FedLN's FN, fedln.py)")  # FedFN: our control, not in the paper
-    g.add_argument("--fr-mu", type=float, default=0.0, help="mu of Eq. (1): + mu ||f(x)||_2 on the local loss (FedFR, App. D.6; 0.005 there, use with --no-fn)")  # FedFN: Eq. (1)
+    g.add_argument("--fr-mu", type=non_negative_float, default=0.0, help="mu of Eq. (1): + mu ||f(x)||_2 on the local loss (FedFR, App. D.6; 0.005 there, use with --no-fn)")  # FedFN: Eq. (1)
     g.add_argument("--agg", default="fedavg", choices=["fedavg", "scaffold", "fedexp"], help="server algorithm FN is combined with (Table 2)")  # FedFN
-    g.add_argument("--fedexp-eps", type=float, default=1e-3, help="epsilon of FedEXP's server step size (Jhunjhunwala et al. 2023)")  # FedFN
-    g.add_argument("--ft-epochs", type=int, default=0, help="FedFN-FT: fine-tune the final model this many epochs per client (App. D.3: 5; needs --client-test)")  # FedFN: FedFN-FT
-    g.add_argument("--ft-lr", type=float, default=None, help="FedFN-FT fine-tuning lr (default: 0.1 x --lr, Table 9)")  # FedFN: FedFN-FT
+    g.add_argument("--fedexp-eps", type=positive_float, default=1e-3, help="epsilon of FedEXP's server step size (Jhunjhunwala et al. 2023)")  # FedFN
+    g.add_argument("--ft-epochs", type=non_negative_int, default=0, help="FedFN-FT: fine-tune the final model this many epochs per client (App. D.3: 5; needs --client-test)")  # FedFN: FedFN-FT
+    g.add_argument("--ft-lr", type=positive_float, default=None, help="FedFN-FT fine-tuning lr (default: 0.1 x --lr, Table 9)")  # FedFN: FedFN-FT
     g.add_argument("--analyze", nargs="?", const="final", default=None, choices=["final", "every"], help="four factors (Sec. 3.1, B.3) + mean feature norm on the test set: at the final evaluation, or at every one")  # FedFN
     g = p.add_argument_group("run")
-    g.add_argument("--seed", type=int, default=0, help="seed of model init, client sampling and local shuffling")
-    g.add_argument("--device", default=None, help="cuda if available, else cpu")
+    g.add_argument("--seed", type=seed_int, default=0, help="seed of model init, client sampling and local shuffling")
+    g.add_argument("--device", type=device_flag, default=None, help="cpu, cuda, cuda:N or mps (default: cuda if available, else cpu)")
     g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
-    g.add_argument("--eval-every", type=int, default=1, help="evaluate every this many rounds (and at the last)")
-    g.add_argument("--checkpoint-every", type=int, default=None, help="write checkpoint.pt every this many rounds (default: at each evaluation; with --agg scaffold it holds every client's c_i)")  # FedFN
+    g.add_argument("--eval-every", type=positive_int, default=1, help="evaluate every this many rounds (and at the last)")
+    g.add_argument("--checkpoint-every", type=positive_int, default=None, help="write checkpoint.pt every this many rounds (default: at each evaluation; with --agg scaffold it holds every client's c_i)")  # FedFN
     g.add_argument("--out", default=None, help="run folder (default runs/fedfn__<dataset>__<seed>__<time>)")  # FedFN
+    g.add_argument("--overwrite", action="store_true", help="replace the run already in --out (without it, such an --out is refused)")
     g.add_argument("--save-model", action="store_true", help="write the final global state_dict to OUT/model.pt")
-    g.add_argument("--resume", default=None, metavar="DIR", help="continue the interrupted run in DIR (its config.json is used)")
-    g.add_argument("--stop-after", type=int, default=None, help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
+    g.add_argument("--resume", default=None, metavar="DIR", help="continue the run in DIR (its config.json is used); with a larger --rounds, extend it")
+    g.add_argument("--stop-after", type=positive_int, default=None, help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
     args = p.parse_args()  # FedFN: check the method's flags first
-    if args.ft_epochs < 0 or (args.ft_epochs > 0 and not args.client_test):
-        p.error("--ft-epochs: FedFN-FT needs --client-test (per-client test sets) and a count >= 0")
-    if args.fr_mu < 0 or args.fedexp_eps <= 0:
-        p.error("--fr-mu must be >= 0 and --fedexp-eps > 0")
+    if args.ft_epochs > 0 and not args.client_test:
+        p.error("--ft-epochs: FedFN-FT needs --client-test (per-client test sets)")
     return finish_args(p, args, "fedfn", default_partition=("shards", 10))  # FedFN: s=10 (Table 1)
 
 
@@ -120,7 +122,7 @@ def fn_scale(value):  # FedFN: --fn-scale
         scale = float(value)
     except ValueError:
         scale = -1.0
-    if not scale > 0:
+    if not 0 < scale < math.inf:
         raise argparse.ArgumentTypeError(f"must be a positive number or sqrt-d, got '{value}'")
     return scale
 
@@ -253,6 +255,7 @@ if __name__ == "__main__":
     run.write_partition(partition, data)
     model = build_model(args.model, data).to(args.device)  # the global model w_t
     client = build_model(args.model, data).to(args.device)  # one client model, reloaded for every client
+    run.announce(model, partition)  # start-up line: device, model, partition, run folder
     sampler = np.random.default_rng(args.seed)  # client sampling, independent of the partition
     sizes = [len(p) for p in partition.train]
     scaffold, fedexp = args.agg == "scaffold", args.agg == "fedexp"  # FedFN
@@ -333,7 +336,7 @@ if __name__ == "__main__":
             bar.set_postfix(acc=f"{acc:.4f}", loss=f"{train_loss:.3f}")
             if args.checkpoint_every is None:
                 checkpoint(rnd + 1)
-        if args.checkpoint_every is not None and (rnd + 1) % args.checkpoint_every == 0:
+        if args.checkpoint_every is not None and ((rnd + 1) % args.checkpoint_every == 0 or rnd + 1 == args.rounds):
             checkpoint(rnd + 1)
         if run.stop_requested or (args.stop_after is not None and rnd + 1 - start >= args.stop_after):
             if rnd + 1 < args.rounds:

@@ -79,9 +79,11 @@ import torch.nn as nn  # FedLN: nn.Sequential to append FeatureNorm
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights, each_client,
-                    evaluate, finish_args, load_average, load_data, lr_at, make_partition, prepare_batch, prox_term, rng_state,
-                    sample_clients, seed_everything, set_rng_state, setup_distributed,
+from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights, decay_rate,
+                    device_flag, each_client, evaluate, finish_args, fraction, inner_fraction, load_average, load_data,
+                    lr_at, make_partition, non_negative_float, non_negative_int, positive_float, positive_int,
+                    prepare_batch, prox_term, rng_state, sample_clients, seed_everything, seed_int, set_rng_state,
+                    setup_distributed,
                     FeatureNorm)  # FedLN: sqrt(d)-scaled feature normalization
 
 NORM_MODELS = ("normcnn", "resnet18", "resnet50")  # FedLN: models with normalization slots (--norm ln | gn | bn)
@@ -95,54 +97,53 @@ def parse_args():
     g.add_argument("--augment", default="crop-flip", choices=AUGMENTATIONS, help="on-device augmentation of training batches")
     g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2)")
     g.add_argument("--iid", action="store_true", help="uniform random split")
-    g.add_argument("--shards", type=int, default=None, help="S: sort by label, N*S shards, S per client")  # FedLN: not the default
-    g.add_argument("--classes-per-client", type=int, default=None, help="n: each client holds n classes, each class split evenly among its holders (default: n=1, the paper's '1 class')")  # FedLN: default 1
-    g.add_argument("--alpha", type=float, default=None, help="beta: Dirichlet label skew Dir(beta) (Hsu et al. 2019; the paper's Dir(0.1))")  # FedLN: paper's symbol
+    g.add_argument("--shards", type=positive_int, default=None, help="S: sort by label, N*S shards, S per client")  # FedLN: not the default
+    g.add_argument("--classes-per-client", type=positive_int, default=None, help="n: each client holds n classes, each class split evenly among its holders (default: n=1, the paper's '1 class')")  # FedLN: default 1
+    g.add_argument("--alpha", type=positive_float, default=None, help="beta: Dirichlet label skew Dir(beta) (Hsu et al. 2019; the paper's Dir(0.1))")  # FedLN: paper's symbol
     g.add_argument("--split2", action="store_true", help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
     g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes: equal, or power law (unbalanced)")
     g.add_argument("--client-test", action="store_true", help="also evaluate on per-client test sets with each client's label distribution")
-    g.add_argument("--data-seed", type=int, default=None, help="seed of the partition (default: --seed); client sampling uses --seed")
+    g.add_argument("--data-seed", type=seed_int, default=None, help="seed of the partition (default: --seed); client sampling uses --seed")
     g = p.add_argument_group("federation")
-    g.add_argument("--num-clients", type=int, default=10, help="K: number of clients")  # FedLN: 10 (Table 8)
-    g.add_argument("--frac", type=float, default=1.0, help="fraction of clients sampled per round, in (0, 1] (paper: all)")  # FedLN: full participation
-    g.add_argument("--rounds", type=int, default=10000, help="T: communication rounds (Appendix C.3)")  # FedLN: 10,000
-    g.add_argument("--local-steps", type=int, default=10, help="E: local SGD steps (batches) per round (Appendix C.3)")  # FedLN: steps, not epochs
-    g.add_argument("--batch-size", type=int, default=32, help="B: local batch size (Table 9)")  # FedLN: 32
+    g.add_argument("--num-clients", type=positive_int, default=10, help="K: number of clients")  # FedLN: 10 (Table 8)
+    g.add_argument("--frac", type=fraction, default=1.0, help="fraction of clients sampled per round, in (0, 1] (paper: all)")  # FedLN: full participation
+    g.add_argument("--rounds", type=positive_int, default=10000, help="T: communication rounds (Appendix C.3)")  # FedLN: 10,000
+    g.add_argument("--local-steps", type=positive_int, default=10, help="E: local SGD steps (batches) per round (Appendix C.3)")  # FedLN: steps, not epochs
+    g.add_argument("--batch-size", type=positive_int, default=32, help="B: local batch size (Table 9)")  # FedLN: 32
     g.add_argument("--weighting", default="samples", choices=["samples", "uniform"], help="aggregation weights: m_k/m (Eq. 1), or 1/|S|")  # FedLN: paper's symbols
     g = p.add_argument_group("optimization")
     g.add_argument("--model", default="normcnn", help="normcnn (Table 7) | resnet18 (Appendix C.1) | cnn | ... (see common.MODELS)")  # FedLN: Table 7 CNN
-    g.add_argument("--width", type=int, default=64, help="channels of normcnn's convolutions (Table 7: 64) or resnet18's first stage (64)")  # FedLN: narrow models for tests
-    g.add_argument("--lr", type=float, default=0.01, help="eta_l: local learning rate (Table 9)")  # FedLN: paper's symbol
-    g.add_argument("--momentum", type=float, default=0.0, help="local SGD momentum (reset every round; paper: none)")  # FedLN: plain SGD
-    g.add_argument("--weight-decay", type=float, default=0.0, help="local L2 weight decay (paper: none)")  # FedLN: none
-    g.add_argument("--lr-decay-at", type=float, nargs="*", default=[], help="fractions of the run at which lr is multiplied by --lr-decay, e.g. 0.5 0.75")
-    g.add_argument("--lr-decay", type=float, default=0.1, help="lr multiplier at each --lr-decay-at")
-    g.add_argument("--prox-mu", type=float, default=None, help="mu: FedProx proximal term mu/2 ||w - w_t||^2 of --agg fedprox (default there: 0.01, Appendix C.4); with another --agg it is refused (exit 2), never ignored")  # FedLN: --agg fedprox's mu
+    g.add_argument("--width", type=positive_int, default=64, help="channels of normcnn's convolutions (Table 7: 64) or resnet18's first stage (64)")  # FedLN: narrow models for tests
+    g.add_argument("--lr", type=positive_float, default=0.01, help="eta_l: local learning rate (Table 9)")  # FedLN: paper's symbol
+    g.add_argument("--momentum", type=decay_rate, default=0.0, help="local SGD momentum (reset every round; paper: none)")  # FedLN: plain SGD
+    g.add_argument("--weight-decay", type=non_negative_float, default=0.0, help="local L2 weight decay (paper: none)")  # FedLN: none
+    g.add_argument("--lr-decay-at", type=inner_fraction, nargs="*", default=[], help="fractions of the run at which lr is multiplied by --lr-decay, e.g. 0.5 0.75")
+    g.add_argument("--lr-decay", type=fraction, default=0.1, help="lr multiplier at each --lr-decay-at")
+    g.add_argument("--prox-mu", type=non_negative_float, default=None, help="mu: FedProx proximal term mu/2 ||w - w_t||^2 of --agg fedprox (default there: 0.01, Appendix C.4); with another --agg it is refused (exit 2), never ignored")  # FedLN: --agg fedprox's mu
     g = p.add_argument_group("FedLN: normalization and aggregation")  # FedLN: the method's flags
     g.add_argument("--norm", default="ln", choices=["none", "ln", "fn", "gn", "bn", "fn-each", "ln-last"], help="ln: layer norm after each activation (FedLN, Table 3 n^L_MV); fn: n(z) = sqrt(d) z / max(eps, ||z||) on the last feature (FedFN, Eq. 7, Table 3 n 1^{L-1}); gn: group norm; bn: batch norm; none: vanilla; normcnn only: fn-each: n after each activation (Table 3 n^L), ln-last: mean shift s after each activation, layer norm after the last (Table 3 / 4 n_MV s^{L-1}, Prop. 2)")  # FedLN
     g.add_argument("--ln-affine", action=argparse.BooleanOptionalAction, default=True, help="gamma, beta of ln/gn/bn: learnable (Table 6 'learnable') or static; normcnn only")  # FedLN
     g.add_argument("--norm-before-act", action="store_true", help="normalize before each ReLU instead of after (Table 6 'before'; for resnet18: the standard conv-norm-ReLU ResNet)")  # FedLN
     g.add_argument("--agg", default="fedavg", choices=["fedavg", "fedprox", "scaffold", "fedyogi"], help="FedAvg; FedProx (--prox-mu); SCAFFOLD (Option II); FedYogi (server Yogi on the mean update)")  # FedLN
-    g.add_argument("--server-lr", type=float, default=0.01, help="eta: FedYogi server learning rate (Appendix C.4)")  # FedLN
-    g.add_argument("--yogi-beta1", type=float, default=0.9, help="beta_1: FedYogi first-moment decay")  # FedLN
-    g.add_argument("--yogi-beta2", type=float, default=0.99, help="beta_2: FedYogi second-moment decay")  # FedLN
-    g.add_argument("--yogi-tau", type=float, default=1e-3, help="tau: FedYogi adaptivity (added to sqrt(v))")  # FedLN
-    g.add_argument("--yogi-v0", type=float, default=1e-6, help="v_0: FedYogi initial second moment (Appendix C.4)")  # FedLN
+    g.add_argument("--server-lr", type=positive_float, default=0.01, help="eta: FedYogi server learning rate (Appendix C.4)")  # FedLN
+    g.add_argument("--yogi-beta1", type=decay_rate, default=0.9, help="beta_1: FedYogi first-moment decay")  # FedLN
+    g.add_argument("--yogi-beta2", type=decay_rate, default=0.99, help="beta_2: FedYogi second-moment decay")  # FedLN
+    g.add_argument("--yogi-tau", type=positive_float, default=1e-3, help="tau: FedYogi adaptivity (added to sqrt(v))")  # FedLN
+    g.add_argument("--yogi-v0", type=non_negative_float, default=1e-6, help="v_0: FedYogi initial second moment (Appendix C.4)")  # FedLN
     g.add_argument("--track-singular-values", action="store_true", help="log the singular values of the feature matrix [g(x_1)..g(x_20)] of 20 fixed test images of different classes at each evaluation (feature collapse, Figure 3 right: the global model)")  # FedLN
-    g.add_argument("--overfit-client", type=int, default=None, metavar="K", help="Figure 3 left panels (Appendix D): train client K alone (every round samples only K, so the logged model is its local model) and log at each evaluation ||w_c|| per class, ||g(x)|| of 20 of its training images, and the singular values of 20 test images of different classes")  # FedLN
+    g.add_argument("--overfit-client", type=non_negative_int, default=None, metavar="K", help="Figure 3 left panels (Appendix D): train client K alone (every round samples only K, so the logged model is its local model) and log at each evaluation ||w_c|| per class, ||g(x)|| of 20 of its training images, and the singular values of 20 test images of different classes")  # FedLN
     g = p.add_argument_group("run")
-    g.add_argument("--seed", type=int, default=0, help="seed of model init, client sampling and local shuffling")
-    g.add_argument("--device", default=None, help="cuda if available, else cpu")
+    g.add_argument("--seed", type=seed_int, default=0, help="seed of model init, client sampling and local shuffling")
+    g.add_argument("--device", type=device_flag, default=None, help="cpu, cuda, cuda:N or mps (default: cuda if available, else cpu)")
     g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
-    g.add_argument("--eval-every", type=int, default=100, help="evaluate every this many rounds (and at the last)")  # FedLN: 100
-    g.add_argument("--checkpoint-every", type=int, default=None, help="write checkpoint.pt every this many rounds (default: at each evaluation)")
+    g.add_argument("--eval-every", type=positive_int, default=100, help="evaluate every this many rounds (and at the last)")  # FedLN: 100
+    g.add_argument("--checkpoint-every", type=positive_int, default=None, help="write checkpoint.pt every this many rounds (default: at each evaluation)")
     g.add_argument("--out", default=None, help="run folder (default runs/fedln__<dataset>__<seed>__<time>)")  # FedLN
+    g.add_argument("--overwrite", action="store_true", help="replace the run already in --out (without it, such an --out is refused)")
     g.add_argument("--save-model", action="store_true", help="write the final global state_dict to OUT/model.pt")
-    g.add_argument("--resume", default=None, metavar="DIR", help="continue the interrupted run in DIR (its config.json is used)")
-    g.add_argument("--stop-after", type=int, default=None, help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
+    g.add_argument("--resume", default=None, metavar="DIR", help="continue the run in DIR (its config.json is used); with a larger --rounds, extend it")
+    g.add_argument("--stop-after", type=positive_int, default=None, help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
     args = finish_args(p, p.parse_args(), "fedln", default_partition=("classes_per_client", 1))  # FedLN: 1 class per client
-    if args.local_steps < 1:  # FedLN: checks of the method's flags
-        p.error(f"--local-steps: must be at least 1, got {args.local_steps}")  # FedLN
     if args.norm in ("ln", "gn", "bn") and args.model not in NORM_MODELS:  # FedLN: --model cnn has no slots
         p.error(f"--norm: {args.norm} needs a model with normalization slots ({', '.join(NORM_MODELS)}), not {args.model}")  # FedLN
     if args.norm in ("fn-each", "ln-last") and args.model != "normcnn":  # FedLN: Table 3's variants of the Table 7 CNN
@@ -298,6 +299,7 @@ if __name__ == "__main__":
     run.write_partition(partition, data)
     model = build(args, data).to(args.device)  # the global model w_t  # FedLN: build with --norm
     client = build(args, data).to(args.device)  # one client model, reloaded for every client  # FedLN: build with --norm
+    run.announce(model, partition)  # start-up line: device, model, partition, run folder
     sampler = np.random.default_rng(args.seed)  # client sampling, independent of the partition
     sizes = [len(p) for p in partition.train]
     names = [n for n, _ in model.named_parameters()]  # FedLN: SCAFFOLD and FedYogi act on parameters; buffers are averaged
@@ -377,7 +379,7 @@ if __name__ == "__main__":
             bar.set_postfix(acc=f"{acc:.4f}", loss=f"{train_loss:.3f}")
             if args.checkpoint_every is None:
                 checkpoint(rnd + 1)
-        if args.checkpoint_every is not None and (rnd + 1) % args.checkpoint_every == 0:
+        if args.checkpoint_every is not None and ((rnd + 1) % args.checkpoint_every == 0 or rnd + 1 == args.rounds):
             checkpoint(rnd + 1)
         if run.stop_requested or (args.stop_after is not None and rnd + 1 - start >= args.stop_after):
             if rnd + 1 < args.rounds:

@@ -49,9 +49,10 @@ import torch.nn as nn  # FedNNNN: module types for the conv / fc split
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights, each_client,
-                    evaluate, finish_args, load_average, load_data, lr_at, make_partition, prepare_batch, prox_term, rng_state,
-                    sample_clients, seed_everything, set_rng_state, setup_distributed)
+from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights, decay_rate,
+                    device_flag, each_client, evaluate, finish_args, fraction, inner_fraction, load_average, load_data,
+                    lr_at, make_partition, non_negative_float, positive_float, positive_int, prepare_batch, prox_term,
+                    rng_state, sample_clients, seed_everything, seed_int, set_rng_state, setup_distributed)
 
 
 def parse_args():
@@ -62,53 +63,47 @@ def parse_args():
     g.add_argument("--augment", default="none", choices=AUGMENTATIONS, help="on-device augmentation of training batches (the paper: none, inputs are only normalized)")  # FedNNNN: no augmentation
     g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2)")
     g.add_argument("--iid", action="store_true", help="uniform random split (the paper's IID)")  # FedNNNN: help
-    g.add_argument("--shards", type=int, default=None, help="S: sort by label, N*S shards, S per client (default: S=2, McMahan's recipe for the paper's non-IID '2 classes'; on CIFAR-10 5-9 of the 100 clients get 2 shards of one class; --classes-per-client 2 gives exactly 2)")  # FedNNNN: help
-    g.add_argument("--classes-per-client", type=int, default=None, help="C: each client holds C classes, each class split evenly among its holders")
-    g.add_argument("--alpha", type=float, default=None, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
+    g.add_argument("--shards", type=positive_int, default=None, help="S: sort by label, N*S shards, S per client (default: S=2, McMahan's recipe for the paper's non-IID '2 classes'; on CIFAR-10 5-9 of the 100 clients get 2 shards of one class; --classes-per-client 2 gives exactly 2)")  # FedNNNN: help
+    g.add_argument("--classes-per-client", type=positive_int, default=None, help="C: each client holds C classes, each class split evenly among its holders")
+    g.add_argument("--alpha", type=positive_float, default=None, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
     g.add_argument("--split2", action="store_true", help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
     g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes: equal (B), or power law (the paper's unbalanced UB)")  # FedNNNN: help
     g.add_argument("--client-test", action="store_true", help="also evaluate on per-client test sets with each client's label distribution")
-    g.add_argument("--data-seed", type=int, default=None, help="seed of the partition (default: --seed); client sampling uses --seed")
+    g.add_argument("--data-seed", type=seed_int, default=None, help="seed of the partition (default: --seed); client sampling uses --seed")
     g = p.add_argument_group("federation")
-    g.add_argument("--num-clients", type=int, default=100, help="K: number of clients")
-    g.add_argument("--frac", type=float, default=1.0, help="C: fraction of clients sampled per round, in (0, 1]")  # FedNNNN: C=1 (Table 1)
-    g.add_argument("--rounds", type=int, default=250, help="T: communication rounds")  # FedNNNN: 250 (Table 1, CIFAR-10)
-    g.add_argument("--local-epochs", type=int, default=5, help="E: local epochs per round")
-    g.add_argument("--local-steps", type=int, default=None, help="local SGD steps per round instead of --local-epochs")
-    g.add_argument("--batch-size", type=int, default=50, help="B: local batch size")
+    g.add_argument("--num-clients", type=positive_int, default=100, help="K: number of clients")
+    g.add_argument("--frac", type=fraction, default=1.0, help="C: fraction of clients sampled per round, in (0, 1]")  # FedNNNN: C=1 (Table 1)
+    g.add_argument("--rounds", type=positive_int, default=250, help="T: communication rounds")  # FedNNNN: 250 (Table 1, CIFAR-10)
+    g.add_argument("--local-epochs", type=positive_int, default=5, help="E: local epochs per round")
+    g.add_argument("--local-steps", type=positive_int, default=None, help="local SGD steps per round instead of --local-epochs")
+    g.add_argument("--batch-size", type=positive_int, default=50, help="B: local batch size")
     g.add_argument("--weighting", default="samples", choices=["samples", "uniform"], help="aggregation weights: n_k/n, or 1/m (the paper's unbalanced setting: sizes unknown to the server)")  # FedNNNN: help
     g = p.add_argument_group("optimization")
     g.add_argument("--model", default="cnn6", help="cnn6 (Table 4, CIFAR-10) | lenet (Table 3, MNIST) | cnn | ... (see common.MODELS)")  # FedNNNN: Table 4
-    g.add_argument("--lr", type=float, default=0.05, help="eta: local learning rate")  # FedNNNN: 0.05 (Table 1)
-    g.add_argument("--momentum", type=float, default=0.0, help="local SGD momentum (reset every round; the paper: none)")  # FedNNNN: plain SGD (Sec. 5.1)
-    g.add_argument("--weight-decay", type=float, default=5e-4, help="lambda: local L2 weight decay (paper: 5e-4 on CIFAR-10, none on MNIST)")  # FedNNNN: help
-    g.add_argument("--lr-decay-at", type=float, nargs="*", default=[], help="fractions of the run at which lr is multiplied by --lr-decay, e.g. 0.5 0.75")
-    g.add_argument("--lr-decay", type=float, default=0.1, help="lr multiplier at each --lr-decay-at")
-    g.add_argument("--prox-mu", type=float, default=0.0, help="mu: FedProx proximal term mu/2 ||w - w_t||^2 (0 = FedAvg); > 0 turns FedProx on, combined with the server aggregation")  # FedNNNN: help
+    g.add_argument("--lr", type=positive_float, default=0.05, help="eta: local learning rate")  # FedNNNN: 0.05 (Table 1)
+    g.add_argument("--momentum", type=decay_rate, default=0.0, help="local SGD momentum (reset every round; the paper: none)")  # FedNNNN: plain SGD (Sec. 5.1)
+    g.add_argument("--weight-decay", type=non_negative_float, default=5e-4, help="lambda: local L2 weight decay (paper: 5e-4 on CIFAR-10, none on MNIST)")  # FedNNNN: help
+    g.add_argument("--lr-decay-at", type=inner_fraction, nargs="*", default=[], help="fractions of the run at which lr is multiplied by --lr-decay, e.g. 0.5 0.75")
+    g.add_argument("--lr-decay", type=fraction, default=0.1, help="lr multiplier at each --lr-decay-at")
+    g.add_argument("--prox-mu", type=non_negative_float, default=0.0, help="mu: FedProx proximal term mu/2 ||w - w_t||^2 (0 = FedAvg); > 0 turns FedProx on, combined with the server aggregation")  # FedNNNN: help
     g = p.add_argument_group("FedNNNN server aggregation (Algorithm 3)")  # FedNNNN: the method's flags
-    g.add_argument("--beta", type=float, default=0.6, help="beta: the normalized step has norm beta * E (Eqs. 8-9, 12)")  # FedNNNN
-    g.add_argument("--gamma", type=float, default=0.7, help="gamma: server momentum d_{t+1} = gamma d_t + ... (Eq. 12); 0 = Norm-Norm")  # FedNNNN
+    g.add_argument("--beta", type=positive_float, default=0.6, help="beta: the normalized step has norm beta * E (Eqs. 8-9, 12)")  # FedNNNN
+    g.add_argument("--gamma", type=decay_rate, default=0.7, help="gamma: server momentum d_{t+1} = gamma d_t + ... (Eq. 12); 0 = Norm-Norm")  # FedNNNN
     g.add_argument("--no-normalize", action="store_true", help="use E/N = 1 (Momentum variant, Eq. 10; with --beta 1 --gamma 0: FedAvg)")  # FedNNNN
     g.add_argument("--norm-scope", default="global", choices=["global", "layer"], help="N, E over the whole flattened parameter vector (Eqs. 4-5), or one E/N per parameter tensor")  # FedNNNN
-    g.add_argument("--norm-eps", type=float, default=1e-6, help="N counts as (near) zero when N <= eps * E: then no normalization (Sec. 4.2)")  # FedNNNN
+    g.add_argument("--norm-eps", type=non_negative_float, default=1e-6, help="N counts as (near) zero when N <= eps * E: then no normalization (Sec. 4.2)")  # FedNNNN
     g = p.add_argument_group("run")
-    g.add_argument("--seed", type=int, default=0, help="seed of model init, client sampling and local shuffling")
-    g.add_argument("--device", default=None, help="cuda if available, else cpu")
+    g.add_argument("--seed", type=seed_int, default=0, help="seed of model init, client sampling and local shuffling")
+    g.add_argument("--device", type=device_flag, default=None, help="cpu, cuda, cuda:N or mps (default: cuda if available, else cpu)")
     g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
-    g.add_argument("--eval-every", type=int, default=1, help="evaluate every this many rounds (and at the last)")
-    g.add_argument("--checkpoint-every", type=int, default=None, help="write checkpoint.pt every this many rounds (default: at each evaluation)")
+    g.add_argument("--eval-every", type=positive_int, default=1, help="evaluate every this many rounds (and at the last)")
+    g.add_argument("--checkpoint-every", type=positive_int, default=None, help="write checkpoint.pt every this many rounds (default: at each evaluation)")
     g.add_argument("--out", default=None, help="run folder (default runs/fednnnn__<dataset>__<seed>__<time>)")  # FedNNNN
+    g.add_argument("--overwrite", action="store_true", help="replace the run already in --out (without it, such an --out is refused)")
     g.add_argument("--save-model", action="store_true", help="write the final evaluation model's state_dict (the FedAvg average) to OUT/model.pt")  # FedNNNN
-    g.add_argument("--resume", default=None, metavar="DIR", help="continue the interrupted run in DIR (its config.json is used)")
-    g.add_argument("--stop-after", type=int, default=None, help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
-    args = finish_args(p, p.parse_args(), "fednnnn", default_partition=("shards", 2))  # FedNNNN: checks below
-    if args.beta <= 0:  # FedNNNN
-        p.error(f"--beta: must be > 0, got {args.beta}")  # FedNNNN
-    if not 0 <= args.gamma < 1:  # FedNNNN
-        p.error(f"--gamma: must be in [0, 1), got {args.gamma}")  # FedNNNN
-    if args.norm_eps < 0:  # FedNNNN
-        p.error(f"--norm-eps: must be >= 0, got {args.norm_eps}")  # FedNNNN
-    return args  # FedNNNN
+    g.add_argument("--resume", default=None, metavar="DIR", help="continue the run in DIR (its config.json is used); with a larger --rounds, extend it")
+    g.add_argument("--stop-after", type=positive_int, default=None, help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
+    return finish_args(p, p.parse_args(), "fednnnn", default_partition=("shards", 2))
 
 
 def local_train(model, indices, data, args, lr, global_params):
@@ -204,6 +199,7 @@ if __name__ == "__main__":
     run.write_partition(partition, data)
     model = build_model(args.model, data).to(args.device)  # FedNNNN: the broadcast (normalized) model w_t
     client = build_model(args.model, data).to(args.device)  # one client model, reloaded for every client; FedNNNN: also holds the evaluation model
+    run.announce(model, partition)  # start-up line: device, model, partition, run folder
     sampler = np.random.default_rng(args.seed)  # client sampling, independent of the partition
     sizes = [len(p) for p in partition.train]
     kinds = param_kinds(model)  # FedNNNN: the normalized entries (trainable parameters) and their conv/fc kind
@@ -264,7 +260,7 @@ if __name__ == "__main__":
                 checkpoint(rnd + 1)
         else:  # FedNNNN
             run.log({"round": rnd + 1, "train_loss": train_loss, "lr": lr, **norms})  # FedNNNN: norms every round
-        if args.checkpoint_every is not None and (rnd + 1) % args.checkpoint_every == 0:
+        if args.checkpoint_every is not None and ((rnd + 1) % args.checkpoint_every == 0 or rnd + 1 == args.rounds):
             checkpoint(rnd + 1)
         if run.stop_requested or (args.stop_after is not None and rnd + 1 - start >= args.stop_after):
             if rnd + 1 < args.rounds:

@@ -199,7 +199,7 @@ def rebuild_command(script, cfg, skip=()):
     words = ["python", f"{script}.py"]
     negated, not_flags = NEGATED.get(script, set()), NOT_FLAGS.get(script, set())
     for key, v in cfg.items():
-        if key in skip or key in not_flags or v is None:
+        if key in skip or key in not_flags or key in ("script", "overwrite") or v is None:  # not flags of a run
             continue
         if key == "data_seed" and v == cfg.get("seed"):
             continue  # the default: --data-seed = --seed

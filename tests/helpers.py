@@ -78,3 +78,17 @@ def run_batches(*batches):
     for p in procs:
         _, err = p.communicate()
         assert p.returncode == 0, err[-3000:]
+
+
+CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+
+
+def stand_in_folder(root, classes=CIFAR10_CLASSES):
+    """A CIFAR-10-shaped image folder with one 2x2 image per class and split: enough for finish_args,
+    which looks at the class folders and requires an image in each."""
+    from PIL import Image
+    for split in ("train", "test"):
+        for c in classes:
+            os.makedirs(os.path.join(root, split, c))
+            Image.new("RGB", (2, 2)).save(os.path.join(root, split, c, "0.png"))
+    return str(root)

@@ -14,6 +14,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import collect  # noqa: E402
+from helpers import stand_in_folder  # noqa: E402
 
 REPRO = os.path.join(ROOT, "benchmarks", "reproduce")
 CLAIM_SCRIPTS = ["fedfn", "fedbabu", "fedln", "fednnnn", "anfr"]
@@ -290,12 +291,8 @@ def dry_run(name, scale, **env):
 
 @pytest.fixture(scope="module")
 def fake_folder(tmp_path_factory):
-    """A CIFAR-10-shaped image folder without images: finish_args only looks at the class folders."""
-    root = tmp_path_factory.mktemp("cifar10")
-    for split in ("train", "test"):
-        for c in ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"):
-            os.makedirs(root / split / c)
-    return str(root)
+    """A CIFAR-10-shaped image folder with one image per class: finish_args only looks at the class folders."""
+    return stand_in_folder(tmp_path_factory.mktemp("cifar10") / "data")
 
 
 def parse_in_process(argv, monkeypatch):

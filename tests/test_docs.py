@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+from helpers import stand_in_folder
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
 sys.path.insert(0, BENCH)
@@ -115,10 +117,7 @@ def places(tmp_path_factory):
     """Stand-ins for placeholders: an image folder with train/ and test/ class folders, a file, a run
     folder to --resume per script (config.json from that script's own defaults, an empty checkpoint)."""
     root = tmp_path_factory.mktemp("docs")
-    folder = root / "cifar10"
-    for split in ("train", "test"):
-        for c in ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"):
-            os.makedirs(folder / split / c)
+    folder = stand_in_folder(root / "cifar10")
     init = root / "init.pt"
     init.write_bytes(b"")
     return {"data_dir": str(folder), "file": str(init), "root": root}

@@ -327,9 +327,9 @@ def test_bad_method_flags_exit_2(monkeypatch, capsys):
 # ---------------------------------------------------------------------------------------------
 # The 2NN MLP, 4 clients, all per round, 2 local steps: ~0.8 accuracy after 3 rounds, so FedFN-FT has
 # something to gain (FN bounds the logits by ||theta_cls,c||, so it wants a large lr early; the paper
-# tunes it up too). --checkpoint-every 2 of 3 rounds leaves the round-2 checkpoint behind the finished
-# run, so a later --resume in a fresh process redoes round 3 (at the decayed lr) from it; evaluating
-# every round makes a resume that restarted from scratch log duplicate rows.
+# tunes it up too). A copy stopped after round 2 (--stop-after 2) is resumed in a fresh process, which
+# does round 3 (at the decayed lr) from the round-2 checkpoint; evaluating every round makes a resume that
+# restarted from scratch log duplicate rows.
 E2E = ["--dataset", "synthetic", "--device", "cpu", "--model", "mlp", "--num-clients", "4", "--frac", "1",
        "--shards", "5", "--local-steps", "2", "--batch-size", "32", "--rounds", "3", "--lr", "0.5",
        "--lr-decay-at", "0.75", "--checkpoint-every", "2", "--analyze", "--save-model"]
@@ -351,9 +351,10 @@ def runs(tmp_path_factory):
     extra = {"fedavg": ["--client-test", "--ft-epochs", 1, "--lr-decay-at", 0.3, 0.6], "scaffold": [], "fedexp": []}
     run_parallel(("fedavg.py", *NOFN, "--out", fedavg_py),
                  ("fedfn.py", *NOFN, "--no-fn", "--ft-epochs", 1, "--out", nofn),
-                 *[("fedfn.py", *E2E, "--agg", agg, *extra[agg], "--out", d / agg) for agg in AGGS])
-    for agg in AGGS:  # keep the uninterrupted results, then resume the run folder from its round-2 checkpoint
-        shutil.copytree(d / agg, d / f"{agg}_full")
+                 *[("fedfn.py", *E2E, "--agg", agg, *extra[agg], "--out", d / f"{agg}_full") for agg in AGGS],
+                 *[("fedfn.py", *E2E, "--agg", agg, *extra[agg], "--stop-after", 2, "--out", d / agg) for agg in AGGS])
+    for agg in AGGS:
+        assert torch.load(d / agg / "checkpoint.pt", weights_only=False)["round"] == 2
     run_parallel(*[("fedfn.py", "--resume", d / agg) for agg in AGGS])
     return d
 
@@ -375,7 +376,7 @@ def test_resumed_equals_uninterrupted_and_learns(runs, agg):
     assert [r["round"] for r in rows] == [1, 2, 3] and metrics(resumed) == rows
     assert_same_model(full, resumed)
     ckpt = torch.load(os.path.join(full, "checkpoint.pt"), weights_only=False)
-    assert ckpt["round"] == 2
+    assert ckpt["round"] == 3  # --checkpoint-every 2 of 3 rounds: the final round is checkpointed too
     if agg == "scaffold":  # control variates travel with the checkpoint
         assert len(ckpt["scaffold_c_local"]) == 4 and any(c.abs().max() > 0 for c in ckpt["scaffold_c"])
     s = summary(full)

@@ -1,0 +1,441 @@
+"""Bad input is refused before any work (exit 2, the flag named on the last line), and run folders are
+never lost: --out on a run, --resume of a finished, extended, foreign or diverged run, atomic files
+without NaN, the image-folder cache keyed on the folder's contents, Ctrl-C twice."""
+import argparse
+import ast
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import common
+from helpers import ROOT, TINY, assert_same_model, metrics, run_script, summary
+
+SCRIPTS = ["fedavg", "fedbabu", "fedfn", "fedln", "fednnnn", "anfr"]
+# the smallest valid command of each script (what the bad value is added to)
+BASE = {
+    "fedavg": [],
+    "fedbabu": [],
+    "fedfn": [],
+    "fedln": [],
+    "fednnnn": [],
+    "anfr": ["--depth", "18", "--width", "8"],
+}
+
+
+class _Captured(Exception):
+    def __init__(self, parser):
+        self.parser = parser
+
+
+def script_parser(name, monkeypatch):
+    """The argparse parser that <name>.parse_args builds (captured at its parse_args call)."""
+    module = importlib.import_module(name)
+
+    def capture(self, *a, **k):
+        raise _Captured(self)
+
+    with monkeypatch.context() as m:
+        m.setattr(argparse.ArgumentParser, "parse_args", capture)
+        m.setattr(sys, "argv", [f"{name}.py"])
+        with pytest.raises(_Captured) as info:
+            module.parse_args()
+    return info.value.parser
+
+
+def numeric_flags(parser):
+    """(flag, nargs, int?) of every option whose type turns "1" into a number: found from the parser itself."""
+    found = []
+    for action in parser._actions:
+        if not action.option_strings or action.type is None:
+            continue
+        try:
+            one = action.type("1")
+        except (argparse.ArgumentTypeError, ValueError, TypeError):
+            continue
+        if isinstance(one, (int, float)):
+            found.append((action.option_strings[0], action.nargs, isinstance(one, int)))
+    return found
+
+
+def parse(name, argv, monkeypatch, capsys):
+    """Run <name>.parse_args on argv; returns (exit code or None, last stderr line)."""
+    module = importlib.import_module(name)
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", *map(str, argv)])
+    code = None
+    try:
+        module.parse_args()
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    return code, err[-1] if err else ""
+
+
+def values_of(flag, nargs, value):
+    return [flag, *([value] * (2 if nargs == 2 else 1))]
+
+
+UNIVERSAL_INT = ["-1", "1.5", "nan", "x"]
+UNIVERSAL_FLOAT = ["-1", "-0.5", "nan", "inf", "-inf", "1e999", "x"]
+# values that are invalid for some flags only (zero where the flag must be positive, 1 and above for fractions)
+EXTRA = {
+    "--num-clients": ["0"], "--frac": ["0", "1.5"], "--rounds": ["0"], "--local-epochs": ["0"], "--local-steps": ["0"],
+    "--batch-size": ["0"], "--lr": ["0"], "--momentum": ["1", "1.5"], "--lr-decay-at": ["0", "1", "1.5"],
+    "--lr-decay": ["0", "1.5"], "--eval-every": ["0"], "--checkpoint-every": ["0"], "--stop-after": ["0"],
+    "--shards": ["0"], "--classes-per-client": ["0"], "--alpha": ["0"], "--seed": ["4294967296"],
+    "--data-seed": ["4294967296"], "--ft-lr": ["0"], "--fedexp-eps": ["0"], "--fn-scale": ["0"], "--width": ["0"],
+    "--server-lr": ["0"], "--yogi-beta1": ["1", "1.5"], "--yogi-beta2": ["1"], "--yogi-tau": ["0"], "--beta": ["0"],
+    "--gamma": ["1"], "--image-size": ["0", "7"], "--server-betas": ["1"], "--server-tau": ["0"],
+    "--dp-noise-multiplier": ["0"], "--dp-max-grad-norm": ["0"], "--prox-mu": [], "--depth": ["0", "19"],
+}
+# edge values that must still be accepted
+VALID = {
+    "fedavg": [["--momentum", "0"], ["--weight-decay", "0"], ["--prox-mu", "0"], ["--seed", "0"], ["--seed", "4294967295"],
+               ["--frac", "1"], ["--lr-decay", "1"], ["--lr-decay-at", "0.5", "0.75"], ["--lr", "1e-6"]],
+    "fedbabu": [["--ft-epochs", "0"], ["--ft-eval-epochs", "0", "1"]],
+    "fedfn": [["--fn-scale", "sqrt-d"], ["--fn-scale", "2.5"], ["--fr-mu", "0"]],
+    "fedln": [["--yogi-beta1", "0"], ["--yogi-v0", "0"], ["--agg", "fedprox", "--prox-mu", "0.1"]],
+    "fednnnn": [["--gamma", "0"], ["--norm-eps", "0"]],
+    "anfr": [["--clip", "0"], ["--last-gain-init", "1", "--arch", "nf"], ["--image-size", "8"],
+             ["--agg", "fedprox", "--prox-mu", "0.1"]],
+}
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_numeric_flag_refuses_its_invalid_values(name, tmp_path, monkeypatch, capsys):
+    """Generated from the script's own parser: each numeric flag with negative, non-finite, non-numeric and
+    (from EXTRA) out-of-range values exits 2 with the flag on the last line, no traceback, nothing written."""
+    flags = numeric_flags(script_parser(name, monkeypatch))
+    assert len(flags) >= 18, flags  # every script has at least the shared numeric flags
+    assert set(EXTRA) >= {f for f, _, _ in flags} - {"--ft-epochs", "--ft-eval-epochs", "--weight-decay", "--fr-mu",
+                                                     "--yogi-v0", "--norm-eps", "--overfit-client", "--last-gain-init",
+                                                     "--clip"}, "a new numeric flag: add its invalid values to EXTRA"
+    base = ["--dataset", "synthetic", "--device", "cpu", "--data-dir", tmp_path / "dl", "--out", tmp_path / "run",
+            *BASE[name]]
+    tried = 0
+    for flag, nargs, is_int in flags:
+        for value in (UNIVERSAL_INT if is_int else UNIVERSAL_FLOAT) + EXTRA.get(flag, []):
+            code, last = parse(name, [*base, *values_of(flag, nargs, value)], monkeypatch, capsys)
+            assert code == 2, f"{name}.py {flag} {value}: exit {code}"
+            assert flag in last, f"{name}.py {flag} {value}: {last}"
+            tried += 1
+    assert os.listdir(tmp_path) == []
+    assert tried > 100
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_valid_edge_values_are_accepted(name, tmp_path, monkeypatch, capsys):
+    for extra in VALID[name]:
+        out = tmp_path / "_".join(extra).replace("-", "")
+        code, last = parse(name, ["--dataset", "synthetic", "--device", "cpu", "--out", out, *BASE[name], *extra],
+                           monkeypatch, capsys)
+        assert code is None, f"{name}.py {' '.join(extra)}: {last}"
+        assert not out.exists()  # the probe of --out leaves nothing behind
+
+
+# The issue's regression table: each of these was a traceback, a hang, or silently accepted.
+REFUSED = [
+    ("fedavg", ["--lr", "-0.1"], "--lr"), ("fedavg", ["--weight-decay", "-1"], "--weight-decay"),
+    ("fedavg", ["--momentum", "-0.1"], "--momentum"), ("fedavg", ["--device", "gpu"], "--device"),
+    ("fedavg", ["--seed", "-1"], "--seed"), ("fedavg", ["--data-seed", "-1"], "--data-seed"),
+    ("fedavg", ["--out", "/proc/cleanfl-x"], "--out"), ("fedavg", ["--local-steps", "0"], "--local-steps"),
+    ("fedavg", ["--local-epochs", "0"], "--local-epochs"), ("fedavg", ["--momentum", "1.5"], "--momentum"),
+    ("fedavg", ["--lr-decay-at", "1.5"], "--lr-decay-at"), ("fedavg", ["--lr-decay", "-0.5"], "--lr-decay"),
+    ("fedavg", ["--checkpoint-every", "-1"], "--checkpoint-every"), ("fedavg", ["--stop-after", "0"], "--stop-after"),
+    ("fedavg", ["--lr", "nan"], "--lr"),
+    ("fedln", ["--agg", "fedyogi", "--yogi-beta1", "1.5"], "--yogi-beta1"),
+    ("fedln", ["--agg", "fedyogi", "--yogi-tau", "-1"], "--yogi-tau"),
+    ("anfr", ["--clip", "-1"], "--clip"), ("anfr", ["--agg", "fedavg", "--prox-mu", "0.1"], "--prox-mu"),
+    ("fedln", ["--prox-mu", "0.1"], "--prox-mu"),
+]
+
+
+@pytest.mark.parametrize("name,flags,flag", REFUSED, ids=[f"{n} {' '.join(f)}" for n, f, _ in REFUSED])
+def test_regressions_are_refused(name, flags, flag, tmp_path, monkeypatch, capsys):
+    code, last = parse(name, ["--dataset", "synthetic", "--device", "cpu", "--out", tmp_path / "run", *BASE[name], *flags],
+                       monkeypatch, capsys)
+    assert code == 2 and flag in last, last
+    assert os.listdir(tmp_path) == []
+
+
+def test_out_below_a_file_is_refused(tmp_path, monkeypatch, capsys):
+    (tmp_path / "file").write_text("x")
+    for out in (tmp_path / "file" / "run", tmp_path / "file"):
+        code, last = parse("fedavg", ["--dataset", "synthetic", "--out", out], monkeypatch, capsys)
+        assert code == 2 and "--out" in last and "is a file" in last
+    assert os.listdir(tmp_path) == ["file"]
+
+
+def test_hangs_and_tracebacks_end_within_seconds_in_a_process(tmp_path):
+    """The inputs that hung (--local-epochs -1) or raised deep in torch, as a user runs them."""
+    from concurrent.futures import ThreadPoolExecutor
+    cases = [["--local-epochs", "-1"], ["--local-steps", "-1"], ["--lr", "-0.1"], ["--device", "gpu"]]
+
+    def one(flags):
+        start = time.time()
+        proc = subprocess.run([sys.executable, "fedavg.py", *TINY, *flags, "--out", str(tmp_path / "run")], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        return proc, time.time() - start
+
+    with ThreadPoolExecutor(2) as pool:
+        for flags, (proc, seconds) in zip(cases, pool.map(one, cases)):
+            assert proc.returncode == 2 and flags[0] in proc.stderr.splitlines()[-1], proc.stderr[-500:]
+            assert "Traceback" not in proc.stderr and seconds < 60
+    assert not (tmp_path / "run").exists()
+
+
+def test_amp_on_the_cpu_is_said(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["fedavg.py", "--dataset", "synthetic", "--device", "cpu", "--amp",
+                                      "--out", str(tmp_path / "r")])
+    importlib.import_module("fedavg").parse_args()
+    assert "--amp on the CPU" in capsys.readouterr().err
+
+
+def test_default_run_folders_never_collide(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = argparse.Namespace(dataset="synthetic", seed=0)
+    first = common.default_out_dir("fedavg", args)
+    os.makedirs(first)
+    second = common.default_out_dir("fedavg", args)
+    assert second != first and second.startswith(first)  # same second: "-2" appended
+
+
+def test_empty_class_folder_is_named(tmp_path, monkeypatch, capsys):
+    from PIL import Image
+    for split in ("train", "test"):
+        for cls in ("cat", "dog"):
+            (tmp_path / split / cls).mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(tmp_path / "train" / "cat" / "a.png")
+    Image.new("RGB", (8, 8)).save(tmp_path / "test" / "cat" / "a.png")
+    code, last = parse("fedavg", ["--dataset", "folder", "--data-dir", tmp_path, "--out", tmp_path / "run"],
+                       monkeypatch, capsys)
+    assert code == 2 and "--data-dir" in last and "dog" in last and "no images" in last, last
+
+
+# ---- run folders ----------------------------------------------------------------------------------------
+def tiny(out, *flags):
+    return ["fedavg.py", *TINY, "--iid", "--out", out, *flags]
+
+
+def files_of(folder):
+    return {name: (folder / name).read_bytes() for name in sorted(os.listdir(folder))}
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished 4-round run (with model.pt), and a 6-round run of the same flags."""
+    tmp = tmp_path_factory.mktemp("finished")
+    from helpers import run_batches
+    run_batches([tiny(tmp / "four", "--save-model")], [tiny(tmp / "six", "--save-model", "--rounds", "6")])
+    return tmp
+
+
+def test_out_holding_a_run_is_refused_and_kept(finished, tmp_path):
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(finished / "four", run)
+    before = files_of(run)
+    for script in ("fedavg.py", "fedbabu.py"):  # also another script's --out
+        proc = run_script(script, *TINY, "--out", run, check=False)
+        assert proc.returncode == 2 and "--out" in proc.stderr.splitlines()[-1] and "--resume" in proc.stderr
+    assert files_of(run) == before
+    run_script(*tiny(run, "--overwrite", "--rounds", "2"))  # asked for: replaced
+    assert [r["round"] for r in metrics(run)] == [1, 2] and not (run / "model.pt").exists()
+    assert summary(run)["final_round"] == 2
+
+
+def test_out_with_other_files_is_accepted(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "command.txt").write_text("python fedavg.py ...")  # benchmarks/reproduce writes this first
+    run_script(*tiny(tmp_path / "run", "--rounds", "1"))
+    assert (tmp_path / "run" / "command.txt").exists() and summary(tmp_path / "run")["final_round"] == 1
+
+
+def test_resume_of_a_finished_run_changes_nothing(finished, tmp_path):
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(finished / "four", run)
+    before = files_of(run)
+    proc = run_script("fedavg.py", "--resume", run)
+    assert "finished" in proc.stdout and files_of(run) == before
+    proc = run_script("fedavg.py", "--resume", run, "--rounds", "4")  # the same number of rounds: nothing to do
+    assert "finished" in proc.stdout and files_of(run) == before
+
+
+def test_resume_with_more_rounds_extends_like_an_uninterrupted_run(finished, tmp_path):
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(finished / "four", run)
+    run_script("fedavg.py", "--resume", run, "--rounds", "6")
+    assert metrics(run) == metrics(finished / "six")  # the lr is constant here, so nothing differs
+    assert_same_model(run, finished / "six")
+    assert json.load(open(run / "config.json"))["rounds"] == 6 and summary(run)["final_round"] == 6
+    proc = run_script("fedavg.py", "--resume", run, "--rounds", "5", check=False)
+    assert proc.returncode == 2 and "--rounds" in proc.stderr.splitlines()[-1]
+
+
+def test_extension_of_a_run_checkpointed_sparsely_continues_from_its_last_round(tmp_path):
+    """--checkpoint-every 3 over 4 rounds: the last round is checkpointed too, so an extension goes on from it."""
+    run_script(*tiny(tmp_path / "a", "--checkpoint-every", "3"))
+    assert torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)["round"] == 4
+
+
+def test_resume_refuses_other_flags_and_other_scripts_runs(finished, tmp_path, monkeypatch, capsys):
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(finished / "four", run)
+    code, last = parse("fedavg", ["--resume", run, "--lr", "0.5"], monkeypatch, capsys)
+    assert code == 2 and "--lr" in last
+    for name in ("fedbabu", "fedfn", "anfr"):
+        code, last = parse(name, ["--resume", run], monkeypatch, capsys)
+        assert code == 2 and "--resume" in last and "fedavg" in last, last
+    config = json.load(open(run / "config.json"))
+    del config["script"]  # a run folder written before config.json named its script: told by its flags
+    (run / "config.json").write_text(json.dumps(config))
+    code, last = parse("fedbabu", ["--resume", run], monkeypatch, capsys)
+    assert code == 2 and "--resume" in last
+    (run / "summary.json").unlink()
+    code, last = parse("fedavg", ["--resume", run], monkeypatch, capsys)
+    assert code is None
+
+
+def test_resume_without_checkpoint_or_of_a_diverged_run_says_what_is_missing(tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    proc = run_script(*tiny(run, "--lr", "1e12", "--momentum", "0"), check=False)
+    assert proc.returncode == 1 and "diverged" in proc.stderr
+    code, last = parse("fedavg", ["--resume", run], monkeypatch, capsys)
+    assert code == 2 and "diverged" in last
+    (run / "summary.json").unlink()
+    code, last = parse("fedavg", ["--resume", run], monkeypatch, capsys)
+    assert code == 2 and "no checkpoint.pt" in last and "no config.json" not in last
+
+
+def test_nan_never_reaches_a_json_file(tmp_path):
+    run = tmp_path / "run"
+    run_script(*tiny(run, "--lr", "1e12", "--momentum", "0"), check=False)
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in a JSON file"))
+
+    s = strict((run / "summary.json").read_text())
+    assert s["diverged"] is True and s["train_loss"] is None
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        strict(line)
+    assert common._json_safe({"a": [1.0, float("nan"), {"b": float("-inf")}], "c": 2}) == {"a": [1.0, None, {"b": None}],
+                                                                                          "c": 2}
+
+
+def test_atomic_save_leaves_the_old_file_whole_when_interrupted(tmp_path, monkeypatch):
+    path = str(tmp_path / "checkpoint.pt")
+    common._atomic_save({"round": 1}, path)
+
+    def interrupted(*_a, **_k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        common._atomic_save({"round": 2}, path)
+    monkeypatch.undo()
+    assert torch.load(path) == {"round": 1} and os.listdir(tmp_path) == ["checkpoint.pt"]  # no temporary file left
+
+
+def test_start_up_line_names_device_model_parameters_partition_and_folder(tmp_path):
+    proc = run_script(*tiny(tmp_path / "run", "--rounds", "1"))
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("fedavg: "))
+    model = common.build_model("mlp", argparse.Namespace(in_channels=3, num_classes=10, image_size=32))
+    params = sum(p.numel() for p in model.parameters())
+    assert "cpu" in line and f"model mlp, {params:,} parameters" in line and "iid: 4 clients" in line
+    assert str(tmp_path / "run") in line
+
+
+def test_ctrl_c_twice_ends_with_one_line_and_no_traceback(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, *map(str, tiny(out, "--rounds", "200", "--local-steps", "400"))]  # rounds of seconds
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out.joinpath("metrics.jsonl").exists() and metrics(out)):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert err.count("interrupted;") == 1
+    rows = metrics(out)  # whole lines only
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert ckpt["round"] >= 1 and len(rows) >= ckpt["round"]
+
+
+# ---- the image-folder cache ----------------------------------------------------------------------------
+def make_folder(root, counts, size=8):
+    from PIL import Image
+    g = torch.Generator().manual_seed(0)
+    for split, per_class in counts.items():
+        for cls, n in per_class.items():
+            (root / split / cls).mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                pixels = torch.randint(0, 256, (size, size, 3), generator=g, dtype=torch.uint8).numpy()
+                Image.fromarray(pixels).save(root / split / cls / f"{i}.png")
+
+
+def test_folder_cache_sees_added_removed_and_replaced_images(tmp_path):
+    from PIL import Image
+    root = tmp_path / "data"
+    make_folder(root, {"train": {"cat": 3, "dog": 2}, "test": {"cat": 1, "dog": 1}})
+    x, y, _, _ = common.folder_dataset(root)
+    assert y.tolist() == [0, 0, 0, 1, 1] and (root / ".cleanfl-cache.pt").exists()
+    stamps = {d: os.stat(d).st_mtime_ns for d in (root / "train", root / "train" / "cat")}
+
+    def restore_folder_times():  # what the old cache key looked at stays the same
+        for d, ns in stamps.items():
+            os.utime(d, ns=(ns, ns))
+
+    make_folder(root, {"train": {"cat": 5}})  # two more cats (0-2 rewritten with the same pixels)
+    restore_folder_times()
+    x, y, _, _ = common.folder_dataset(root)
+    assert y.tolist() == [0] * 5 + [1, 1]
+    (root / "train" / "cat" / "4.png").unlink()
+    restore_folder_times()
+    assert common.folder_dataset(root)[1].tolist() == [0] * 4 + [1, 1]
+    Image.new("RGB", (8, 8), (1, 2, 3)).save(root / "train" / "cat" / "0.png")  # replaced in place
+    restore_folder_times()
+    x = common.folder_dataset(root)[0]
+    assert x[0].flatten().tolist()[:2] == [1, 1] and x[0][:, 0, 0].tolist() == [1, 2, 3]
+
+
+# ---- CI's dependencies -----------------------------------------------------------------------------------
+def test_every_third_party_import_of_tests_and_benchmarks_is_installed_by_requirements_dev():
+    """A fresh virtual environment gets only requirements-dev.txt (and requirements.txt through it)."""
+    local = {os.path.splitext(f)[0] for d in (ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "benchmarks"))
+             for f in os.listdir(d) if f.endswith(".py")}
+    provided_by = {"PIL": "torchvision"}  # Pillow comes with torchvision
+    names = set()
+    for req in ("requirements.txt", "requirements-dev.txt"):
+        for line in open(os.path.join(ROOT, req)):
+            line = line.split("#")[0].strip()
+            if line and not line.startswith("-r"):
+                names.add(line.split(">")[0].split("=")[0].split("<")[0].strip().lower())
+    missing = set()
+    for d in ("tests", "benchmarks"):
+        for f in os.listdir(os.path.join(ROOT, d)):
+            if not f.endswith(".py"):
+                continue
+            tree = ast.parse(open(os.path.join(ROOT, d, f)).read())
+            for node in ast.walk(tree):
+                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                    [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+                for mod in mods:
+                    top = mod.split(".")[0]
+                    if top in sys.stdlib_module_names or top in local:
+                        continue
+                    if provided_by.get(top, top).lower() not in names:
+                        missing.add(f"{d}/{f}: {top}")
+    assert not missing, missing
