@@ -133,7 +133,7 @@ def parse_args():
                 (args.pfl == "fedbn" and not has_bn, f"--pfl fedbn: --arch {args.arch} has no batch norm to keep local; use --arch bn or se, or --pfl fedper"),
                 (dp and has_bn, f"--dp-noise-multiplier: DP-SGD needs per-sample gradients, which batch norm (--arch {args.arch}) mixes; use --arch gn, nf or anfr"),
                 (args.agg == "fedprox" and args.prox_mu == 0, "--prox-mu: --agg fedprox needs mu > 0, got 0"),
-                (args.prox_mu is not None and args.agg != "fedprox", f"--prox-mu: the proximal term belongs to --agg fedprox, not --agg {args.agg}; add --agg fedprox or drop --prox-mu"),
+                (bool(args.prox_mu) and args.agg != "fedprox", f"--prox-mu: the proximal term belongs to --agg fedprox, not --agg {args.agg}; add --agg fedprox or drop --prox-mu"),
                 (args.init_from is not None and not os.path.isfile(args.init_from), f"--init-from: no file {args.init_from}"),
                 (args.last_gain_init != 0 and ARCHS[args.arch][0] != "nf", f"--last-gain-init: --arch {args.arch} has no NF gains; use --arch nf or anfr")]:
             if bad:
