@@ -135,8 +135,9 @@ for split, x, y in (("train", x_tr, y_tr), ("test", x_te, y_te)):
 print(f"toy image folder {root}: {len(y_tr)} train, {len(y_te)} test images")'
 
 stage_data() {
-  if [ "$MODE" = tiny ]; then
-    "$PYTHON" -c "$TOY_FOLDER" "$DATA_DIR"
+  if [ "$MODE" = tiny ]; then  # the toy folder, and its cache from the same process (one torch import)
+    "$PYTHON" -c "$TOY_FOLDER"$'\n'"$WARM_CACHE" "$DATA_DIR"
+    return 0
   elif [ ! -d "$DATA_DIR/train" ] || [ ! -d "$DATA_DIR/test" ]; then
     if [ "$MODE" = dry ] || [ -f "$DATA_ARCHIVE" ]; then
       echo "# $DATA_DIR has no train/ and test/: unpacking $DATA_ARCHIVE"
