@@ -1,0 +1,445 @@
+#!/usr/bin/env bash
+# Issue 24: everything one call on a lent GPU machine runs (about 9 minutes; benchmarks/gpu_call.md).
+#
+#   bash benchmarks/gpu.sh                         # MODE=full: the GPU call
+#   MODE=dry bash benchmarks/gpu.sh                # print every command, run none
+#   MODE=tiny DEVICE=cpu bash benchmarks/gpu.sh    # CI: every stage at toy size on the CPU (about a minute)
+#   bash benchmarks/gpu.sh smoke times             # only these stages (then the collect step)
+#
+# Stages, in this order; each is independent: a failing or timed-out stage is reported and the next one
+# still runs. The exit status is 0 only if every stage passed. Stage timings are printed and kept.
+#   env      card, driver, torch, CUDA and cuDNN versions, CPUs (OUT/env.txt)
+#   data     unpack DATA_ARCHIVE into DATA_DIR if DATA_DIR/train is missing, decode it once into its
+#            cache (DATA_DIR/.cleanfl-cache.pt) so the parallel runs below only read the cache
+#   smoke    each of the six scripts, 2 rounds on DEVICE, tiny settings on synthetic data: fp32, --amp, and
+#            --stop-after 1 then --resume (OUT/smoke.md; is the resumed run's final accuracy the
+#            uninterrupted one's? on CUDA it need not be bit for bit)
+#   times    s/round of each claim's paper configuration and projected minutes of the full run
+#            (benchmarks/gpu_times.py, with benchmarks/round_time.py for fedavg.py; OUT/times.md)
+#   fedbabu  FedBABU Table 13 at paper scale: benchmarks/reproduce/fedbabu.sh paper (variants fedavg,
+#            fedbabu; SEEDS), JOBS runs at a time on the one GPU; resumable (lib.sh)
+# Then, always: collect (OUT/fedbabu.md from benchmarks/collect.py, OUT/summary.md, OUT/runs.tar.gz).
+# OUT ends with at most 8 files: log.txt env.txt smoke.md times.md fedbabu.md summary.md runs.tar.gz.
+#
+# Environment (defaults in brackets):
+#   MODE          full | dry | tiny [full]
+#   DEVICE        [cuda; tiny: cpu]
+#   DATA_DIR      unpacked CIFAR-10 image folder [data/cifar10, git-ignored; tiny: a toy folder in WORK]
+#   DATA_ARCHIVE  unpacked into DATA_DIR when DATA_DIR/train is missing [data/cifar10-jpg.tar.gz]
+#   WORK          every run folder goes under it; must not hold runs yet [runs/gpu/<date-time>]
+#   OUT           the files that come back [$OUT if set (the device machine sets it), else WORK/out]
+#   SEEDS, JOBS   fedbabu stage: seeds ["0 1 2"; tiny "0"], runs at a time [6: all six at once, so both
+#                 variants advance together and a cut-off call leaves checkpoints of all; tiny 2]
+#   FEDBABU_RUNS  RUNS_DIR of the fedbabu stage [WORK/fedbabu]; an earlier call's folder (carried)
+#                 continues it: finished runs are skipped, checkpointed ones resumed
+#   SMOKE_JOBS    smoke chains (one per script) at a time [6; tiny 2]
+#   SMOKE_BATCH   1: the smoke runs share SMOKE_JOBS python processes (tests/run_batch.py's trick, no
+#                 torch import per run) [tiny 1, else 0: a fresh process per run, as on the GPU]
+#   TIMES_FLAGS   extra flags of benchmarks/gpu_times.py, e.g. "--variants all --fedavg-precisions fp32 amp"
+#   DEADLINE      seconds for all stages; each stage's cap is cut to what is left [full 500; tiny 900]
+#   CAP_ENV CAP_DATA CAP_SMOKE CAP_TIMES CAP_FEDBABU   per-stage caps in seconds [60 90 90 200; fedbabu:
+#                 the rest of DEADLINE]. A stage over its cap is stopped (timeout, whole process group).
+#   PYTHON        [python3, else python]
+set -euo pipefail
+
+MODE=${MODE:-full}
+case "$MODE" in full|dry|tiny) ;; *) echo "MODE must be full, dry or tiny (got '$MODE')" >&2; exit 2 ;; esac
+SELF=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")
+ROOT=$(cd "$(dirname "$SELF")/.." && pwd)
+cd "$ROOT"
+abs() { case "$1" in /*) echo "$1" ;; *) echo "$ROOT/$1" ;; esac; }
+
+if [ -z "${PYTHON:-}" ]; then
+  if command -v python3 > /dev/null; then PYTHON=python3; else PYTHON=python; fi
+fi
+if [ "$MODE" = tiny ]; then
+  DEVICE=${DEVICE:-cpu}
+else
+  DEVICE=${DEVICE:-cuda}
+fi
+WORK=$(abs "${WORK:-runs/gpu/$(date +%Y%m%d-%H%M%S)}")
+OUT=$(abs "${OUT:-$WORK/out}")
+if [ "$MODE" = tiny ]; then
+  DATA_DIR=$WORK/tiny-data  # written by the data stage: toy images, so CI needs no CIFAR-10
+else
+  DATA_DIR=$(abs "${DATA_DIR:-data/cifar10}")
+fi
+DATA_ARCHIVE=$(abs "${DATA_ARCHIVE:-data/cifar10-jpg.tar.gz}")
+FEDBABU_RUNS=$(abs "${FEDBABU_RUNS:-$WORK/fedbabu}")
+if [ "$MODE" = tiny ]; then
+  SEEDS=${SEEDS:-0}; JOBS=${JOBS:-2}; SMOKE_JOBS=${SMOKE_JOBS:-2}; SMOKE_BATCH=${SMOKE_BATCH:-1}; DEADLINE=${DEADLINE:-900}
+else
+  SEEDS=${SEEDS:-"0 1 2"}; JOBS=${JOBS:-6}; SMOKE_JOBS=${SMOKE_JOBS:-6}; SMOKE_BATCH=${SMOKE_BATCH:-0}; DEADLINE=${DEADLINE:-500}
+fi
+TIMES_FLAGS=${TIMES_FLAGS:-}
+CAP_ENV=${CAP_ENV:-60}; CAP_DATA=${CAP_DATA:-90}; CAP_SMOKE=${CAP_SMOKE:-90}; CAP_TIMES=${CAP_TIMES:-200}; CAP_FEDBABU=${CAP_FEDBABU:-0}
+export MODE DEVICE WORK OUT DATA_DIR DATA_ARCHIVE FEDBABU_RUNS SEEDS JOBS SMOKE_JOBS SMOKE_BATCH TIMES_FLAGS PYTHON
+export PYTHONUNBUFFERED=1
+STAGES_ALL="env data smoke times fedbabu"
+SCRIPTS=(fedavg fedbabu fedfn fedln fednnnn anfr)
+
+# show CMD...: the command, shell-quoted, on one line (what MODE=dry prints for every command).
+show() {
+  local a out=()
+  for a in "$@"; do
+    if [[ "$a" =~ ^[A-Za-z0-9_./=:,+@%-]+$ ]]; then out+=("$a"); else out+=("${a@Q}"); fi
+  done
+  echo "${out[*]}"
+}
+
+# ------------------------------------------------------------------------------------------------
+# env
+# ------------------------------------------------------------------------------------------------
+stage_env() {
+  if [ "$MODE" = dry ]; then
+    show nvidia-smi
+    show "$PYTHON" -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available())"
+    return 0
+  fi
+  {
+    echo "date: $(date -u +%FT%TZ); host: $(uname -srm); CPUs: $(nproc --all); memory: $(free -g 2>/dev/null | awk '/Mem:/ {print $2 " GiB"}')"
+    echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo '?') $(git status --porcelain 2>/dev/null | wc -l | tr -d ' ') changed files"
+    if command -v nvidia-smi > /dev/null; then
+      nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit --format=csv || true
+      nvidia-smi || true
+    else
+      echo "nvidia-smi: not found"
+    fi
+    "$PYTHON" - "$DEVICE" <<'PY'
+import platform, sys
+import torch
+device = sys.argv[1]
+print(f"python {platform.python_version()} ({sys.executable})")
+print(f"torch {torch.__version__}, built for CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}")
+print(f"cuda available: {torch.cuda.is_available()}, devices: {torch.cuda.device_count()}")
+for i in range(torch.cuda.device_count()):
+    p = torch.cuda.get_device_properties(i)
+    print(f"  cuda:{i} {p.name}, capability {p.major}.{p.minor}, {p.total_memory / 2**30:.1f} GiB, {p.multi_processor_count} SMs")
+if device.startswith("cuda") and not torch.cuda.is_available():
+    sys.exit(f"DEVICE={device} but torch sees no CUDA device")
+PY
+  } 2>&1 | tee "$OUT/env.txt"
+}
+
+# ------------------------------------------------------------------------------------------------
+# data
+# ------------------------------------------------------------------------------------------------
+WARM_CACHE='import sys, time; sys.path.insert(0, "."); import common; t = time.time(); x_tr, y_tr, x_te, y_te = common.folder_dataset(sys.argv[1]); print(f"{sys.argv[1]}: {len(y_tr)} train and {len(y_te)} test images, {tuple(x_tr.shape[1:])}, {int(y_tr.max()) + 1} classes, read in {time.time() - t:.1f} s")'
+TOY_FOLDER='import os, sys; sys.path.insert(0, "."); import common; from PIL import Image
+root = sys.argv[1]
+x_tr, y_tr, x_te, y_te = common.synthetic_dataset(0, n_train=1000, n_test=200)  # 100 + 20 images per class
+for split, x, y in (("train", x_tr, y_tr), ("test", x_te, y_te)):
+    for i, (img, c) in enumerate(zip(x, y)):
+        os.makedirs(os.path.join(root, split, f"class{int(c)}"), exist_ok=True)
+        Image.fromarray(img.permute(1, 2, 0).numpy()).save(os.path.join(root, split, f"class{int(c)}", f"{i:04d}.png"))
+print(f"toy image folder {root}: {len(y_tr)} train, {len(y_te)} test images")'
+
+stage_data() {
+  if [ "$MODE" = tiny ]; then  # the toy folder, and its cache from the same process (one torch import)
+    "$PYTHON" -c "$TOY_FOLDER"$'\n'"$WARM_CACHE" "$DATA_DIR"
+    return 0
+  elif [ ! -d "$DATA_DIR/train" ] || [ ! -d "$DATA_DIR/test" ]; then
+    if [ "$MODE" = dry ] || [ -f "$DATA_ARCHIVE" ]; then
+      echo "# $DATA_DIR has no train/ and test/: unpacking $DATA_ARCHIVE"
+      if [ "$MODE" = dry ]; then
+        show mkdir -p "$DATA_DIR"; show tar -xzf "$DATA_ARCHIVE" -C "$DATA_DIR"
+      else
+        mkdir -p "$DATA_DIR"
+        tar -xzf "$DATA_ARCHIVE" -C "$DATA_DIR"
+      fi
+    else
+      echo "DATA_DIR=$DATA_DIR has no train/ and test/, and there is no DATA_ARCHIVE ($DATA_ARCHIVE) to unpack" >&2
+      return 1
+    fi
+  fi
+  if [ "$MODE" = dry ]; then
+    show "$PYTHON" -c "$WARM_CACHE" "$DATA_DIR"
+  else
+    "$PYTHON" -c "$WARM_CACHE" "$DATA_DIR"
+  fi
+}
+
+# ------------------------------------------------------------------------------------------------
+# smoke: per script one chain fp32, amp, stop-after 1, resume
+# ------------------------------------------------------------------------------------------------
+declare -A SMOKE_FLAGS=(  # tiny settings each script's tests use (tests/helpers.py TINY, tests/test_<script>.py)
+  [fedavg]="--model cnn --num-clients 4 --frac 0.5 --shards 2 --local-steps 3 --batch-size 16"
+  [fedbabu]="--model convnet4-tiny --num-clients 4 --frac 0.5 --shards 2 --local-steps 4 --batch-size 32 --ft-epochs 2 --ft-eval-epochs 0 1"
+  [fedfn]="--model cnn --num-clients 4 --frac 0.5 --shards 2 --local-steps 3 --batch-size 16"
+  [fedln]="--model normcnn --width 8 --norm ln --batch-size 16 --local-steps 3"
+  [fednnnn]="--model cnn6-narrow --num-clients 4 --frac 0.5 --shards 2 --local-steps 3 --batch-size 16"
+  [anfr]="--depth 18 --width 8 --image-size 16 --num-clients 3 --alpha 1.0 --local-steps 5 --batch-size 16"
+)
+
+# smoke_spec S: label<TAB>command lines of script S's chain
+smoke_spec() {
+  local s=$1 dir=$WORK/smoke
+  # shellcheck disable=SC2206  # the flags are plain words
+  local base=("$PYTHON" "$s.py" --dataset synthetic --device "$DEVICE" --rounds 2 --eval-every 2 --seed 0 ${SMOKE_FLAGS[$s]})
+  printf '%s\t%s\n' "$s/fp32" "$(show "${base[@]}" --out "$dir/$s-fp32")"
+  printf '%s\t%s\n' "$s/amp" "$(show "${base[@]}" --amp --out "$dir/$s-amp")"
+  printf '%s\t%s\n' "$s/stop-after" "$(show "${base[@]}" --stop-after 1 --out "$dir/$s-resumed")"
+  printf '%s\t%s\n' "$s/resume" "$(show "$PYTHON" "$s.py" --resume "$dir/$s-resumed")"
+}
+
+# SMOKE_BATCH=1: run the lines of a spec in this one process, on after a failure; "label rc" lines go to
+# DIR/<script>.status (label = script/step).
+BATCH_PY='import os, runpy, shlex, sys, traceback
+sys.path.insert(0, os.getcwd())
+spec, d = sys.argv[1], sys.argv[2]
+for line in open(spec).read().splitlines():
+    label, cmd = line.split("\t", 1)
+    argv = shlex.split(cmd)[1:]
+    print(f"=== {label}: {cmd}", file=sys.stderr, flush=True)
+    sys.argv = argv
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+        rc = 0
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        rc = 1
+    sys.stdout.flush()
+    with open(os.path.join(d, label.split("/")[0] + ".status"), "a") as f:
+        f.write(f"{label} {rc}\n")'
+
+# smoke_chain NAME S...: the chains of scripts S (fp32, amp, stop-after, resume each), one after another;
+# output in WORK/smoke/NAME.log, "label rc" lines in WORK/smoke/<S>.status.
+smoke_chain() {
+  local name=$1 dir=$WORK/smoke label cmd rc s
+  shift
+  for s in "$@"; do smoke_spec "$s"; : > "$dir/$s.status"; done > "$dir/$name.spec"
+  if [ "$SMOKE_BATCH" = 1 ]; then  # one python process for all of them
+    "$PYTHON" -c "$BATCH_PY" "$dir/$name.spec" "$dir" > "$dir/$name.log" 2>&1 || true
+  else  # a fresh process per run, as the GPU runs are made
+    while IFS=$'\t' read -r label cmd; do
+      echo "=== $label: $cmd" >> "$dir/$name.log"
+      rc=0
+      eval "$cmd" >> "$dir/$name.log" 2>&1 || rc=$?
+      echo "$label $rc" >> "$dir/${label%%/*}.status"
+    done < "$dir/$name.spec"
+  fi
+}
+
+SMOKE_TABLE='import json, os, sys
+d, scripts = sys.argv[1], sys.argv[2:]
+steps = ["fp32", "amp", "stop-after", "resume"]
+def acc(run):
+    try:
+        return json.load(open(os.path.join(d, run, "summary.json")))["test_acc"]
+    except (OSError, KeyError, ValueError):
+        return None
+print("| script | " + " | ".join(steps) + " | final test acc: uninterrupted / resumed |")
+print("|---" * (len(steps) + 2) + "|")
+bad = 0
+for s in scripts:
+    status = {}
+    if os.path.exists(os.path.join(d, f"{s}.status")):
+        for line in open(os.path.join(d, f"{s}.status")):
+            label, rc = line.split()
+            status[label.split("/", 1)[1]] = int(rc)
+    cells = ["ok" if status.get(k) == 0 else ("not run" if k not in status else f"**FAILED** (exit {status[k]})") for k in steps]
+    bad += sum(c != "ok" for c in cells)
+    a, b = acc(f"{s}-fp32"), acc(f"{s}-resumed")
+    same = "-" if a is None or b is None else (f"{a:.4f} / {b:.4f} " + ("(same)" if a == b else "(differ)"))
+    print(f"| {s}.py | " + " | ".join(cells) + f" | {same} |")
+sys.exit(1 if bad else 0)'
+
+stage_smoke() {
+  local s i k groups=()
+  if [ "$MODE" = dry ]; then
+    for s in "${SCRIPTS[@]}"; do smoke_spec "$s" | cut -f2-; done
+    return 0
+  fi
+  mkdir -p "$WORK/smoke"
+  if [ "$SMOKE_BATCH" = 1 ]; then  # SMOKE_JOBS processes, the scripts dealt round-robin (fewer torch imports)
+    for i in "${!SCRIPTS[@]}"; do k=$((i % SMOKE_JOBS)); groups[k]="${groups[k]:-} ${SCRIPTS[i]}"; done
+  else  # one chain per script
+    groups=("${SCRIPTS[@]}")
+  fi
+  for i in "${!groups[@]}"; do
+    while [ "$(jobs -rp | wc -l)" -ge "$SMOKE_JOBS" ]; do wait -n || true; done
+    # shellcheck disable=SC2086  # a group is a list of script names
+    set -- ${groups[i]}
+    local name=$1
+    [ "$#" -gt 1 ] && name=batch$i
+    echo "smoke: $* (log: $WORK/smoke/$name.log)"
+    smoke_chain "$name" "$@" &
+  done
+  wait
+  for i in "${!groups[@]}"; do
+    # shellcheck disable=SC2086
+    set -- ${groups[i]}
+    local name=$1 bad=0
+    [ "$#" -gt 1 ] && name=batch$i
+    for s in "$@"; do
+      if grep -qv ' 0$' "$WORK/smoke/$s.status" 2>/dev/null || [ "$(wc -l < "$WORK/smoke/$s.status")" -lt 4 ]; then bad=1; fi
+    done
+    if [ "$bad" = 1 ]; then
+      echo "---- smoke: a run of $* failed; the end of $WORK/smoke/$name.log:"
+      tail -n 40 "$WORK/smoke/$name.log" || true
+    fi
+  done
+  "$PYTHON" -c "$SMOKE_TABLE" "$WORK/smoke" "${SCRIPTS[@]}" | tee "$OUT/smoke.md"
+}
+
+# ------------------------------------------------------------------------------------------------
+# times
+# ------------------------------------------------------------------------------------------------
+stage_times() {
+  local cmd=("$PYTHON" benchmarks/gpu_times.py --data-dir "$DATA_DIR" --device "$DEVICE" --out "$WORK/times")
+  [ "$MODE" = tiny ] && cmd+=(--tiny)
+  # shellcheck disable=SC2206
+  cmd+=($TIMES_FLAGS)
+  if [ "$MODE" = dry ]; then
+    show "${cmd[@]}"
+    "${cmd[@]}" --dry
+    return 0
+  fi
+  "${cmd[@]}" | tee "$OUT/times.md"
+}
+
+# ------------------------------------------------------------------------------------------------
+# fedbabu: Table 13 at paper scale
+# ------------------------------------------------------------------------------------------------
+stage_fedbabu() {
+  local py=$PYTHON
+  if [ "$MODE" = tiny ]; then
+    # Toy size through the real reproduce script: a python that appends toy flags (argparse: last wins).
+    py=$WORK/tiny-python
+    mkdir -p "$WORK"
+    printf '#!/usr/bin/env bash\nexec %q "$@" --model convnet4-tiny --rounds 2 --local-steps 2 --ft-epochs 1 --ft-eval-epochs 0 1 2\n' \
+      "$PYTHON" > "$py"
+    chmod +x "$py"
+  fi
+  if [ "$MODE" = dry ]; then
+    echo "DATA_DIR=$(printf %q "$DATA_DIR") SEEDS=\"$SEEDS\" RUNS_DIR=$(printf %q "$FEDBABU_RUNS") JOBS=$JOBS PYTHON=$PYTHON bash benchmarks/reproduce/fedbabu.sh paper"
+    DRY_RUN=1 SEEDS="$SEEDS" RUNS_DIR="$FEDBABU_RUNS" bash benchmarks/reproduce/fedbabu.sh paper
+    return 0
+  fi
+  local rc=0
+  DATA_DIR="$DATA_DIR" SEEDS="$SEEDS" RUNS_DIR="$FEDBABU_RUNS" JOBS="$JOBS" PYTHON="$py" \
+    bash benchmarks/reproduce/fedbabu.sh paper || rc=$?
+  if [ "$rc" != 0 ]; then
+    for log in "$FEDBABU_RUNS"/fedbabu-paper/*/seed*/log.txt; do
+      [ -f "$log" ] && grep -q Traceback "$log" && { echo "---- $log:"; tail -n 30 "$log"; }
+    done
+  fi
+  return "$rc"
+}
+
+# ------------------------------------------------------------------------------------------------
+# collect (always, after the stages)
+# ------------------------------------------------------------------------------------------------
+collect() {
+  local rc=0 parts=()
+  if [ -d "$WORK/smoke" ]; then  # again: a smoke stage stopped at its cap has not written its table
+    "$PYTHON" -c "$SMOKE_TABLE" "$WORK/smoke" "${SCRIPTS[@]}" > "$OUT/smoke.md" 2>&1 || true
+  fi
+  if [ -d "$FEDBABU_RUNS/fedbabu-paper" ]; then
+    "$PYTHON" benchmarks/collect.py "$FEDBABU_RUNS" --claim fedbabu > "$OUT/fedbabu.md" 2>&1 || rc=1
+  else
+    echo "no fedbabu runs (stage not run)" > "$OUT/fedbabu.md"
+  fi
+  # smoke and times run folders without their checkpoints (up to 8 MB each, of no further use); the
+  # fedbabu runs with theirs (0.5 MB each), so that a cut-off stage can be resumed by a later call
+  for p in smoke times; do [ -d "$WORK/$p" ] && parts+=(-C "$WORK" "$p"); done
+  [ -d "$FEDBABU_RUNS" ] && parts+=(-C "$(dirname "$FEDBABU_RUNS")" "$(basename "$FEDBABU_RUNS")")
+  if [ "${#parts[@]}" -gt 0 ]; then
+    tar -czf "$OUT/runs.tar.gz" --exclude='smoke/*/checkpoint.pt' --exclude='times/*/checkpoint.pt' "${parts[@]}" || rc=1
+  fi
+  {
+    echo "# benchmarks/gpu.sh, MODE=$MODE, DEVICE=$DEVICE, $(date -u +%FT%TZ)"
+    echo
+    echo "| stage | result | seconds |"
+    echo "|---|---|---|"
+    cat "$WORK/.stages"
+    for f in env.txt smoke.md times.md fedbabu.md; do
+      echo
+      echo "## $f"
+      echo
+      if [ "$f" = env.txt ]; then echo '```'; fi
+      cat "$OUT/$f" 2>/dev/null || echo "(missing)"
+      if [ "$f" = env.txt ]; then echo '```'; fi
+    done
+  } > "$OUT/summary.md"
+  return "$rc"
+}
+
+# ------------------------------------------------------------------------------------------------
+# main
+# ------------------------------------------------------------------------------------------------
+if [ "${1:-}" = --stage ]; then  # one stage, in its own process (run below under timeout)
+  "stage_$2"
+  exit $?
+fi
+
+STAGES=${*:-$STAGES_ALL}
+for s in $STAGES; do
+  case " $STAGES_ALL " in *" $s "*) ;; *) echo "unknown stage '$s' (stages: $STAGES_ALL)" >&2; exit 2 ;; esac
+done
+
+if [ "$MODE" = dry ]; then
+  echo "# MODE=dry: the commands of each stage, none run; WORK=$WORK OUT=$OUT DEVICE=$DEVICE"
+  for s in $STAGES; do
+    echo "# ---- stage $s"
+    "stage_$s"
+  done
+  exit 0
+fi
+
+if [ -e "$WORK/smoke" ] || [ -e "$WORK/times" ] || [ -e "$WORK/.stages" ]; then
+  echo "WORK=$WORK already holds runs of an earlier call; choose a new WORK (every --out must be fresh)" >&2
+  exit 2
+fi
+mkdir -p "$WORK" "$OUT"
+exec 3>&1 4>&2
+exec > >(tee -a "$OUT/log.txt") 2>&1
+TEE_PID=$!
+: > "$WORK/.stages"
+echo "benchmarks/gpu.sh MODE=$MODE DEVICE=$DEVICE DATA_DIR=$DATA_DIR WORK=$WORK OUT=$OUT"
+echo "stages: $STAGES; deadline ${DEADLINE}s; python $PYTHON; SEEDS=\"$SEEDS\" JOBS=$JOBS SMOKE_JOBS=$SMOKE_JOBS SMOKE_BATCH=$SMOKE_BATCH"
+START=$SECONDS
+FAILED=0
+for s in $STAGES; do
+  case $s in
+    env) cap=$CAP_ENV ;; data) cap=$CAP_DATA ;; smoke) cap=$CAP_SMOKE ;; times) cap=$CAP_TIMES ;; fedbabu) cap=$CAP_FEDBABU ;;
+  esac
+  left=$((DEADLINE - (SECONDS - START)))
+  if [ "$cap" -le 0 ] || [ "$cap" -gt "$left" ]; then cap=$left; fi
+  if [ "$cap" -lt 10 ]; then
+    echo "##### stage $s: SKIPPED, ${left}s left of DEADLINE=${DEADLINE}s"
+    echo "| $s | **skipped** (deadline) | 0 |" >> "$WORK/.stages"
+    FAILED=1
+    continue
+  fi
+  echo
+  echo "##### stage $s (at most ${cap}s) $(date -u +%T)"
+  t0=$SECONDS
+  rc=0
+  timeout -k 10 "$cap" bash "$SELF" --stage "$s" || rc=$?
+  dt=$((SECONDS - t0))
+  if [ "$rc" = 0 ]; then
+    result=ok
+  elif [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    result="**TIMEOUT** after ${cap}s"
+    FAILED=1
+  else
+    result="**FAILED** (exit $rc)"
+    FAILED=1
+  fi
+  echo "##### stage $s: $result in ${dt}s"
+  echo "| $s | $result | $dt |" >> "$WORK/.stages"
+done
+echo
+echo "##### collect"
+collect || { echo "| collect | **FAILED** | - |" >> "$WORK/.stages"; FAILED=1; }
+echo
+echo "##### stages (seconds)"
+cat "$WORK/.stages"
+echo "total $((SECONDS - START))s; files in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
+echo "exit status $FAILED"
+exec 1>&3 2>&4 3>&- 4>&-
+wait "$TEE_PID" 2>/dev/null || true
+exit "$FAILED"
