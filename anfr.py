@@ -1,48 +1,23 @@
 """ANFR: An Architecture Built for Federated Learning: Addressing Data Heterogeneity through Adaptive
-Normalization-Free Feature Recalibration (Siomos et al., under review at ICML 2025).
+Normalization-Free Feature Recalibration (anonymous authors, under review at ICML).
 
 Idea: the method is the backbone, not the aggregation. ANFR = an NF-ResNet (Scaled Weight
 Standardization, Eq. 5: no activation normalization, so no client batch statistics to mismatch or
-average) plus channel attention (SE / ECA / CBAM) in the SE-ResNet position. It is compared with
-BN-, GN-, SE- and NF-ResNets (--arch, all options of the one ResNet in common.py) under FedAvg,
-FedProx, SCAFFOLD and FedAdam (--agg, Table 1), FedPer and FedBN (--pfl, Table 2), and DP-SGD (Sec. 4.3).
+average) plus channel attention (SE / ECA / CBAM). It is compared with BN-, GN-, SE- and NF-ResNets
+(--arch) under FedAvg, FedProx, SCAFFOLD and FedAdam (--agg, Table 1), FedPer and FedBN (--pfl,
+Table 2), and DP-SGD (Sec. 4.3). The models are timm's ResNet-50s, checked logit for logit in tests.
 
 Reproduce (CPU, synthetic data, about a minute):
     python anfr.py --dataset synthetic --arch anfr --depth 18 --width 16 --rounds 10 --local-steps 10
-CIFAR-10 split-2 from scratch, Appendix B.3 / Table 9 (a GPU; --arch bn|gn|se|nf|anfr, --agg ...):
-    python anfr.py --dataset cifar10 --arch anfr --agg scaffold
+CIFAR-10 split-2 from random initialization, Appendix B.3 / Table 9 (ANFR 83.20; a GPU):
+    python anfr.py --dataset cifar10 --arch anfr
 Measured (benchmarks/reproduce/anfr.sh small: ResNet-18 of width 8, 25 rounds of 50 steps; real
-CIFAR-10 split-2, seeds 0-2, 2-core CPU, 4-9 min a run, models matched to timm): BN 51.3, SE 50.7,
-GN 36.9, ANFR 28.2, NF 27.8 (paper, Table 9: 80.89, 81.19, 78.52, 83.20, 81.66): not reproduced at
-that scale. With the NF blocks' last gains starting at 1 instead of timm's 0 (--last-gain-init 1),
-NF 42.4 and ANFR 42.7: the zero-started residual branches explain about 60% of the gap to BN. On IID
-clients ANFR still trails (39.6 vs BN 54.5). Details: docs/anfr.md, "Results".
+CIFAR-10 split-2, seeds 0-2, 2-core CPU): BN 51.3, SE 50.7, GN 36.9, ANFR 28.2, NF 27.8 (Table 9:
+80.89, 81.19, 78.52, 83.20, 81.66); with the NF gains started at 1, NF 42.4 and ANFR 42.7.
 
-Models = timm's ResNet-50s (the paper's), checked logit for logit in tests/test_anfr.py: NF blocks as
-timm's NormFreeBlock (x2 attention gain, gamma = timm's measured 1.7139588, the last conv's gain g
-starting at 0, and on a projection shortcut timm's DownsampleAvg: 2x2 average pool when strided, then
-conv1x1); SE hidden width C/16 rounded to a multiple of 8 (timm SEModule). --last-gain-init 1 opens
-the residual branches from the start instead (AdamW moves g by at most about lr per step).
-Pretrained (the paper's main setting, Table 1): --init-from takes a timm state dict, renamed by
-timm_name; every entry but the head must load, else exit 2. With internet, e.g.
-    python -c "import timm, torch; torch.save(timm.create_model('nf_resnet50', pretrained=True).state_dict(), 'nf_resnet50.pt')"
-    python anfr.py --arch nf --depth 50 --width 64 --stem imagenet --image-size 224 --init-from nf_resnet50.pt
-timm name -> --arch: resnet50 bn, resnet50_gn gn, seresnet50 se, nf_resnet50 nf, nf_seresnet50 anfr,
-nf_ecaresnet50 anfr --attention eca (timm ships no ImageNet weights for the last two: the authors trained
-their own, Table 6). Inputs are normalized with the dataset's own mean/std, not ImageNet's.
-
-Choices the paper leaves open, made here (docs/anfr.md lists them): the from-scratch CIFAR-10 recipe of
-Appendix B.3 (split-2, 5 clients, all every round, 100 rounds of 1 epoch, batch 32, AdamW lr 1e-3,
-weight decay 0.01 (PyTorch's default), cosine decay, clipping 1.0) but 32x32 inputs with the CIFAR
-stem (the paper resizes to 224 with the ImageNet stem: --image-size 224 --stem imagenet) and
-crop+flip instead of random-resized crops. Each client keeps its AdamW state and its cosine
-scheduler position (its step counter; the schedule spans rounds x its steps per round) between rounds
-(Appendix A.2). No validation-based early stopping: the final round is reported (as Table 11).
-pFL accuracy is the final round's mean over clients on per-client test splits (the paper: best local
-models). FedAdam: beta1 0.9, beta2 0.99, tau 1e-3, server lr 1e-3; SCAFFOLD: option II with the
-correction applied after each AdamW step (as NVFlare, which the paper used). DP-SGD: Poisson sampling
-of rate B/|D_i| (as Opacus), RDP accountant written here. Batch-norm running statistics are averaged
-like weights (FedBN keeps them local).
+Docs: docs/anfr.md, with the pretrained (timm) setting. Its "Implementation details and deviations"
+gives each choice with its reason: the CIFAR recipe at 32x32, per-client AdamW and cosine state,
+FedAdam, SCAFFOLD after each AdamW step, DP-SGD's sampling and accountant, batch-norm averaging.
 """
 import argparse
 import math
@@ -54,7 +29,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call, grad_and_value, vmap  # ANFR: per-sample gradients for DP-SGD
-from tqdm import tqdm
 
 from common import (AUGMENTATIONS, RESNET_LAYOUT, Run, accumulate, autocast, build_model, client_batches,
                     client_weights, decay_rate, device_flag, each_client, evaluate, finish_args, flag_type, fraction,
@@ -401,30 +375,26 @@ if __name__ == "__main__":
     zeros = lambda: {n: torch.zeros_like(p, dtype=torch.float) for n, p in model.named_parameters() if n in shared_params}
     c, c_i = (zeros(), [None] * n_clients) if args.agg == "scaffold" else (None, None)  # ANFR: SCAFFOLD controls
     m, v = (zeros(), zeros()) if args.agg == "fedadam" else (None, None)  # ANFR: FedAdam moments
-    start = 0
     if args.resume:
-        ckpt = run.load_checkpoint()
+        ckpt = run.load_checkpoint()  # run.rounds() continues after its round
         model.load_state_dict(ckpt["model"])
         set_rng_state(ckpt["rng"], sampler)
         for opt, state in zip(opts, ckpt["opts"]):  # ANFR: the clients' AdamW states
             opt.load_state_dict(state)
         client_steps, dp_steps, local = ckpt["client_steps"], ckpt["dp_steps"], ckpt["local"]  # ANFR
         c, c_i, m, v = ckpt["c"], ckpt["c_i"], ckpt["m"], ckpt["v"]  # ANFR
-        start = ckpt["round"]
 
-    def checkpoint(rounds_done):
-        run.save_checkpoint(rounds_done, {"model": model.state_dict(), "rng": rng_state(sampler),  # ANFR: + all client/server state
-                                          "opts": [o.state_dict() for o in opts], "client_steps": client_steps,
-                                          "dp_steps": dp_steps, "local": local, "c": c, "c_i": c_i, "m": m, "v": v})
+    def state():  # what a checkpoint holds
+        return {"model": model.state_dict(), "rng": rng_state(sampler),  # ANFR: + all client/server state
+                "opts": [o.state_dict() for o in opts], "client_steps": client_steps,
+                "dp_steps": dp_steps, "local": local, "c": c, "c_i": c_i, "m": m, "v": v}
 
     def load_client(k):  # ANFR: w_t, then client k's own FedPer/FedBN entries
         client.load_state_dict(model.state_dict())
         if local[k] is not None:
             client.load_state_dict(local[k], strict=False)
 
-    metrics = {}
-    bar = tqdm(range(start, args.rounds), initial=start, total=args.rounds, desc="anfr", unit="round", disable=not run.main)
-    for rnd in bar:
+    for rnd in run.rounds(state):
         clients = sample_clients(sampler, args.num_clients, args.frac)
         weights = client_weights([sizes[k] for k in clients], args.weighting)
         total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items() if k in shared}
@@ -469,11 +439,9 @@ if __name__ == "__main__":
         if c is not None:  # ANFR: SCAFFOLD c <- c + 1/N sum_{i in S} (c_i+ - c_i) (Eq. 5)
             for n in shared_params:
                 c[n] += dc_sum[n] / n_clients
-        train_loss = train_loss.item()
-        if not np.isfinite(train_loss):
-            run.diverged(rnd + 1, train_loss)
+        train_loss = run.check_loss(train_loss, rnd)  # NaN or inf: summary.json says diverged, exit
 
-        if (rnd + 1) % args.eval_every == 0 or rnd + 1 == args.rounds:
+        if run.evaluates(rnd):  # every --eval-every rounds and the last
             model.eval()
             fwd = lambda net: (lambda x: net(resize(x, args.image_size)))  # ANFR: --image-size
             eval_bs = 2000 if (args.image_size or data.image_size) <= 64 else 200
@@ -494,19 +462,6 @@ if __name__ == "__main__":
             if args.dp_noise_multiplier is not None:  # ANFR: epsilon at delta = 0.1/|D_i| for each client
                 eps = [dp_epsilon(min(1.0, args.batch_size / n), args.dp_noise_multiplier, s, 0.1 / n) for n, s in zip(sizes, dp_steps)]
                 metrics["dp_epsilon"], metrics["dp_epsilon_max"] = eps, max(eps)
-            metrics = run.log(metrics)
-            bar.set_postfix(acc=f"{metrics['test_acc']:.4f}", loss=f"{train_loss:.3f}")
-            if args.checkpoint_every is None:
-                checkpoint(rnd + 1)
-        if args.checkpoint_every is not None and ((rnd + 1) % args.checkpoint_every == 0 or rnd + 1 == args.rounds):
-            checkpoint(rnd + 1)
-        if run.stop_requested or (args.stop_after is not None and rnd + 1 - start >= args.stop_after):
-            if rnd + 1 < args.rounds:
-                checkpoint(rnd + 1)
-                bar.close()
-                print(f"stopped after round {rnd + 1}; continue with: python anfr.py --resume {run.dir}")
-                raise SystemExit(130 if run.stop_requested else 0)
-    bar.close()
+            run.log(metrics)
     extra = {"analysis": analyze(model, data, args.image_size)} if args.analyze else {}  # ANFR: global model (Sec. 3.4)
-    summary = run.finish({"final_round": args.rounds, **{k: v for k, v in metrics.items() if k != "round"}, **extra}, model)
-    print(f"final test accuracy {summary['test_acc']:.4f} after {args.rounds} rounds; outputs in {run.dir}")
+    run.finish(model, **extra)  # summary.json: the final round's metrics

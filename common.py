@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from tqdm import tqdm
 
 # ----------------------------------------------------------------------------------------------
 # Argument checks shared by every script (exit status 2, one line naming the flag)
@@ -463,7 +464,6 @@ def _decode_image(path):
 
 
 def _progress(items, desc):
-    from tqdm import tqdm
     return tqdm(items, desc=desc, leave=False, mininterval=1.0, disable=len(items) < 2000)
 
 
@@ -1009,12 +1009,13 @@ def _interrupted(*_):
 
 
 class Run:
-    """The run directory: config.json, partition.json, metrics.jsonl, checkpoint.pt, summary.json.
+    """The run folder and the loop's control: config.json, partition.json, metrics.jsonl, checkpoint.pt,
+    summary.json; the rounds with their tqdm bar, checkpoints, --stop-after, Ctrl-C and resume.
 
     Every file is written whole (a temporary file, then a rename); NaN and infinity are written as null.
-    Ctrl-C once asks the loop to stop after the current round (the loop then checkpoints and exits);
-    Ctrl-C twice stops at once with one line. Under torchrun only rank 0 writes (run.main) and Ctrl-C
-    ends every rank at once (torchrun stops them): resume from the last checkpoint.
+    Ctrl-C once asks the loop to stop after the current round (then a checkpoint, exit 130); Ctrl-C twice
+    stops at once with one line. Under torchrun only rank 0 writes (run.main) and Ctrl-C ends every rank at
+    once (torchrun stops them): resume from the last checkpoint.
     """
 
     def __init__(self, args, script):
@@ -1024,6 +1025,9 @@ class Run:
         self.stop_requested = False
         self.start = time.time()
         self.elapsed_before = 0.0
+        self.first_round = 0  # a resumed run starts after its checkpoint's round
+        self.last_eval = {}  # the latest evaluation row: the summary's metrics
+        self.bar = None
         self.metrics_path = os.path.join(self.dir, "metrics.jsonl")
         if self.main:
             os.makedirs(self.dir, exist_ok=True)
@@ -1066,46 +1070,93 @@ class Run:
                   f"| {partition.scheme}: {len(sizes)} clients, {min(sizes)}-{max(sizes)} training samples each "
                   f"| run folder {self.dir}{' (resumed)' if self.args.resume else ''}", flush=True)
 
+    def rounds(self, state):
+        """The round indices of this invocation, under a tqdm bar. After each round's body: a checkpoint of
+        state() (the method's model, server and client state, RNG) at each evaluation, or every
+        --checkpoint-every rounds and at the last; then the stop asked for by --stop-after or Ctrl-C
+        (checkpoint, the command that resumes, exit 0 or 130)."""
+        args, first = self.args, self.first_round
+        self.bar = tqdm(range(first, args.rounds), initial=first, total=args.rounds, desc=self.script, unit="round",
+                        disable=not self.main)
+        for rnd in self.bar:
+            yield rnd
+            done = rnd + 1
+            stop = done < args.rounds and (self.stop_requested or (args.stop_after is not None and done - first >= args.stop_after))
+            if args.checkpoint_every is None:
+                due = self.evaluates(rnd)
+            else:
+                due = done % args.checkpoint_every == 0 or done == args.rounds
+            if due or stop:
+                self.save_checkpoint(done, state())
+            if stop:
+                self.bar.close()
+                print(f"stopped after round {done}; continue with: python {self.script}.py --resume {self.dir}")
+                raise SystemExit(130 if self.stop_requested else 0)
+        self.bar.close()
+
+    def evaluates(self, rnd):
+        """Whether round rnd (0-based) ends with an evaluation: every --eval-every rounds and the last."""
+        return (rnd + 1) % self.args.eval_every == 0 or rnd + 1 == self.args.rounds
+
+    def check_loss(self, train_loss, rnd):
+        """The round's mean training loss as a float; NaN or inf ends the run (summary.json says diverged)."""
+        train_loss = float(train_loss)
+        if not math.isfinite(train_loss):
+            self._write_summary({"diverged": True, "round": rnd + 1, "train_loss": train_loss})
+            sys.exit(f"diverged: training loss became {train_loss} in round {rnd + 1}; "
+                     f"try a smaller --lr (summary in {self.dir})")
+        return train_loss
+
     def log(self, metrics):
+        """Append one row to metrics.jsonl (with elapsed_s); an evaluation row also goes to the bar."""
         metrics = {**metrics, "elapsed_s": round(self.elapsed, 3)}
         if self.main:
             with open(self.metrics_path) as f:
                 before = f.read()
             _atomic_save(before + json.dumps(_json_safe(metrics), allow_nan=False) + "\n", self.metrics_path)
+        if "test_acc" in metrics:
+            self.last_eval = metrics
+            if self.bar is not None:
+                self.bar.set_postfix(acc=f"{metrics['test_acc']:.4f}", loss=f"{metrics['train_loss']:.3f}")
         return metrics
 
     def save_checkpoint(self, round_done, state):
-        """state: everything the method keeps (global model, server/client state); RNG added here."""
+        """state: everything the method keeps (global model, server/client state, RNG)."""
         if self.main:
             _atomic_save({"round": round_done, "elapsed_s": self.elapsed, **state},
                          os.path.join(self.dir, "checkpoint.pt"))
 
     def load_checkpoint(self):
-        """Load checkpoint.pt and drop metrics logged after it, so the resumed log has no repeats.
-        Under torchrun every rank reads the file (with several nodes, --out must be on a shared disk)."""
+        """Load checkpoint.pt (rounds() then starts after its round) and drop metrics logged after it, so the
+        resumed log has no repeats. Under torchrun every rank reads the file (with several nodes, --out must
+        be on a shared disk)."""
         ckpt = torch.load(os.path.join(self.dir, "checkpoint.pt"), map_location=self.args.device,
                           weights_only=False)
-        self.elapsed_before = ckpt["elapsed_s"]
+        self.elapsed_before, self.first_round = ckpt["elapsed_s"], ckpt["round"]
+        with open(self.metrics_path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        rows = [row for row in rows if row["round"] <= ckpt["round"]]
+        self.last_eval = next((row for row in reversed(rows) if "test_acc" in row), {})
         if self.main:
-            with open(self.metrics_path) as f:
-                lines = [line for line in f if line.strip() and json.loads(line)["round"] <= ckpt["round"]]
-            _atomic_save("".join(lines), self.metrics_path)
+            _atomic_save("".join(json.dumps(row) + "\n" for row in rows), self.metrics_path)
         return ckpt
 
-    def finish(self, summary, model=None):
-        summary = {**summary, "wall_time_s": round(self.elapsed, 3),
-                   "device": device_name(self.args.device), "torch": torch.__version__, "script": self.script,
-                   "processes": rank_and_world()[1]}
-        if self.main:
-            _atomic_save(summary, os.path.join(self.dir, "summary.json"))
-            if model is not None and self.args.save_model:
-                _atomic_save(model.state_dict(), os.path.join(self.dir, "model.pt"))
+    def finish(self, model=None, **extra):
+        """summary.json: the final round's evaluation (never the best round's) and `extra`; model.pt with
+        --save-model; the closing line."""
+        final = {k: v for k, v in self.last_eval.items() if k != "round"}
+        summary = self._write_summary({"final_round": self.args.rounds, **final, **extra})
+        if self.main and model is not None and self.args.save_model:
+            _atomic_save(model.state_dict(), os.path.join(self.dir, "model.pt"))
+        print(f"final test accuracy {summary['test_acc']:.4f} after {self.args.rounds} rounds; outputs in {self.dir}")
         return summary
 
-    def diverged(self, round_idx, loss):
-        self.finish({"diverged": True, "round": round_idx, "train_loss": loss})
-        sys.exit(f"diverged: training loss became {loss} in round {round_idx}; "
-                 f"try a smaller --lr (summary in {self.dir})")
+    def _write_summary(self, summary):
+        summary = {**summary, "wall_time_s": round(self.elapsed, 3), "device": device_name(self.args.device),
+                   "torch": torch.__version__, "script": self.script, "processes": rank_and_world()[1]}
+        if self.main:
+            _atomic_save(summary, os.path.join(self.dir, "summary.json"))
+        return summary
 
 
 def device_name(device):

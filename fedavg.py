@@ -1,31 +1,27 @@
 """FedAvg: Communication-Efficient Learning of Deep Networks from Decentralized Data
 (McMahan, Moore, Ramage, Hampson, Aguera y Arcas; AISTATS 2017), with FedProx (Li et al., MLSys 2020).
 
-Idea: each round, a fraction of clients runs E epochs of local SGD from the global model, and the
-server replaces the global model by the average of their models weighted by sample count (Eq. in
-Alg. 1: w_{t+1} = sum_k n_k/n w_{t+1}^k). FedProx adds mu/2 ||w - w_t||^2 to each local loss.
+Idea: each round a fraction of the clients runs E epochs of local SGD from the global model, and the
+server replaces the global model by their average weighted by sample count (Alg. 1:
+w_{t+1} = sum_k n_k/n w_{t+1}^k). FedProx adds mu/2 ||w - w_t||^2 to each local loss.
+Every other CleanFL script is this file plus a small diff: `diff fedavg.py fedbabu.py` shows a method.
 
-Every other CleanFL script is this file plus a small diff; `diff fedavg.py fedbabu.py` shows a method.
-
-Reproduce (CPU, synthetic data; final test accuracy 0.883 after 20 rounds, 70 s with one thread of a
-shared 2-core x86_64 machine, torch 2.14.1):
+Reproduce (CPU, synthetic data: final test accuracy 0.883 after 20 rounds, 70 s on one thread of a
+2-core x86_64 VM, torch 2.14.1):
     python fedavg.py --dataset synthetic --num-clients 10 --frac 0.5 --shards 2 --local-epochs 1 --rounds 20
-Several processes or GPUs, the same run (README, "Several processes"):
-    torchrun --nproc_per_node 2 fedavg.py --dataset synthetic --num-clients 10 --frac 0.5 --shards 2 --local-epochs 1 --rounds 20
-Real CIFAR-10 from an image folder (no internet needed):
+Real CIFAR-10 from an image folder (no internet needed); the same run on 2 processes or GPUs:
     python fedavg.py --dataset folder --data-dir /path/to/cifar10 --shards 2
-Measured results and hardware: docs/fedavg.md, "Results".
+    torchrun --nproc_per_node 2 fedavg.py --dataset folder --data-dir /path/to/cifar10 --shards 2
 
-Choices the paper leaves open, made here: SGD momentum 0.9 and weight decay 5e-4 by default (set
---momentum 0 --weight-decay 0 for the paper's plain SGD); crop-and-flip augmentation; the last
-batch of each local epoch may be short; batch-norm running statistics are averaged like weights.
+Docs: docs/fedavg.md (usage, logged metrics, results). Choices the paper leaves open, with reasons, are
+in its "Implementation details and deviations": SGD momentum 0.9 and weight decay 5e-4 by default,
+crop-and-flip augmentation, batch-norm running statistics averaged like weights.
 """
 import argparse
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights, decay_rate,
                     device_flag, each_client, evaluate, finish_args, fraction, inner_fraction, load_average, load_data,
@@ -104,26 +100,22 @@ if __name__ == "__main__":
     seed_everything(args.seed)
     data = load_data(args)
     partition = make_partition(args, data)  # uses its own generator seeded by --data-seed
-    run = Run(args, "fedavg")
+    run = Run(args, "fedavg")  # the run folder and the loop's control (bar, checkpoints, stop, resume)
     run.write_partition(partition, data)
     model = build_model(args.model, data).to(args.device)  # the global model w_t
     client = build_model(args.model, data).to(args.device)  # one client model, reloaded for every client
     run.announce(model, partition)  # start-up line: device, model, partition, run folder
     sampler = np.random.default_rng(args.seed)  # client sampling, independent of the partition
     sizes = [len(p) for p in partition.train]
-    start = 0
     if args.resume:
-        ckpt = run.load_checkpoint()
+        ckpt = run.load_checkpoint()  # run.rounds() continues after its round
         model.load_state_dict(ckpt["model"])
         set_rng_state(ckpt["rng"], sampler)
-        start = ckpt["round"]
 
-    def checkpoint(rounds_done):
-        run.save_checkpoint(rounds_done, {"model": model.state_dict(), "rng": rng_state(sampler)})
+    def state():  # what a checkpoint holds
+        return {"model": model.state_dict(), "rng": rng_state(sampler)}
 
-    metrics = {}
-    bar = tqdm(range(start, args.rounds), initial=start, total=args.rounds, desc="fedavg", unit="round", disable=not run.main)
-    for rnd in bar:
+    for rnd in run.rounds(state):
         lr = lr_at(rnd, args)
         clients = sample_clients(sampler, args.num_clients, args.frac)
         weights = client_weights([sizes[k] for k in clients], args.weighting)
@@ -139,29 +131,14 @@ if __name__ == "__main__":
             train_loss += w * out["loss"]
             accumulate(total, out["state"], w)  # batch-norm running statistics are averaged like weights
         load_average(model, total)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (McMahan et al. 2017, Alg. 1)
-        train_loss = train_loss.item()
-        if not np.isfinite(train_loss):
-            run.diverged(rnd + 1, train_loss)
+        train_loss = run.check_loss(train_loss, rnd)  # NaN or inf: summary.json says diverged, exit
 
-        if (rnd + 1) % args.eval_every == 0 or rnd + 1 == args.rounds:
+        if run.evaluates(rnd):  # every --eval-every rounds and the last
             model.eval()
             acc, loss = evaluate(model, data.x_test, data.y_test, data, amp=args.amp)
             metrics = {"round": rnd + 1, "test_acc": acc, "test_loss": loss, "train_loss": train_loss, "lr": lr}
             if partition.test is not None:
                 accs = [evaluate(model, data.x_test[t], data.y_test[t], data, amp=args.amp)[0] for t in partition.test]
                 metrics["client_test_acc_mean"] = float(np.mean(accs))
-            metrics = run.log(metrics)
-            bar.set_postfix(acc=f"{acc:.4f}", loss=f"{train_loss:.3f}")
-            if args.checkpoint_every is None:
-                checkpoint(rnd + 1)
-        if args.checkpoint_every is not None and ((rnd + 1) % args.checkpoint_every == 0 or rnd + 1 == args.rounds):
-            checkpoint(rnd + 1)
-        if run.stop_requested or (args.stop_after is not None and rnd + 1 - start >= args.stop_after):
-            if rnd + 1 < args.rounds:
-                checkpoint(rnd + 1)
-                bar.close()
-                print(f"stopped after round {rnd + 1}; continue with: python fedavg.py --resume {run.dir}")
-                raise SystemExit(130 if run.stop_requested else 0)
-    bar.close()
-    summary = run.finish({"final_round": args.rounds, **{k: v for k, v in metrics.items() if k != "round"}}, model)
-    print(f"final test accuracy {summary['test_acc']:.4f} after {args.rounds} rounds; outputs in {run.dir}")
+            run.log(metrics)
+    run.finish(model)  # summary.json: the final round's metrics

@@ -1,47 +1,29 @@
 """FedBABU: Toward Enhanced Representation for Federated Image Classification
 (Oh, Kim, Yun; ICLR 2022), on top of FedAvg (McMahan et al., AISTATS 2017) and FedProx (Li et al., MLSys 2020).
 
-Idea: the head (last linear layer) keeps its random initialization for the whole federated phase
-(learning rate zero on every client, never aggregated) and only the body is trained and averaged
-(Algorithm 1); the final global model is then personalized by fine-tuning it on each client's own
-data and evaluated on that client's test set (Algorithm 2). --train-head turns this back into
-FedAvg on the same code path; --prox-mu gives FedProx(+BABU).
+Idea: the head (last linear layer) keeps its random initialization for the whole federated phase and
+only the body is trained and averaged (Algorithm 1); the final global model is then fine-tuned on each
+client's data and evaluated on that client's test set (Algorithm 2). --train-head is FedAvg on the same
+code path; --prox-mu gives FedProx(+BABU).
 
 Reproduce (CPU, synthetic data, about a minute; add --train-head for the FedAvg side):
     python fedbabu.py --dataset synthetic --model convnet4-tiny --num-clients 10 --frac 0.5 --shards 2 --local-epochs 1 --rounds 10
-The paper's realistic setting (Tables 3-6; add --train-head for FedAvg, --prox-mu 0.01 for Table 7):
-    python fedbabu.py --dataset cifar100          # MobileNet, N=100, s=10, f=0.1, tau=10, 32 rounds
-    python fedbabu.py --dataset cifar10 --model convnet4 --shards 2   # Appendix F (Tables 12-13)
+The paper's settings: CIFAR-100 with MobileNet (Tables 3-6), CIFAR-10 with 4convNet (Appendix F, Table 13):
+    python fedbabu.py --dataset cifar100
+    python fedbabu.py --dataset cifar10 --model convnet4 --shards 10
 Measured (benchmarks/reproduce/fedbabu.sh small: 8-channel 4convNet, s=10, 16 rounds; real CIFAR-10,
-seeds 0-2, 2-core CPU, about 7 min a run): personalized 58.0 +- 1.5 vs FedAvg 57.6 +- 0.8, after one
-fine-tuning epoch 56.9 vs 46.4, initial 41.8 vs 43.5 (paper: 76.25 / 69.11). Details: docs/fedbabu.md, "Results".
+seeds 0-2, 2-core CPU, about 7 min a run): personalized 58.0 vs FedAvg 57.6, after one fine-tuning epoch
+56.9 vs 46.4 (Table 13: 76.25 vs 69.11).
 
-Choices the paper leaves open, made here (and deviations):
-- Frozen head = not in the optimizer (and no gradient), the same as the official "lr 0 for the head"
-  parameter group; the global head is bitwise the initial one (PyTorch's default He-uniform init, App. B).
-- Aggregation covers model.body only (parameters and buffers, n_k/n weights). The paper's models use
-  batch norm without running statistics, so they have no buffers; ResNet running stats are averaged
-  like weights (they live in the body), as in the official code.
-- Fine-tuning (Alg. 2): the whole model (--ft-part full, "for consistency ... we fine-tuned the entire
-  model"), tau_f = 5 epochs, SGD lr 1e-3 with the training momentum (App. D) and batch size, crop-and-flip
-  augmentation, no weight decay: the paper gives no lr; these are the settings of the official evaluation
-  notebook (analysis.ipynb). The state is reset to the global model for every client. Means and stds
-  are over clients, unweighted (ddof 0). Everything is evaluated on the last global model (App. A).
-- Per-client test sets (--client-test, on here): the test split is dealt so that each client gets test
-  samples only of the classes it trains on, in proportion to its training counts (100 per client on
-  CIFAR with N=100, as in the paper). Batch norm without running statistics normalizes test features
-  with the statistics of the evaluated batch: a client's test set (up to 2000 images at a time).
-- "Without head" accuracy (Table 3): per-client class templates are the mean body features of the
-  client's training images (no augmentation); test images take the class of the most cosine-similar
-  template, as Sec. 5.2.1 says (the official notebook uses Euclidean distance, torch.cdist, instead).
-- --rounds defaults to 320 // --local-epochs (the paper fixes rounds x tau = 320).
+Docs: docs/fedbabu.md. Its "Implementation details and deviations" gives each choice with its reason:
+the frozen head, the body-only average, Algorithm 2's fine-tuning (the official code's settings), the
+per-client test sets and the "without head" accuracy.
 """
 import argparse
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights, decay_rate,
                     device_flag, each_client, evaluate, finish_args, fraction, inner_fraction, load_average, load_data,
@@ -179,19 +161,15 @@ if __name__ == "__main__":
     client.head.requires_grad_(args.train_head)  # FedBABU: no gradient for the frozen head
     sampler = np.random.default_rng(args.seed)  # client sampling, independent of the partition
     sizes = [len(p) for p in partition.train]
-    start = 0
     if args.resume:
-        ckpt = run.load_checkpoint()
+        ckpt = run.load_checkpoint()  # run.rounds() continues after its round
         model.load_state_dict(ckpt["model"])
         set_rng_state(ckpt["rng"], sampler)
-        start = ckpt["round"]
 
-    def checkpoint(rounds_done):
-        run.save_checkpoint(rounds_done, {"model": model.state_dict(), "rng": rng_state(sampler)})
+    def state():  # what a checkpoint holds
+        return {"model": model.state_dict(), "rng": rng_state(sampler)}
 
-    metrics = {}
-    bar = tqdm(range(start, args.rounds), initial=start, total=args.rounds, desc="fedbabu", unit="round", disable=not run.main)  # FedBABU: name
-    for rnd in bar:
+    for rnd in run.rounds(state):
         lr = lr_at(rnd, args)
         clients = sample_clients(sampler, args.num_clients, args.frac)
         weights = client_weights([sizes[k] for k in clients], args.weighting)
@@ -207,31 +185,17 @@ if __name__ == "__main__":
             train_loss += w * out["loss"]
             accumulate(total, out["state"], w)  # batch-norm running statistics are averaged like weights
         aggregate(model, total, args.train_head)  # FedBABU: theta_G,ext^k = sum_i n_i/n theta_i,ext^k (Alg. 1 line 9); the head stays
-        train_loss = train_loss.item()
-        if not np.isfinite(train_loss):
-            run.diverged(rnd + 1, train_loss)
+        train_loss = run.check_loss(train_loss, rnd)  # NaN or inf: summary.json says diverged, exit
 
-        if (rnd + 1) % args.eval_every == 0 or rnd + 1 == args.rounds:
+        if run.evaluates(rnd):  # every --eval-every rounds and the last
             model.eval()
             acc, loss = evaluate(model, data.x_test, data.y_test, data, amp=args.amp)
             metrics = {"round": rnd + 1, "test_acc": acc, "test_loss": loss, "train_loss": train_loss, "lr": lr}
             if partition.test is not None:
                 accs = [evaluate(model, data.x_test[t], data.y_test[t], data, amp=args.amp)[0] for t in partition.test if len(t)]  # FedBABU: skip empty test sets
                 metrics["client_test_acc_mean"] = float(np.mean(accs))  # FedBABU: the initial accuracy of this round's global model
-            metrics = run.log(metrics)
-            bar.set_postfix(acc=f"{acc:.4f}", loss=f"{train_loss:.3f}")
-            if args.checkpoint_every is None:
-                checkpoint(rnd + 1)
-        if args.checkpoint_every is not None and ((rnd + 1) % args.checkpoint_every == 0 or rnd + 1 == args.rounds):
-            checkpoint(rnd + 1)
-        if run.stop_requested or (args.stop_after is not None and rnd + 1 - start >= args.stop_after):
-            if rnd + 1 < args.rounds:
-                checkpoint(rnd + 1)
-                bar.close()
-                print(f"stopped after round {rnd + 1}; continue with: python fedbabu.py --resume {run.dir}")  # FedBABU: name
-                raise SystemExit(130 if run.stop_requested else 0)
-    bar.close()
-    summary = {"final_round": args.rounds, **{k: v for k, v in metrics.items() if k != "round"}}  # FedBABU: extended below
+            run.log(metrics)
+    summary = {}  # FedBABU: Algorithm 2's results, added to summary.json
     if partition.test is not None:  # FedBABU: Algorithm 2 on the final global model, every client
         nohead = nohead_accuracy(model, data, partition.train, partition.test, args.amp)  # FedBABU: Table 3
         ft = personalize(client, model.state_dict(), data, partition.train, partition.test, epochs=args.ft_epochs,  # FedBABU: Alg. 2
@@ -244,5 +208,4 @@ if __name__ == "__main__":
                        pers_acc_std_by_epoch={str(e): a for e, a in ft["acc_std"].items()})  # FedBABU
         print(f"initial {summary['init_acc_mean']:.4f}, personalized ({args.ft_epochs} epochs) {summary['pers_acc_mean']:.4f}, "  # FedBABU
               f"without head {summary['nohead_acc_mean']:.4f} (means over clients)")  # FedBABU
-    summary = run.finish(summary, model)  # FedBABU: summary
-    print(f"final test accuracy {summary['test_acc']:.4f} after {args.rounds} rounds; outputs in {run.dir}")
+    run.finish(model, **summary)  # summary.json: the final round's metrics  # FedBABU: + personalization

@@ -1,45 +1,22 @@
 """FedFN: Feature Normalization for Alleviating Data Heterogeneity Problem in Federated Learning
 (Kim, Lee, Oh, Yun; FL@FM-NeurIPS 2023 workshop), on top of FedAvg (McMahan et al., AISTATS 2017).
 
-Idea: under label skew, local models learn large feature norms for their own classes, so local and
-global feature norms drift apart. FedFN feeds the classifier the unit-norm feature instead,
-z = theta_cls f / ||f||_2 (Section 4.1), on clients and at evaluation; everything else is FedAvg.
-(FedLN's FN in fedln.py scales the feature to norm sqrt(d) instead of 1; here it is 1 unless --fn-scale
-says otherwise: a control of ours, not the paper's method.)
---no-fn is FedAvg on the same code path (bitwise the same metrics as fedavg.py with the same flags),
---fr-mu is the feature-norm regularization of Eq. (1) (FedFR, Appendix D.6), --agg scaffold|fedexp
-combines FN with SCAFFOLD / FedEXP (Table 2), --ft-epochs gives FedFN-FT (Appendix D.3), and
---analyze writes the four factors of Section 3.1 / Appendix B.3 and the mean feature norm.
+Idea: under label skew, local models learn large feature norms for their own classes. FedFN feeds the
+classifier the unit-norm feature, z = theta_cls f / ||f||_2 (Section 4.1), on clients and at evaluation;
+everything else is FedAvg. --no-fn is FedAvg on the same code path (bitwise fedavg.py); --agg scaffold|fedexp
+combines FN with SCAFFOLD / FedEXP (Table 2); --ft-epochs gives FedFN-FT (Appendix D.3); --fr-mu is
+FedFR (Eq. 1); --analyze writes the four factors of Section 3.1.
 
-Reproduce Table 1, s=10 (VGG11 on CIFAR-10; defaults are the paper's FedFN settings):
-    python fedfn.py --dataset cifar10
-    python fedfn.py --dataset cifar10 --no-fn --lr 0.01          # its FedAvg column
-The mission's example, s=2 (Table 1, second row), from an image folder if offline:
-    python fedfn.py --dataset folder --data-dir /path/to/cifar10 --shards 2
+Reproduce Table 1 (VGG11 on CIFAR-10, s=2: 77.77; the defaults are the paper's FedFN settings):
+    python fedfn.py --dataset cifar10 --shards 2
+    python fedfn.py --dataset cifar10 --shards 2 --no-fn --lr 0.01          # its FedAvg column: 74.24
 CPU smoke test: python fedfn.py --dataset synthetic --model cnn --num-clients 10 --frac 0.5 --rounds 20 --local-epochs 2
-Measured (benchmarks/reproduce/fedfn.sh small: 8-channel 4convNet, 50 rounds, E=5; real CIFAR-10,
-seeds 0-2, 2-core CPU, 6-12 min a run): s=2 FedFN 34.0 +- 1.1 vs FedAvg 42.0 +- 1.2, s=10 51.8 +- 1.0
-vs 55.2 +- 0.5; with --fn-scale sqrt-d (lr 0.01) 41.9 and 54.0: the paper's gain does not show at this
-scale, and the deficit is the logit bound of the unit feature (docs/fedfn.md, "Results"); VGG11 runs need a GPU.
+Measured (benchmarks/reproduce/fedfn.sh small: 8-channel 4convNet, 50 rounds; real CIFAR-10, seeds 0-2,
+2-core CPU): s=2 FedFN 34.0 vs FedAvg 42.0, s=10 51.8 vs 55.2; with --fn-scale sqrt-d 41.9 and 54.0:
+at this scale the unit feature's logit bound is the deficit.
 
-Choices the paper leaves open, made here: no weight decay (the FedBABU code base has none); the last
-batch of a local epoch may be short; F.normalize (norm clamped at 1e-12) so an all-zero ReLU feature
-stays zero instead of NaN; the head keeps its bias (the paper's z = theta_cls f/||f|| has none; the
-code bases' classifiers, FedNTD's VGG11 included, have one); vgg11 is the FedNTD code base's VGG11
-without batch norm (B.2 built Tables 2 and 8 on that code base; FedBABU's has no VGG, and App. C's
-divergence of FedAvg at lr >= 0.03 fits a VGG without batch norm); other models' batch-norm running
-statistics are averaged like weights. The four factors build the class
-prototypes from the features the head sees (f/||f|| with FN: the paper's normalized prototype; f with
---no-fn) and use cosine similarity for all four. Factor 4 is a cosine in Section 3.1, while App. B.3
-says "inner product" in the loose notation it also uses for factor 2, whose stated range [-1, 1]
-implies normalized vectors; a raw inner product would not be comparable between FN and --no-fn either.
-SCAFFOLD: option II control variates, server step 1, with the effective step count
-K' = (K - rho(1 - rho^K)/(1 - rho))/(1 - rho) for local momentum rho (the FedNTD code base of Table 2;
-K' = K without momentum). FedEXP: Jhunjhunwala et al. 2023, Alg. 1, evaluated (as they report it) on
-the average of the last two global iterates; extrapolation on parameters only (batch-norm buffers
-averaged) and client weights p_k in place of 1/M (equal for the paper's balanced shards). FedFN-FT
-fine-tunes the full model for --ft-epochs epochs at 0.1 x --lr by default (Table 9) with
-common.personalize.
+Docs: docs/fedfn.md. Its "Implementation details and deviations" gives each choice with its reason:
+VGG11 without batch norm, no weight decay, the head's bias, SCAFFOLD's momentum step count, FedEXP.
 """
 import argparse
 import math
@@ -47,7 +24,6 @@ import math
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights, decay_rate,
                     device_flag, each_client, evaluate, finish_args, fraction, inner_fraction, load_average, load_data,
@@ -262,24 +238,19 @@ if __name__ == "__main__":
     c_global = [torch.zeros_like(w) for w in model.parameters()] if scaffold else None  # FedFN: SCAFFOLD c
     c_local = {}  # FedFN: SCAFFOLD c_i of each client that has trained (absent = zeros)
     param_names = [n for n, _ in model.named_parameters()]  # FedFN: y_i = these entries of client i's state
-    start = 0
     if args.resume:
-        ckpt = run.load_checkpoint()
+        ckpt = run.load_checkpoint()  # run.rounds() continues after its round
         model.load_state_dict(ckpt["model"])
         set_rng_state(ckpt["rng"], sampler)
-        start = ckpt["round"]
         if scaffold:  # FedFN: control variates travel with the checkpoint
             c_global, c_local = ckpt["scaffold_c"], ckpt["scaffold_c_local"]
 
-    def checkpoint(rounds_done):
-        state = {"model": model.state_dict(), "rng": rng_state(sampler)}  # FedFN: + method state below
-        if scaffold:  # FedFN: server c and every client's c_i (FedEXP needs nothing beyond w_t)
-            state.update(scaffold_c=c_global, scaffold_c_local=c_local)
-        run.save_checkpoint(rounds_done, state)  # FedFN
+    def state():  # what a checkpoint holds
+        extra = {"scaffold_c": c_global, "scaffold_c_local": c_local} if scaffold else {}  # FedFN: SCAFFOLD's c, c_i
+        return {"model": model.state_dict(), "rng": rng_state(sampler), **extra}
 
-    metrics, eval_model = {}, model  # FedFN: eval_model = the model evaluated (FedEXP: averaged iterates)
-    bar = tqdm(range(start, args.rounds), initial=start, total=args.rounds, desc="fedfn", unit="round", disable=not run.main)  # FedFN
-    for rnd in bar:
+    eval_model = model  # FedFN: the model evaluated (FedEXP: averaged iterates)
+    for rnd in run.rounds(state):
         lr = lr_at(rnd, args)
         clients = sample_clients(sampler, args.num_clients, args.frac)
         weights = client_weights([sizes[k] for k in clients], args.weighting)
@@ -316,11 +287,9 @@ if __name__ == "__main__":
                 if rnd > 0:
                     midpoint_(list(client.parameters()), x_old)
                 eval_model = client
-        train_loss = train_loss.item()
-        if not np.isfinite(train_loss):
-            run.diverged(rnd + 1, train_loss)
+        train_loss = run.check_loss(train_loss, rnd)  # NaN or inf: summary.json says diverged, exit
 
-        if (rnd + 1) % args.eval_every == 0 or rnd + 1 == args.rounds:
+        if run.evaluates(rnd):  # every --eval-every rounds and the last
             eval_model.eval()  # FedFN
             forward = lambda x: fn_forward(eval_model, x, args.fn, args.fn_scale)[0]  # FedFN: FN at evaluation
             acc, loss = evaluate(forward, data.x_test, data.y_test, data, amp=args.amp)  # FedFN
@@ -332,21 +301,9 @@ if __name__ == "__main__":
                 metrics["server_lr"] = eta_g
             if args.analyze == "every" or (args.analyze and rnd + 1 == args.rounds):  # FedFN
                 metrics.update(analyze(eval_model, data, args))
-            metrics = run.log(metrics)
-            bar.set_postfix(acc=f"{acc:.4f}", loss=f"{train_loss:.3f}")
-            if args.checkpoint_every is None:
-                checkpoint(rnd + 1)
-        if args.checkpoint_every is not None and ((rnd + 1) % args.checkpoint_every == 0 or rnd + 1 == args.rounds):
-            checkpoint(rnd + 1)
-        if run.stop_requested or (args.stop_after is not None and rnd + 1 - start >= args.stop_after):
-            if rnd + 1 < args.rounds:
-                checkpoint(rnd + 1)
-                bar.close()
-                print(f"stopped after round {rnd + 1}; continue with: python fedfn.py --resume {run.dir}")  # FedFN
-                raise SystemExit(130 if run.stop_requested else 0)
-    bar.close()
+            run.log(metrics)
     model.load_state_dict(eval_model.state_dict())  # FedFN: the evaluated final model (FedEXP: averaged)
-    final = {k: v for k, v in metrics.items() if k != "round"}  # FedFN
+    final = {}  # FedFN: FedFN-FT's results, added to summary.json
     if args.ft_epochs > 0:  # FedFN: FedFN-FT (App. D.3): fine-tune the final model on each client, FN kept
         ft_lr = args.ft_lr if args.ft_lr is not None else 0.1 * args.lr
         res = personalize(client, model.state_dict(), data, partition.train,
@@ -355,7 +312,6 @@ if __name__ == "__main__":
                           amp=args.amp, forward=lambda m, x: fn_forward(m, x, args.fn, args.fn_scale)[0])
         final.update(ft_acc_mean=res["acc_mean"][args.ft_epochs], ft_acc_std=res["acc_std"][args.ft_epochs],
                      ft_lr=ft_lr, ft_acc_mean_before=res["acc_mean"][0])
-    summary = run.finish({"final_round": args.rounds, **final}, model)  # FedFN
-    print(f"final test accuracy {summary['test_acc']:.4f} after {args.rounds} rounds; outputs in {run.dir}")
+    run.finish(model, **final)  # summary.json: the final round's metrics  # FedFN: + FedFN-FT
     if args.ft_epochs > 0:  # FedFN
-        print(f"FedFN-FT personalized accuracy {summary['ft_acc_mean']:.4f} +- {summary['ft_acc_std']:.4f}")
+        print(f"FedFN-FT personalized accuracy {final['ft_acc_mean']:.4f} +- {final['ft_acc_std']:.4f}")

@@ -2,73 +2,22 @@
 (Zhang, Beitollahi, Bie, Chen; TMLR 2024), on FedAvg (McMahan et al. 2017) with the baselines FedProx
 (Li et al. 2020), SCAFFOLD (Karimireddy et al. 2020) and FedYogi (Reddi et al. 2021).
 
-Idea: under extreme label shift (one class per client) a client overfits by inflating feature norms
-(feature collapse, Theorem 1). Layer normalization after every activation (FedLN), or just scale-
-normalizing the last feature, n(z) = sqrt(d) z / max(eps, ||z||) (FedFN, Eq. 7), bounds the norms and
-makes plain FedAvg converge far faster. --norm picks the normalization, --agg the server/client algorithm.
+Idea: with one class per client a client overfits by inflating feature norms (feature collapse,
+Theorem 1). Layer normalization after every activation (FedLN), or scaling the last feature to norm
+sqrt(d), n(z) = sqrt(d) z / max(eps, ||z||) (FedFN, Eq. 7), bounds the norms and makes FedAvg converge
+far faster. --norm picks the normalization (Table 3's variants too), --agg the algorithm.
 
-Reproduce (CPU, synthetic data, a few minutes):
-    python fedln.py --dataset synthetic --rounds 5 --eval-every 1    # add --norm none: vanilla FedAvg
-The paper, CIFAR-10, 1 class per client (add --classes-per-client 2 or --alpha 0.1 for the other columns),
-E=10, 10,000 rounds. Table 1's CIFAR-10 columns are ResNet-18 runs: its FedLN 88.0 / 89.1 and FedFN
-80.8 / 82.3 / 84.2 are Table 2's FedLN-ResNet and FedFN-ResNet rows (Table 2 has 86.15 for FedLN's 1 class
-where Table 1 has 87.2); its baselines are not the CNN's Table 10 either (FedAvg 2 classes: 65.6 vs 71.83;
-FedYogi 1 class: 80.9 vs 73.13). Table 1's CIFAR-100 columns are the CNN (= Table 11, E=10).
-    python fedln.py --dataset cifar10 --model resnet18 --norm ln     # Table 1 / 2 FedLN: 87.2 (86.15); --norm fn: FedFN 80.8
-    python fedln.py --dataset cifar10 --model resnet18 --norm none   # Table 1 FedAvg 55.0; + --agg fedprox | scaffold | fedyogi
-    python fedln.py --dataset cifar10 --norm ln     # CNN, Table 10 / 2: FedLN 78.04; --norm fn: 77.14; --norm none: 55.86
-    python fedln.py --dataset cifar10 --norm ln-last  # CNN, Table 3 / 4 FedLN n_MV s^{L-1}: 77.71; Table 4's FedFN (77.14) is --norm fn
+Reproduce (CPU, synthetic data, a few minutes; add --norm none for vanilla FedAvg):
+    python fedln.py --dataset synthetic --rounds 5 --eval-every 1
+The paper's CNN on CIFAR-10, 1 class per client, 10,000 rounds (Table 10: FedLN 78.04, FedFN 77.14, FedAvg 55.86):
+    python fedln.py --dataset cifar10 --norm ln
 Measured (benchmarks/reproduce/fedln.sh small: width-16 CNN, 10 one-class clients, 300 rounds; real
-CIFAR-10, seeds 0-2, 2-core CPU, about 5 min a run): LN 43.5 +- 1.5, FN 41.9 +- 1.1, vanilla 31.8 +- 1.0,
-BN 9.4 +- 0.7 (paper, Table 10 / 4: 78.04, 77.14, 55.86, 9.63). Details: docs/fedln.md, "Results".
+CIFAR-10, seeds 0-2, 2-core CPU, about 5 min a run): LN 43.5, FN 41.9, vanilla 31.8, BN 9.4
+(paper, Tables 10 and 4: 78.04, 77.14, 55.86, 9.63).
 
-Table 3 / Section 5.3 (Props. 1-2: under Assumption 1, no bias after the first layer and ReLU,
-normalizing every layer equals normalizing only the last one): --norm fn-each is n^L (scale
-normalization n after every activation), --norm fn is n 1^{L-1} (n on the last feature only, Eq. 7),
---norm ln is n^L_MV, --norm ln-last is n_MV s^{L-1} (the mean shift s(x) = x - mu(x) 1 after every
-activation but the last, n_MV after the last, Eq. 8). Table 4's FedFN / FedLN rows are Table 3's
-n 1^{L-1} / n_MV s^{L-1} numbers ("we use Prop. 1 and Prop. 2 to simplify", Sec. 5.3), so Table 4 is
---norm fn / --norm ln-last. On conv maps n and s act over a sample's (C, H, W), as LN does; normcnn only.
-Prop. 2's equality holds with --no-ln-affine (the affine beta is a bias); the paper does not say whether
-Table 3's LN kept its affine. Table 3's "with bias" columns need a normcnn with biases: not provided.
-
-FN here is sqrt(d)-scaled (||n(z)|| = sqrt(d) = the norm of an n_MV output, Eq. 5; the authors' code
-does the same), while fedfn.py (FedFN of Kim, Lee, Oh, Yun 2023) scales it to unit norm: a constant
-factor sqrt(d) (19.6 for d = 384) on the logits and on the head's gradient, so at the same lr the two
-train differently (FedFN tunes a larger lr for that reason); common.FeatureNorm is the one used here.
-
-Choices the paper leaves open, made here (and deviations):
-- Normalization sits after each ReLU and before pooling (Appendix C.1; --norm-before-act: Table 6
-  "before"). LN = GroupNorm(1, C): mean/variance over (C, H, W) with a per-channel affine (authors'
-  code), --no-ln-affine: Table 6 "static". GN in normcnn has 2 groups (Section 5.3); in resnet18 ln/gn/bn
-  are common.make_norm (GN: 32 groups, always affine; --no-ln-affine is normcnn-only). The ResNet puts
-  the norm after each ReLU and on the block's sum, not on its shortcut (Eq. 10, authors' code); its head
-  keeps a bias (as in the authors' code); normcnn has no bias anywhere (Table 7, Assumption 1).
-- normcnn follows Table 7's layers: its flatten of 1600 = 64 x 5 x 5 implies 32 x 32 inputs without
-  padding (the table's "(28, 28, 3)" input would give 1024) and d = 384; the authors' CNN_CIFAR adds a
-  dense 384 -> 192 layer before the head that Table 7 lacks.
-- fn: the model's body gets FeatureNorm appended (eps 1e-5), so model.head sees n(g(x)).
-- Batch-norm running statistics are averaged like weights (Appendix C.1 "average all the parameters
-  including the running means and running variances"), also under SCAFFOLD and FedYogi, which act on
-  parameters only.
-- SCAFFOLD: Option II control variates, global step size 1, gradient correction g - c_k + c added to
-  the gradient before each SGD step; the model average uses the same n_k/n weights as FedAvg.
-- FedYogi: no bias correction, m_0 = 0, v_0 = 1e-6 (Appendix C.4, Reddi et al. Alg. 2); the
-  pseudo-gradient is the n_k/n-weighted mean client update (equal weights when client sizes are equal).
-- FedProx: --prox-mu is --agg fedprox's mu (0.01 unless given); with another --agg it stops with exit 2
-  instead of being ignored (fedavg.py, fednnnn.py, fedbabu.py have no --agg: a positive --prox-mu turns
-  FedProx on there). The anchor w_t is the detached global model.
-- Figure 3: --track-singular-values logs, at each evaluation, the singular values of the global model's
-  features of 20 fixed test images, 2 of each class ("20 random images from different classes"), raw
-  (feature_sv) and with unit-norm rows (feature_sv_unit: the right panel, FedAvg vs FedFN). The left
-  panels are a locally overfitted model, client 1 trained alone on its one class (Appendix D):
-  --overfit-client K samples only client K every round (with one client and weight 1 the global model
-  is its local model), and adds ||w_c|| per class (class_norms, left), ||g(x)|| of 20 of its training
-  images (client_feature_norms, middle left) and the singular values above (middle right). How long the
-  client trains is not given ("overfitted"): --rounds x --local-steps SGD steps from the initial model.
-- The issue's evaluation: the global model on the global test set (test_acc); --client-test adds the
-  mean of per-client test accuracies (the paper's metric; with one class per client and a balanced
-  test set the two coincide). Final-round accuracy is reported, never the best round.
+Docs: docs/fedln.md, with the commands of Tables 1-4 and 10. Its "Implementation details and
+deviations" gives each choice with its reason: where the norms sit, Table 7's CNN, FN's sqrt(d) scale
+against fedfn.py's unit norm, SCAFFOLD, FedYogi, FedProx and Figure 3's measurements.
 """
 import argparse
 import math  # FedLN: sqrt(d) of ScaleNorm
@@ -77,7 +26,6 @@ import numpy as np
 import torch
 import torch.nn as nn  # FedLN: nn.Sequential to append FeatureNorm
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights, decay_rate,
                     device_flag, each_client, evaluate, finish_args, fraction, inner_fraction, load_average, load_data,
@@ -315,20 +263,16 @@ if __name__ == "__main__":
     if args.overfit_client is not None:  # FedLN: Figure 3 middle left, "20 images from client 1"
         own = partition.train[args.overfit_client]
         own_x = prepare_batch(data.x_train[own[torch.randperm(len(own), generator=torch.Generator().manual_seed(args.seed))[:20].to(own.device)]], data)
-    start = 0
     if args.resume:
-        ckpt = run.load_checkpoint()
+        ckpt = run.load_checkpoint()  # run.rounds() continues after its round
         model.load_state_dict(ckpt["model"])
         server = ckpt["server"]  # FedLN: control variates / moments
         set_rng_state(ckpt["rng"], sampler)
-        start = ckpt["round"]
 
-    def checkpoint(rounds_done):
-        run.save_checkpoint(rounds_done, {"model": model.state_dict(), "rng": rng_state(sampler), "server": server})  # FedLN: + server
+    def state():  # what a checkpoint holds
+        return {"model": model.state_dict(), "rng": rng_state(sampler), "server": server}  # FedLN: + server
 
-    metrics = {}
-    bar = tqdm(range(start, args.rounds), initial=start, total=args.rounds, desc="fedln", unit="round", disable=not run.main)  # FedLN
-    for rnd in bar:
+    for rnd in run.rounds(state):
         lr = lr_at(rnd, args)
         clients = sample_clients(sampler, args.num_clients, args.frac)
         if args.overfit_client is not None:  # FedLN: client K alone (Figure 3 left, Appendix D); weight 1: the model is its own
@@ -360,11 +304,9 @@ if __name__ == "__main__":
                                                        args.yogi_beta1, args.yogi_beta2, args.yogi_tau)
             total.update(x)
         load_average(model, total)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (each entry cast back to its dtype)
-        train_loss = train_loss.item()
-        if not np.isfinite(train_loss):
-            run.diverged(rnd + 1, train_loss)
+        train_loss = run.check_loss(train_loss, rnd)  # NaN or inf: summary.json says diverged, exit
 
-        if (rnd + 1) % args.eval_every == 0 or rnd + 1 == args.rounds:
+        if run.evaluates(rnd):  # every --eval-every rounds and the last
             model.eval()
             acc, loss = evaluate(model, data.x_test, data.y_test, data, amp=args.amp)
             metrics = {"round": rnd + 1, "test_acc": acc, "test_loss": loss, "train_loss": train_loss, "lr": lr}
@@ -375,18 +317,5 @@ if __name__ == "__main__":
                 metrics["feature_sv"], metrics["feature_sv_unit"] = singular_values(model, sv_x)
             if own_x is not None:  # FedLN: Figure 3 left and middle left
                 metrics["client_feature_norms"], metrics["class_norms"] = feature_norms(model, own_x)
-            metrics = run.log(metrics)
-            bar.set_postfix(acc=f"{acc:.4f}", loss=f"{train_loss:.3f}")
-            if args.checkpoint_every is None:
-                checkpoint(rnd + 1)
-        if args.checkpoint_every is not None and ((rnd + 1) % args.checkpoint_every == 0 or rnd + 1 == args.rounds):
-            checkpoint(rnd + 1)
-        if run.stop_requested or (args.stop_after is not None and rnd + 1 - start >= args.stop_after):
-            if rnd + 1 < args.rounds:
-                checkpoint(rnd + 1)
-                bar.close()
-                print(f"stopped after round {rnd + 1}; continue with: python fedln.py --resume {run.dir}")  # FedLN
-                raise SystemExit(130 if run.stop_requested else 0)
-    bar.close()
-    summary = run.finish({"final_round": args.rounds, **{k: v for k, v in metrics.items() if k != "round"}}, model)
-    print(f"final test accuracy {summary['test_acc']:.4f} after {args.rounds} rounds; outputs in {run.dir}")
+            run.log(metrics)
+    run.finish(model)  # summary.json: the final round's metrics

@@ -5,41 +5,20 @@ Idea: averaging client updates that point in different directions shrinks the se
 (N = ||sum_k n_k/n Delta_k|| <= E = sum_k n_k/n ||Delta_k||, Eqs. 4-6). FedNNNN rescales the averaged
 update to norm beta * E and adds server momentum (Algorithm 3, Eqs. 12-13):
     d_{t+1} = gamma d_t + beta (E/N) sum_k n_k/n Delta_k,    w_{t+1} = w_t + d_{t+1}.
-Two models per round (Sec. 4.1): the normalized w_{t+1} is broadcast to the clients for training; the
-evaluation model is the plain FedAvg average w_t + sum_k n_k/n Delta_k. The evaluation model is the one
-evaluated, reported (metrics.jsonl, summary.json) and written by --save-model; the checkpoint keeps the
-broadcast model and d_t. Table 2's variants from this one script (docs/fednnnn.md, "Usage"):
-FedAvg = --beta 1 --gamma 0 --no-normalize, Norm-Norm = --gamma 0 (Eq. 8),
-Momentum = --beta 1 --no-normalize (Eqs. 10-11), FedNNNN = --beta B --gamma G (Eqs. 12-13).
+The normalized model is broadcast; the plain FedAvg average is the evaluation model (Sec. 4.1).
+Table 2's variants: FedAvg = --beta 1 --gamma 0 --no-normalize, Norm-Norm = --gamma 0, Momentum =
+--beta 1 --no-normalize, FedNNNN = --beta B --gamma G.
 
 Reproduce (CPU, synthetic data, about a minute):
     python fednnnn.py --dataset synthetic --model lenet --num-clients 10 --rounds 10 --local-steps 10
-CIFAR-10 non-IID-B (Table 2, 76.7% in the paper; the defaults), from the image folder (no internet needed):
+CIFAR-10 non-IID-B (Table 2: 76.7; the defaults), from an image folder:
     python fednnnn.py --dataset folder --data-dir /path/to/cifar10
-    python fednnnn.py --dataset folder --data-dir /path/to/cifar10 --classes-per-client 2   # exactly 2 classes each
 Measured (benchmarks/reproduce/fednnnn.sh small: cnn6-narrow, s=2, 100 rounds; real CIFAR-10, seeds 0-2,
-2-core CPU, about 9 min a run): FedNNNN 49.8, Norm-Norm 48.5, Momentum 43.4, FedAvg 43.1 (paper,
-Table 2: 76.7, 76.7, 74.3, 72.6). Details: docs/fednnnn.md, "Results".
+2-core CPU, about 9 min a run): FedNNNN 49.8, Norm-Norm 48.5, Momentum 43.4, FedAvg 43.1 (paper: 76.7,
+76.7, 74.3, 72.6).
 
-Non-IID-B partition: the paper says "clients have images of only 2 classes" (Sec. 5.1) and gives no
-recipe or code. The default is McMahan et al.'s shard recipe, --shards 2 (sort by label, 200 shards of
-250 images, 2 random shards per client): both shards can come from one class, so 5 / 9 / 7 of the 100
-CIFAR-10 clients hold a single class with --data-seed 0 / 1 / 2 (the others exactly 2). --classes-per-client 2
-gives every client exactly two classes (each class split evenly among its 20 holders).
-
-Choices the paper leaves open, made here: the normalized entries w are the trainable parameters
-(model.parameters(): conv and linear weights and biases, batch-norm affine weights); batch-norm
-running means/variances (and num_batches_tracked) are averaged plainly like FedAvg, in both models, and
-are not part of N, E or d. N counts as (near) zero when N <= --norm-eps * E: then E/N is replaced by 1
-(Sec. 4.2: "we do not normalize ... and return w_t as is"; the step beta * avg has norm beta * N ~ 0)
-and the momentum term gamma d_t still applies. w_{t+1} is computed as
-w_avg + (d_{t+1} - Delta_avg), equal to w_t + d_{t+1} in exact arithmetic, so that the FedAvg setting
-is fedavg.py bit for bit. No augmentation by default (the paper only normalizes inputs by mean and std).
-N, E and ||w_{t+1} - w_t|| are logged every round, also split into conv / fc (/ other) parameters by
-module type (Figs. 8-9); rounds without evaluation log a row with only these norms. Unbalanced (UB):
---quantity powerlaw --weighting uniform (common.py's power law; the paper does not give its law).
-Beyond the paper: --norm-scope layer (one E/N per parameter tensor). beta and gamma default to Table 5's
-CIFAR-10 non-IID-B values; the paper tuned them on test accuracy, we take its values as given.
+Docs: docs/fednnnn.md. Its "Implementation details and deviations" gives each choice with its reason:
+the non-IID-B partition, which entries are normalized, N close to 0, the conv / fc split of the norms.
 """
 import argparse
 
@@ -47,7 +26,6 @@ import numpy as np
 import torch
 import torch.nn as nn  # FedNNNN: module types for the conv / fc split
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights, decay_rate,
                     device_flag, each_client, evaluate, finish_args, fraction, inner_fraction, load_average, load_data,
@@ -205,20 +183,16 @@ if __name__ == "__main__":
     kinds = param_kinds(model)  # FedNNNN: the normalized entries (trainable parameters) and their conv/fc kind
     names = list(kinds)  # FedNNNN
     momentum = {n: torch.zeros_like(p) for n, p in model.named_parameters()}  # FedNNNN: d_0 = 0
-    start = 0
     if args.resume:
-        ckpt = run.load_checkpoint()
+        ckpt = run.load_checkpoint()  # run.rounds() continues after its round
         model.load_state_dict(ckpt["model"])
         momentum = ckpt["momentum"]  # FedNNNN: d_t
         set_rng_state(ckpt["rng"], sampler)
-        start = ckpt["round"]
 
-    def checkpoint(rounds_done):
-        run.save_checkpoint(rounds_done, {"model": model.state_dict(), "momentum": momentum, "rng": rng_state(sampler)})  # FedNNNN: + d_t
+    def state():  # what a checkpoint holds
+        return {"model": model.state_dict(), "momentum": momentum, "rng": rng_state(sampler)}  # FedNNNN: + d_t
 
-    metrics = {}
-    bar = tqdm(range(start, args.rounds), initial=start, total=args.rounds, desc="fednnnn", unit="round", disable=not run.main)  # FedNNNN
-    for rnd in bar:
+    for rnd in run.rounds(state):
         lr = lr_at(rnd, args)
         clients = sample_clients(sampler, args.num_clients, args.frac)
         weights = client_weights([sizes[k] for k in clients], args.weighting)
@@ -242,11 +216,9 @@ if __name__ == "__main__":
                                         not args.no_normalize, args.norm_scope, args.norm_eps)
         norms = norm_stats(w_t, w_next, total, client_sq, weights, kinds)  # FedNNNN: before w_t is overwritten
         load_average(model, {**total, **w_next})  # FedNNNN: broadcast w_{t+1}; BN running statistics: the plain average
-        train_loss = train_loss.item()
-        if not np.isfinite(train_loss):
-            run.diverged(rnd + 1, train_loss)
+        train_loss = run.check_loss(train_loss, rnd)  # NaN or inf: summary.json says diverged, exit
 
-        if (rnd + 1) % args.eval_every == 0 or rnd + 1 == args.rounds:
+        if run.evaluates(rnd):  # every --eval-every rounds and the last
             load_average(client, total)  # FedNNNN: the evaluation model = FedAvg average (Sec. 4.1)
             client.eval()  # FedNNNN: evaluate the evaluation model, not the broadcast one
             acc, loss = evaluate(client, data.x_test, data.y_test, data, amp=args.amp)  # FedNNNN: the evaluation model
@@ -254,20 +226,7 @@ if __name__ == "__main__":
             if partition.test is not None:
                 accs = [evaluate(client, data.x_test[t], data.y_test[t], data, amp=args.amp)[0] for t in partition.test]  # FedNNNN: client
                 metrics["client_test_acc_mean"] = float(np.mean(accs))
-            metrics = run.log(metrics)
-            bar.set_postfix(acc=f"{acc:.4f}", loss=f"{train_loss:.3f}", N_E=f"{norms['N'] / max(norms['E'], 1e-30):.3f}")  # FedNNNN: + N/E
-            if args.checkpoint_every is None:
-                checkpoint(rnd + 1)
+            run.log(metrics)
         else:  # FedNNNN
             run.log({"round": rnd + 1, "train_loss": train_loss, "lr": lr, **norms})  # FedNNNN: norms every round
-        if args.checkpoint_every is not None and ((rnd + 1) % args.checkpoint_every == 0 or rnd + 1 == args.rounds):
-            checkpoint(rnd + 1)
-        if run.stop_requested or (args.stop_after is not None and rnd + 1 - start >= args.stop_after):
-            if rnd + 1 < args.rounds:
-                checkpoint(rnd + 1)
-                bar.close()
-                print(f"stopped after round {rnd + 1}; continue with: python fednnnn.py --resume {run.dir}")  # FedNNNN
-                raise SystemExit(130 if run.stop_requested else 0)
-    bar.close()
-    summary = run.finish({"final_round": args.rounds, **{k: v for k, v in metrics.items() if k != "round"}}, client)  # FedNNNN: the evaluation model
-    print(f"final test accuracy {summary['test_acc']:.4f} after {args.rounds} rounds; outputs in {run.dir}")
+    run.finish(client)  # summary.json: the final round's metrics  # FedNNNN: --save-model writes the evaluation model

@@ -3,7 +3,6 @@ interrupted-and-resumed == uninterrupted for every --agg, and learning above cha
 import argparse
 import math
 import os
-import shutil
 import sys
 
 import pytest
