@@ -1,7 +1,11 @@
-"""Shared pieces of CleanFL: data on the device, partitions, models, evaluation, run logging.
+"""Shared pieces of CleanFL, in reading order: data as tensors on the device, batches (augmentation on
+the device) and evaluation, partitions, rounds and aggregation, per-client personalization, and the
+models (the papers' models, each marked with its paper, and one ResNet family). Below one banner
+follows the run machinery, which is not federated learning: flag checks, dataset files and caches,
+the run folder and the loop's control (Run), atomic saves, RNG state, several processes (torchrun).
 
-Nothing method-specific lives here. Every method script imports what it needs from this file and
-keeps its own training loop, so `python fedavg.py` plus this file is everything a reader must copy.
+A method script imports what it needs from here and keeps its own training loop, so one script plus
+this file is everything a reader must copy. Most of a method's own equations live in its script.
 """
 import argparse
 import atexit
@@ -25,9 +29,868 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
+
+
 # ----------------------------------------------------------------------------------------------
-# Argument checks shared by every script (exit status 2, one line naming the flag)
+# Data: every dataset becomes uint8 tensors [N, C, H, W] on the run's device
 # ----------------------------------------------------------------------------------------------
+@dataclass
+class Data:
+    x_train: torch.Tensor  # uint8 [N, C, H, W]
+    y_train: torch.Tensor  # int64 [N]
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    num_classes: int
+    mean: torch.Tensor  # float [1, C, 1, 1], in [0, 1] pixel units, from the training split
+    std: torch.Tensor
+
+    @property
+    def in_channels(self):
+        return self.x_train.shape[1]
+
+    @property
+    def image_size(self):
+        return self.x_train.shape[2]
+
+
+def load_data(args):
+    """Load args.dataset into a Data on args.device (downloaded to / cached in args.data_dir)."""
+    x_tr, y_tr, x_te, y_te = read_dataset(args)  # uint8 [N, C, H, W] and int64 labels, on the CPU
+    # An image folder stores its images class by class. Evaluation cuts the test set into consecutive
+    # batches, and a model whose batch norm keeps no running statistics normalizes each batch with its
+    # own statistics, so a class-sorted test set would be scored on batches of one or two classes.
+    # One fixed permutation (its own seed, not --seed or --data-seed) mixes the classes the way
+    # torchvision's files are mixed; partitions select by label, so they are unaffected in distribution.
+    x_tr, y_tr = unsort(x_tr, y_tr)
+    x_te, y_te = unsort(x_te, y_te)
+    num_classes = int(max(y_tr.max(), y_te.max())) + 1
+    xf = x_tr.float() / 255
+    mean, std = xf.mean(dim=(0, 2, 3), keepdim=True), xf.std(dim=(0, 2, 3), keepdim=True)
+    dev = args.device
+    return Data(x_tr.to(dev), y_tr.to(dev), x_te.to(dev), y_te.to(dev), num_classes, mean.to(dev), std.to(dev))
+
+
+STORAGE_ORDER_SEED = 20240101  # the one fixed permutation of class-sorted datasets (see load_data)
+
+
+def unsort(x, y):
+    """Return (x, y) in one fixed random order if the labels are stored grouped (non-decreasing),
+    else unchanged: torchvision's files are already mixed, and their order is kept."""
+    if len(y) < 2 or not bool((y[1:] >= y[:-1]).all()):
+        return x, y
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(STORAGE_ORDER_SEED))
+    return x[perm], y[perm]
+
+
+# ----------------------------------------------------------------------------------------------
+# Batches on the device (normalization and augmentation, all batched) and evaluation
+# ----------------------------------------------------------------------------------------------
+AUGMENTATIONS = ["crop-flip", "flip", "none"]
+
+
+def prepare_batch(x, data, augment="none"):
+    """uint8 [B, C, H, W] -> normalized float, with random crop (4-pixel zero padding) and/or flip."""
+    x = x.float().div_(255)
+    if augment == "crop-flip":
+        x = random_crop(x, padding=4)
+    if augment in ("crop-flip", "flip"):
+        flip = torch.rand(x.shape[0], 1, 1, 1, device=x.device) < 0.5
+        x = torch.where(flip, x.flip(3), x)
+    return (x - data.mean) / data.std
+
+
+def random_crop(x, padding):
+    b, _, h, w = x.shape
+    x = F.pad(x, (padding,) * 4)
+    dy = torch.randint(0, 2 * padding + 1, (b, 1), device=x.device)
+    dx = torch.randint(0, 2 * padding + 1, (b, 1), device=x.device)
+    rows = (torch.arange(h, device=x.device) + dy)[:, None, :, None]  # [B, 1, H, 1]
+    cols = (torch.arange(w, device=x.device) + dx)[:, None, None, :]  # [B, 1, 1, W]
+    batch = torch.arange(b, device=x.device)[:, None, None, None]
+    chan = torch.arange(x.shape[1], device=x.device)[None, :, None, None]
+    return x[batch, chan, rows, cols]
+
+
+def client_batches(indices, batch_size, epochs=None, steps=None):
+    """Index batches for local training: `epochs` shuffled passes over the client's data (the last
+    batch of a pass may be short), or exactly `steps` batches from reshuffled passes if steps is set."""
+    n, done = len(indices), 0
+    for epoch in itertools.count():
+        if steps is None and epoch == epochs:
+            return
+        perm = indices[torch.randperm(n, device=indices.device)]
+        for i in range(0, n, batch_size):
+            if n - i == 1 and n > 1:  # a lone trailing sample breaks batch norm in training mode: skip it
+                break
+            if steps is not None and done == steps:
+                return
+            yield perm[i:i + batch_size]
+            done += 1
+
+
+def autocast(device, enabled):
+    return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=enabled)
+
+
+@torch.no_grad()
+def evaluate(forward, x, y, data, batch_size=2000, amp=False):
+    """Accuracy and mean cross-entropy of `forward` (a callable on normalized images)."""
+    correct, loss = 0, 0.0
+    for i in range(0, len(x), batch_size):
+        xb = prepare_batch(x[i:i + batch_size], data)
+        with autocast(xb.device, amp):
+            logits = forward(xb).float()
+        loss += F.cross_entropy(logits, y[i:i + batch_size], reduction="sum")
+        correct += (logits.argmax(1) == y[i:i + batch_size]).sum()
+    return float(correct) / len(x), float(loss) / len(x)
+
+
+# ----------------------------------------------------------------------------------------------
+# Partitions: every scheme returns one LongTensor of training indices per client
+# ----------------------------------------------------------------------------------------------
+SPLIT2_CLASSES = [[0, 1, 2, 3], [2, 3, 4, 5], [4, 5, 6, 7], [6, 7, 8, 9], [8, 9, 0, 1]]
+
+
+@dataclass
+class Partition:
+    train: list  # per client: LongTensor of indices into data.x_train
+    test: list  # per client: LongTensor into data.x_test (with --client-test), else None
+    scheme: str
+
+
+def make_partition(args, data):
+    """Split the training set over args.num_clients with the one partition flag the run has.
+
+    Uses its own generator seeded by args.data_seed, so client sampling never changes it.
+    """
+    labels = data.y_train.cpu().numpy()
+    rng = np.random.default_rng(args.data_seed)
+    n, c = args.num_clients, data.num_classes
+    weights = powerlaw_weights(n, rng) if args.quantity == "powerlaw" else np.full(n, 1.0 / n)
+    if args.iid:
+        parts, scheme = split_iid(len(labels), weights, rng), "iid"
+    elif args.shards is not None:
+        parts, scheme = split_shards(labels, n, args.shards, weights, rng), f"shards={args.shards}"
+    elif args.classes_per_client is not None:
+        parts = split_classes(labels, n, c, args.classes_per_client, weights, rng)
+        scheme = f"classes-per-client={args.classes_per_client}"
+    elif args.alpha is not None:
+        parts, scheme = split_dirichlet(labels, n, c, args.alpha, weights, rng), f"dirichlet alpha={args.alpha}"
+    elif args.split2:
+        parts, scheme = split_classes(labels, 5, c, None, weights, rng, holders=SPLIT2_CLASSES), "split-2"
+    else:
+        raise ValueError("no partition flag set")
+    if args.quantity == "powerlaw":
+        scheme += " powerlaw"
+    empty = [k for k, p in enumerate(parts) if len(p) == 0]
+    if empty:  # bad input found only now that the data is known: exit 2 with one line, as parser.error
+        more = f" (and {len(empty) - 1} more)" if len(empty) > 1 else ""
+        msg = (f"--num-clients: client {empty[0]} of {n}{more} received no training data under {scheme} "
+               f"({len(labels)} training samples); use fewer --num-clients")
+        refuse(msg)
+    test = None
+    if getattr(args, "client_test", False):
+        test = client_test_split(data.y_test.cpu().numpy(), labels, parts, c, rng)
+    to_dev = lambda ps: [torch.as_tensor(np.sort(p), dtype=torch.long, device=data.y_train.device) for p in ps]
+    return Partition(to_dev(parts), to_dev(test) if test is not None else None, scheme)
+
+
+def powerlaw_weights(n, rng, exponent=1.5):
+    """Client shares following a power law (a few clients hold most of the data)."""
+    w = rng.pareto(exponent, n) + 1.0
+    return w / w.sum()
+
+
+def _cut(idx, shares):
+    """Split an index array into consecutive pieces with sizes proportional to shares (sum kept)."""
+    shares = np.asarray(shares, dtype=float)
+    bounds = np.round(np.cumsum(shares) / shares.sum() * len(idx)).astype(int)
+    return np.split(idx, bounds[:-1])
+
+
+def split_iid(n_samples, weights, rng):
+    return _cut(rng.permutation(n_samples), weights)
+
+
+def split_shards(labels, n, s, weights, rng):
+    """McMahan et al.: sort by label, cut into n*s equal shards, deal s shards to each client.
+
+    A client holds at most s classes when the shard size divides every class size (CIFAR-10 with
+    n=100 and s=2 or 10); otherwise a shard may straddle two classes, as in the original recipe.
+
+    With power-law weights a client gets a number of shards proportional to its weight (at least 1).
+    """
+    order = np.argsort(labels, kind="stable")
+    num_shards = n * s
+    shards = np.array_split(order, num_shards)
+    counts = np.full(n, s)
+    if not np.allclose(weights, weights[0]):
+        counts = np.maximum(1, np.floor(weights * (num_shards - n)).astype(int) + 1)
+        counts[np.argmax(weights)] += num_shards - counts.sum()
+    deal = rng.permutation(num_shards)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    return [np.concatenate([shards[j] for j in deal[starts[k]:starts[k + 1]]]) for k in range(n)]
+
+
+def split_classes(labels, n, c, per_client, weights, rng, holders=None):
+    """Each client holds `per_client` distinct classes, dealt round-robin so every class has the
+    same number of holders when n*per_client is a multiple of c; a class is split among its holders
+    (evenly, or by power-law weight). `holders` gives the class lists directly (split-2)."""
+    if holders is None:
+        start = rng.permutation(c)  # which class the round-robin begins with is random
+        holders = [[int(start[(k * per_client + j) % c]) for j in range(per_client)] for k in range(n)]
+    parts = [[] for _ in range(n)]
+    for cls in range(c):
+        owners = [k for k in range(n) if cls in holders[k]]
+        if not owners:
+            continue
+        idx = rng.permutation(np.flatnonzero(labels == cls))
+        for k, piece in zip(owners, _cut(idx, weights[owners])):
+            parts[k].append(piece)
+    return [np.concatenate(p) if p else np.array([], dtype=int) for p in parts]
+
+
+def split_dirichlet(labels, n, c, alpha, weights, rng, min_size=10, max_tries=100):
+    """Hsu et al. 2019: per class, proportions over clients ~ Dir(alpha) (times power-law weights).
+    Redraws until every client has at least min(min_size, |D|/n) samples; after max_tries draws it
+    refuses the flags (exit 2, one line, as parser.error)."""
+    need = min(min_size, len(labels) // n)
+    for _ in range(max_tries):
+        parts = [[] for _ in range(n)]
+        for cls in range(c):
+            idx = rng.permutation(np.flatnonzero(labels == cls))
+            if len(idx) == 0:
+                continue
+            p = rng.dirichlet(np.full(n, alpha)) * weights
+            for k, piece in enumerate(_cut(idx, p)):
+                parts[k].append(piece)
+        parts = [np.concatenate(p) for p in parts]
+        if min(len(p) for p in parts) >= need:
+            return parts
+    msg = (f"--alpha: after {max_tries} draws of Dir({alpha}) some client still had fewer than {need} samples; "
+           "use a larger --alpha or fewer --num-clients")
+    refuse(msg)
+
+
+def client_test_split(test_labels, train_labels, parts, c, rng):
+    """Deal the test split so that each client's test labels follow its training label distribution:
+    the test samples of class y go to the clients holding y, in proportion to their training counts.
+    Each client's test set is evaluated on its own, one client at a time (FedBABU's Algorithm 2 and
+    official code), so a batch norm without running statistics sees that client's classes only, as there."""
+    counts = np.stack([np.bincount(train_labels[p], minlength=c) for p in parts])  # [n, c]
+    test = [[] for _ in parts]
+    for cls in range(c):
+        owners = np.flatnonzero(counts[:, cls])
+        if len(owners) == 0:
+            continue
+        idx = rng.permutation(np.flatnonzero(test_labels == cls))
+        for k, piece in zip(owners, _cut(idx, counts[owners, cls])):
+            test[k].append(piece)
+    return [np.concatenate(t) if t else np.array([], dtype=int) for t in test]
+
+
+def label_counts(labels, parts, num_classes):
+    return [torch.bincount(labels[p], minlength=num_classes).tolist() for p in parts]
+
+
+# ----------------------------------------------------------------------------------------------
+# Rounds and aggregation: client sampling, the lr schedule, weights, weighted sums, FedProx
+# ----------------------------------------------------------------------------------------------
+def sample_clients(rng, num_clients, frac):
+    """The clients of one round: m = max(floor(frac * N), 1) of them (McMahan et al., Alg. 1), without replacement."""
+    m = max(int(frac * num_clients + 1e-9), 1)  # the epsilon keeps e.g. 0.29 * 100 at 29, not 28
+    return sorted(rng.choice(num_clients, m, replace=False).tolist())
+
+
+def lr_at(round_idx, args):
+    """Step decay: lr * decay^(number of --lr-decay-at fractions of the run already passed)."""
+    passed = sum(round_idx >= f * args.rounds for f in args.lr_decay_at)  # never before round 1 of 1
+    return args.lr * args.lr_decay ** passed
+
+
+def client_weights(sizes, weighting):
+    """Aggregation weights over the sampled clients: n_k / n, or 1/m with --weighting uniform."""
+    sizes = torch.as_tensor(sizes, dtype=torch.float64)
+    w = torch.ones_like(sizes) if weighting == "uniform" else sizes
+    return (w / w.sum()).tolist()
+
+
+def accumulate(total, state, weight):
+    """total += weight * state, entry by entry. Batch-norm running means and variances are averaged
+    with the same weights as the parameters (num_batches_tracked too; it only matters for momentum=None;
+    load_average rounds such integer entries when loading the sum, instead of truncating)."""
+    for k, v in state.items():
+        total[k] += weight * v.float()
+
+
+def load_average(model, total, strict=True):
+    """Load the weighted sum of client states (accumulate) into model, each entry cast back to its dtype.
+    Integer buffers (num_batches_tracked) are rounded: a float sum such as 9 x (1/9 x 3) can land just
+    below the integer, and a cast would truncate it."""
+    own = model.state_dict()
+    model.load_state_dict({k: v if own[k].is_floating_point() else v.round() for k, v in total.items()}, strict=strict)
+
+
+def prox_term(params, anchor, mu):
+    """FedProx's proximal term mu/2 sum_w ||w - w_t||^2 (Li et al. 2020, Eq. 2); its gradient mu (w - w_t)
+    pulls the local model toward w_t. anchor: the global parameters w_t, detached (no gradient may reach
+    the global model)."""
+    return mu / 2 * sum((w - w0).pow(2).sum() for w, w0 in zip(params, anchor))
+
+
+# ----------------------------------------------------------------------------------------------
+# Personalization: fine-tune the global model on each client (FedBABU's Algorithm 2, FedFN-FT)
+# ----------------------------------------------------------------------------------------------
+def personalize(model, global_state, data, train_parts, test_parts, *, epochs, eval_epochs, lr, part,
+                batch_size, augment, momentum=0.9, amp=False, forward=None):
+    """Per-client fine-tuning and evaluation (FedBABU, Oh et al. 2022, Algorithm 2); method-neutral.
+
+    For each client k: load global_state into `model` (reused, no copies), fine-tune only `part` of it
+    ("full" | "body" | "head"; the rest is frozen: requires_grad off and not in the optimizer, and a
+    frozen body is kept in eval mode so its batch-norm running statistics do not move either) with
+    SGD(lr, momentum) and batch_size on data.x_train[train_parts[k]] (augmentation `augment`), and
+    evaluate on data.x_test[test_parts[k]] after each epoch e in eval_epochs (e = 0: before fine-tuning).
+    Training runs max(epochs, *eval_epochs) epochs and `epochs` is always evaluated too.
+    `forward(model, x) -> logits` (default model(x)) is used for both the fine-tuning loss and evaluation.
+    Clients with an empty test set are skipped. `model` is left holding the last client's weights.
+
+    Returns {"acc_mean": {e: mean accuracy over clients}, "acc_std": {e: std over clients (ddof 0)},
+             "per_client": {e: [accuracy of each client in "clients"]}, "clients": [k, ...]},
+    keyed by the evaluated epochs e (ints, sorted).
+    """
+    forward = forward or (lambda m, x: m(x))
+    points = sorted(set(eval_epochs) | {epochs})
+    params = {"full": model, "body": model.body, "head": model.head}[part].parameters()
+    trainable = {id(p) for p in params}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in trainable)
+    opt_params = [p for p in model.parameters() if p.requires_grad]
+    clients = [k for k in range(len(train_parts)) if len(test_parts[k]) > 0]
+    per_client = {e: [] for e in points}
+    for k in clients:
+        model.load_state_dict(global_state)
+        opt = torch.optim.SGD(opt_params, lr=lr, momentum=momentum)
+        for e in range(points[-1] + 1):
+            if e > 0:  # one epoch of fine-tuning
+                model.train()
+                if part == "head":
+                    model.body.eval()
+                for batch in client_batches(train_parts[k], batch_size, epochs=1):
+                    x, y = prepare_batch(data.x_train[batch], data, augment), data.y_train[batch]
+                    with autocast(x.device, amp):
+                        loss = F.cross_entropy(forward(model, x).float(), y)
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+            if e in per_client:
+                model.eval()
+                t = test_parts[k]
+                per_client[e].append(evaluate(lambda x: forward(model, x), data.x_test[t], data.y_test[t], data, amp=amp)[0])
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return {"acc_mean": {e: float(np.mean(a)) for e, a in per_client.items()},
+            "acc_std": {e: float(np.std(a)) for e, a in per_client.items()},
+            "per_client": per_client, "clients": clients}
+
+
+# ----------------------------------------------------------------------------------------------
+# Models: every model has .body (images -> penultimate feature vector) and .head (one nn.Linear);
+# @register_model makes --model NAME find them. The papers' models are marked with their paper.
+# ----------------------------------------------------------------------------------------------
+def make_norm(kind, channels, groups=32, affine=True, conv=True):
+    """An activation normalization, for conv maps [B, C, H, W] (conv=True) or features [B, C]: bn = batch
+    norm (the scripts average its running statistics with the weights); gn = group norm with `groups`
+    groups, fewer if the layer is narrower (32: Wu & He 2018; normcnn: 2, FedLN Section 5.3); ln = layer
+    norm over (C, H, W) or the features, GroupNorm(1, C) with a per-channel affine (FedLN's code);
+    none | nf | fn = nothing here (nf: the weight-standardized convolutions of make_conv, NF-ResNet,
+    Brock et al. 2021a; fn: FeatureNorm on the last feature). affine: learnable gamma, beta. eps 1e-5."""
+    if kind == "bn":
+        return (nn.BatchNorm2d if conv else nn.BatchNorm1d)(channels, affine=affine)
+    if kind in ("gn", "ln"):
+        return nn.GroupNorm(1 if kind == "ln" else min(groups, channels), channels, affine=affine)
+    if kind in ("none", "nf", "fn"):
+        return nn.Identity()
+    raise ValueError(f"unknown norm '{kind}'")
+
+
+MODELS = {}
+
+
+def register_model(name):
+    def wrap(fn):
+        MODELS[name] = fn
+        return fn
+    return wrap
+
+
+def build_model(name, data, **options):
+    """MODELS[name](in_channels, num_classes, image_size, **options)."""
+    return MODELS[name](data.in_channels, data.num_classes, data.image_size, **options)
+
+
+class Classifier(nn.Module):
+    """body -> feature vector -> head. Methods reach the classifier as model.head."""
+
+    def __init__(self, body, feature_dim, num_classes, head_bias=True):
+        super().__init__()
+        self.body = body
+        self.head = nn.Linear(feature_dim, num_classes, bias=head_bias)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def flat_dim(body, in_channels, image_size):
+    with torch.no_grad():
+        return body(torch.zeros(2, in_channels, image_size, image_size)).shape[1]
+
+
+@register_model("cnn")
+def cnn(in_channels, num_classes, image_size, **_):
+    """McMahan et al. 2017 CNN: conv5x5-32, pool, conv5x5-64, pool, fc 512, head."""
+    conv = nn.Sequential(
+        nn.Conv2d(in_channels, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten())
+    body = nn.Sequential(conv, nn.Linear(flat_dim(conv, in_channels, image_size), 512), nn.ReLU())
+    return Classifier(body, 512, num_classes)
+
+
+@register_model("mlp")
+def mlp(in_channels, num_classes, image_size, **_):
+    """McMahan et al. 2017 '2NN': two hidden layers of 200 units with ReLU (cheap: used by fast tests)."""
+    body = nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size ** 2, 200), nn.ReLU(),
+                         nn.Linear(200, 200), nn.ReLU())
+    return Classifier(body, 200, num_classes)
+
+
+# FedBABU's 4convNet, 3convNet and MobileNet
+def _conv_bn_pool(cin, cout=64):
+    """FedBABU Appendix A.1 block: conv3x3 (bias) -> batch norm without running statistics
+    (track_running_stats=False: batch statistics in training and evaluation, nothing to aggregate) -> ReLU -> max-pool 2."""
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout, track_running_stats=False),
+                         nn.ReLU(), nn.MaxPool2d(2))
+
+
+def convnet(in_channels, num_classes, image_size, blocks, width=64):
+    body = nn.Sequential(*[_conv_bn_pool(in_channels if i == 0 else width, width) for i in range(blocks)], nn.Flatten())
+    return Classifier(body, flat_dim(body, in_channels, image_size), num_classes)
+
+
+@register_model("convnet4")
+def convnet4(in_channels, num_classes, image_size, width=64, **_):
+    """FedBABU 4convNet (CIFAR-10): four conv3x3-64/BN/ReLU/pool blocks, linear 256 -> C at 32x32."""
+    return convnet(in_channels, num_classes, image_size, 4, width)
+
+
+@register_model("convnet4-tiny")
+def convnet4_tiny(in_channels, num_classes, image_size, **_):
+    """4convNet with 8 channels instead of 64: for tests and CPU smoke runs, not in the paper."""
+    return convnet(in_channels, num_classes, image_size, 4, width=8)
+
+
+@register_model("convnet3")
+def convnet3(in_channels, num_classes, image_size, width=64, **_):
+    """FedBABU 3convNet (EMNIST): three conv3x3-64/BN/ReLU/pool blocks, linear 576 -> C at 28x28."""
+    return convnet(in_channels, num_classes, image_size, 3, width)
+
+
+MOBILENET_CFG = [64, (128, 2), 128, (256, 2), 256, (512, 2), 512, 512, 512, 512, 512, (1024, 2), 1024]
+
+
+@register_model("mobilenet")
+def mobilenet(in_channels, num_classes, image_size, **_):
+    """MobileNet v1 (Howard et al. 2017) in the CIFAR layout of kuangliu/pytorch-cifar used by FedBABU:
+    conv3x3-32 stride 1, then depthwise-3x3/pointwise-1x1 blocks per MOBILENET_CFG (planes or
+    (planes, stride)), batch norm without running statistics, global average pool, linear 1024 -> C.
+    (The original uses avg_pool2d(2) on the 2x2 map of a 32x32 input: the same thing at 32x32.)"""
+    bn = lambda c: nn.BatchNorm2d(c, track_running_stats=False)
+    layers, cin = [nn.Conv2d(in_channels, 32, 3, 1, 1, bias=False), bn(32), nn.ReLU()], 32
+    for item in MOBILENET_CFG:
+        cout, stride = item if isinstance(item, tuple) else (item, 1)
+        layers += [nn.Conv2d(cin, cin, 3, stride, 1, groups=cin, bias=False), bn(cin), nn.ReLU(),
+                   nn.Conv2d(cin, cout, 1, bias=False), bn(cout), nn.ReLU()]
+        cin = cout
+    body = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    return Classifier(body, cin, num_classes)
+
+
+# FedFN's VGG11 (FedNTD's, without batch norm)
+VGG11_CFG = [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]  # Simonyan & Zisserman, config "A"
+
+
+@register_model("vgg11")
+def vgg11(in_channels, num_classes, image_size, **_):
+    """VGG11 for CIFAR as in the FedNTD code base (train_tools/models/vgg.py, `vgg11`, the model its
+    registry builds; fedfn.md B.2 ran Tables 2 and 8 on that code base, and FedBABU's has no VGG):
+    conv3x3 (bias) -> ReLU per VGG11_CFG entry (no batch norm), max-pool 2 at "M", then
+    fc 512*s*s -> 512 -> ReLU -> 512 -> ReLU (body output, d = 512), head linear 512 -> C with bias;
+    no dropout. Conv init N(0, 2/(9*C_out)), bias 0; linear layers keep PyTorch's default init.
+    A max-pool is skipped when the map is already 1x1 (28x28 inputs: 28-14-7-3-1, FedNTD drops the last one)."""
+    layers, cin, size = [], in_channels, image_size
+    for v in VGG11_CFG:
+        if v == "M":
+            if size >= 2:
+                layers.append(nn.MaxPool2d(2))
+                size //= 2
+            continue
+        conv = nn.Conv2d(cin, v, 3, padding=1)
+        nn.init.normal_(conv.weight, 0, math.sqrt(2.0 / (9 * v)))
+        nn.init.zeros_(conv.bias)
+        layers += [conv, nn.ReLU()]
+        cin = v
+    conv = nn.Sequential(*layers, nn.Flatten())
+    body = nn.Sequential(conv, nn.Linear(flat_dim(conv, in_channels, image_size), 512), nn.ReLU(),
+                         nn.Linear(512, 512), nn.ReLU())
+    return Classifier(body, 512, num_classes)
+
+
+# FedLN's CNN (Table 7) with normalization slots, and the scaled feature normalization
+class FeatureNorm(nn.Module):
+    """FedLN's scale normalization of the last feature (Zhang et al. 2024, Section 2 and Eq. 7):
+    n(z) = sqrt(d) * z / max(eps, ||z||), so ||n(z)|| = sqrt(d) (the norm an n_MV output has).
+    FedFN (fedfn.py, Kim et al. 2023) normalizes to unit norm instead; the two differ by the constant sqrt(d)."""
+
+    def __init__(self, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, z):
+        return math.sqrt(z.shape[1]) * z / z.norm(dim=1, keepdim=True).clamp_min(self.eps)
+
+
+@register_model("normcnn")
+def normcnn(in_channels, num_classes, image_size, norm="none", ln_affine=True, norm_after_act=True, width=64, **_):
+    """Zhang et al. 2024, Table 7: conv5x5-64 (no padding), pool 2, conv5x5-64, pool 2, dense -> 384, head
+    384 -> C; ReLU; no bias terms anywhere, head included (Assumption 1, scale equivariance). The dense
+    layer is 1600 -> 384 for 32 x 32 inputs, as in Table 7 (whose "(28, 28, 3)" input row would give 1024).
+    norm (none | ln | gn | bn | fn) fills the slot after each ReLU, before pooling (Appendix C.1), or before
+    each ReLU with norm_after_act=False (Table 6 "before"); ln_affine: learnable gamma, beta of ln/gn/bn
+    (Table 6 "learnable") or none ("static"). fn: no normalization inside, FeatureNorm on the 384-d feature.
+    width: channels of both convolutions (64 in Table 7; smaller only for quick tests)."""
+    def layer(op, channels):
+        n = make_norm(norm, channels, groups=2, affine=ln_affine, conv=isinstance(op, nn.Conv2d))
+        return [op, nn.ReLU(), n] if norm_after_act else [op, n, nn.ReLU()]
+    side = ((image_size - 4) // 2 - 4) // 2  # computed, not probed: a probe pass would move BN statistics
+    body = nn.Sequential(
+        *layer(nn.Conv2d(in_channels, width, 5, bias=False), width), nn.MaxPool2d(2),
+        *layer(nn.Conv2d(width, width, 5, bias=False), width), nn.MaxPool2d(2), nn.Flatten(),
+        *layer(nn.Linear(width * side * side, 384, bias=False), 384))
+    if norm == "fn":
+        body.append(FeatureNorm())
+    return Classifier(body, 384, num_classes, head_bias=False)
+
+
+# FedNNNN's LeNet and 6-layer CNN
+@register_model("lenet")
+def lenet(in_channels, num_classes, image_size, **_):
+    """Nagura et al. 2020, Table 3 (MNIST): conv5x5-20, pool, conv5x5-50, pool, fc 500, head; all with
+    bias, no padding (28x28 -> 50x4x4; 431,080 parameters)."""
+    side = ((image_size - 4) // 2 - 4) // 2
+    body = nn.Sequential(
+        nn.Conv2d(in_channels, 20, 5), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(20, 50, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+        nn.Linear(50 * side * side, 500), nn.ReLU())
+    return Classifier(body, 500, num_classes)
+
+
+@register_model("cnn6")
+def cnn6(in_channels, num_classes, image_size, width=32, **_):
+    """Nagura et al. 2020, Table 4 (CIFAR-10): [conv3x3 (padding 1) + BN + ReLU] x2 per stage with 32, 64,
+    128 channels, max-pool after each stage, then fc 382, fc 192 and the head; all layers with bias
+    (1,146,088 parameters at 32x32). 382 as printed, twice, in Table 4 (Fc1 out, Fc2 in), though likely
+    a typo for the 384 of the TensorFlow CIFAR-10 tutorial's 384-192 head. `width` is the first stage's
+    channels (32 in the paper; the stages have width, 2*width, 4*width). Batch norm keeps running statistics."""
+    layers, cin = [], in_channels
+    for cout in (width, width, "pool", 2 * width, 2 * width, "pool", 4 * width, 4 * width, "pool"):
+        if cout == "pool":
+            layers.append(nn.MaxPool2d(2))
+            continue
+        layers += [nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU()]
+        cin = cout
+    side = image_size // 8  # computed, not probed: a probe pass would move the BN running statistics
+    body = nn.Sequential(*layers, nn.Flatten(), nn.Linear(4 * width * side * side, 382), nn.ReLU(),
+                         nn.Linear(382, 192), nn.ReLU())
+    return Classifier(body, 192, num_classes)
+
+
+@register_model("cnn6-narrow")
+def cnn6_narrow(in_channels, num_classes, image_size, **_):
+    """cnn6 with a quarter of the channels (8, 16, 32; fc 382-192 kept): a CPU-sized model that, unlike
+    convnet4-tiny, keeps batch-norm running statistics (FedNNNN's evaluation model averages them)."""
+    return cnn6(in_channels, num_classes, image_size, width=8)
+
+
+# ----------------------------------------------------------------------------------------------
+# ResNet: one implementation; normalization (batch, group, layer, or none with weight-standardized
+# NF blocks, ANFR) and channel attention (SE, ECA, CBAM) are options
+# ----------------------------------------------------------------------------------------------
+RELU_GAMMA = 1.7139588594436646  # gamma = 1/std(relu(z)), z ~ N(0, 1), as measured by timm and DeepMind's NFNets (closed form 1.71286)
+NF_ALPHA = 0.2  # alpha: scale of each residual branch (Brock et al. 2021a; timm NfCfg.alpha)
+NF_ATTN_GAIN = 2.0  # attention output x2 in NF blocks, since a sigmoid gate starts near 0.5 (timm NfCfg.attn_gain)
+
+
+class ScaledStdConv2d(nn.Conv2d):
+    """Scaled Weight Standardization (ANFR Eq. 5; Brock et al. 2021a), per output channel c:
+    W_hat_c = g_c * gamma / sqrt(fan_in) * (W_c - mean(W_c)) / std(W_c), statistics over the
+    fan_in = C_in * k * k weights of channel c (Eq. 5 writes C_in for k = 1); learnable gain g and
+    bias beta (A' = X * W_hat + beta), gamma fixed by the nonlinearity that feeds the conv.
+    Init as timm: kaiming-normal weights (irrelevant after standardization), zero bias."""
+
+    def __init__(self, cin, cout, kernel, stride=1, padding=0, gamma=1.0, gain_init=1.0, eps=1e-5):
+        super().__init__(cin, cout, kernel, stride, padding, bias=True)
+        self.gain = nn.Parameter(torch.full((cout, 1, 1, 1), float(gain_init)))
+        self.scale = gamma / math.sqrt(self.weight[0].numel())  # gamma / sqrt(fan_in)
+        self.eps = eps  # timm's std_conv_eps for NF-ResNets
+        nn.init.kaiming_normal_(self.weight, nonlinearity="linear")
+        nn.init.zeros_(self.bias)
+
+    def standardized_weight(self):
+        """(W - mu_c) / sigma_c per output channel (Eq. 5 before gain and scale)."""
+        mean = self.weight.mean((1, 2, 3), keepdim=True)
+        var = self.weight.var((1, 2, 3), keepdim=True, unbiased=False)
+        return (self.weight - mean) / torch.sqrt(var + self.eps)
+
+    def forward(self, x):
+        return F.conv2d(x, self.gain * self.scale * self.standardized_weight(), self.bias, self.stride, self.padding)
+
+
+def make_conv(norm, cin, cout, kernel, stride=1, padding=0, gain_init=1.0):
+    """A ResNet convolution: plain and bias-free before an activation norm; for norm 'nf' a Scaled
+    Weight Standardized conv with bias and gain g starting at gain_init (ANFR Eq. 5; ScaledStdConv2d below)."""
+    if norm == "nf":
+        return ScaledStdConv2d(cin, cout, kernel, stride, padding, gamma=RELU_GAMMA, gain_init=gain_init)
+    return nn.Conv2d(cin, cout, kernel, stride, padding, bias=False)
+
+
+def make_shortcut(norm, cin, cout, stride, norm_after_act=False):
+    """A block's projection shortcut: conv1x1 with the block's stride, then the norm (none with norm_after_act,
+    which normalizes the sum instead). NF: timm's DownsampleAvg, a 2x2 average pool (strided blocks only)
+    and then a conv1x1 at stride 1."""
+    if norm == "nf":  # named as timm's (downsample.pool, downsample.conv)
+        shortcut = nn.Sequential()
+        shortcut.add_module("pool", nn.AvgPool2d(2, stride, ceil_mode=True, count_include_pad=False) if stride > 1 else nn.Identity())
+        shortcut.add_module("conv", make_conv(norm, cin, cout, 1))
+        return shortcut
+    return nn.Sequential(make_conv(norm, cin, cout, 1, stride), make_norm("none" if norm_after_act else norm, cout))
+
+
+def nf_setup(block, norm, attention, beta, transition):
+    """A ResNet block's NF-ResNet constants (used when norm == 'nf'): alpha, beta = 1/sqrt(expected
+    Var(x) at the block input), the attention gain, and whether the shortcut is a (transition) conv."""
+    block.nf, block.alpha, block.beta, block.transition = norm == "nf", NF_ALPHA, beta, transition
+    block.attn_gain = NF_ATTN_GAIN if attention not in (None, "none") else 1.0
+
+
+def nf_merge(block, branch, x, h):
+    """NF residual sum x_{l+1} = shortcut + alpha * f(h), h = relu(x) * beta (Brock et al. 2021a):
+    the shortcut is x itself, or for a transition block the shortcut conv applied to h."""
+    return (block.shortcut(h) if block.transition else x) + block.alpha * block.attn_gain * branch
+
+
+def nf_expected_var(block, var):
+    """Expected-variance bookkeeping (Brock et al. 2021a): Var(x_{l+1}) = Var(x_l) + alpha^2, where a
+    transition block's shortcut (a conv on relu(x)*beta, variance ~1) first resets Var(x_l) to 1.
+    timm resets at each stage's first block, which is always a transition in its NF-ResNets."""
+    return (1.0 if block.transition else var) + NF_ALPHA ** 2
+
+
+def round_channels(v, divisor):
+    """timm's make_divisible(v, divisor, round_limit=0): the nearest multiple of divisor, at least divisor."""
+    return max(divisor, int(v + divisor / 2) // divisor * divisor)
+
+
+class SqueezeExcite(nn.Module):
+    """Hu et al. 2018: channel weights = sigmoid(MLP(global average pool)), reduction r; the hidden width
+    C/r rounded to a multiple of 8, at least 8 (timm SEModule, as in seresnet50 and nf_seresnet50)."""
+
+    def __init__(self, channels, reduction=16):
+        super().__init__()
+        hidden = round_channels(channels / reduction, 8)
+        self.fc1, self.fc2 = nn.Conv2d(channels, hidden, 1), nn.Conv2d(hidden, channels, 1)
+
+    def weights(self, x):  # [B, C, 1, 1] channel weights (read by anfr.py --analyze)
+        return torch.sigmoid(self.fc2(F.relu(self.fc1(x.mean((2, 3), keepdim=True)))))
+
+    def forward(self, x):
+        return x * self.weights(x)
+
+
+class EfficientChannelAttention(nn.Module):
+    """ECA (Wang et al. 2020): channel weights = sigmoid(conv1d_k over channels of the global average
+    pool), no dimensionality reduction; k = |(log2 C + 1) / 2| rounded up to odd, at least 3 (timm EcaModule)."""
+
+    def __init__(self, channels, gamma=2, b=1):
+        super().__init__()
+        t = int(abs(math.log2(channels) + b) / gamma)
+        k = max(t if t % 2 else t + 1, 3)
+        self.conv = nn.Conv1d(1, 1, k, padding=(k - 1) // 2, bias=False)
+
+    def weights(self, x):  # [B, C, 1, 1]
+        return torch.sigmoid(self.conv(x.mean((2, 3)).unsqueeze(1))).transpose(1, 2).unsqueeze(-1)
+
+    def forward(self, x):
+        return x * self.weights(x)
+
+
+class CBAM(nn.Module):
+    """CBAM (Woo et al. 2018; timm CbamModule): channel gate sigmoid(MLP(avg pool) + MLP(max pool)) with
+    a shared bias-free MLP (reduction 16), then spatial gate sigmoid(conv7x7([mean_c, max_c])); the
+    spatial conv is followed by the network's norm (bn: batch norm; nf: weight-standardized conv with bias)."""
+
+    def __init__(self, channels, norm="bn", reduction=16):
+        super().__init__()
+        hidden = round_channels(channels / reduction, 1)  # timm ChannelAttn: C/r rounded, at least 1
+        self.fc1, self.fc2 = nn.Conv2d(channels, hidden, 1, bias=False), nn.Conv2d(hidden, channels, 1, bias=False)
+        conv = ScaledStdConv2d(2, 1, 7, 1, 3) if norm == "nf" else nn.Conv2d(2, 1, 7, 1, 3, bias=False)
+        self.spatial = nn.Sequential(conv, make_norm(norm, 1))
+
+    def weights(self, x):  # channel weights [B, C, 1, 1]
+        mlp = lambda z: self.fc2(F.relu(self.fc1(z)))
+        return torch.sigmoid(mlp(x.mean((2, 3), keepdim=True)) + mlp(x.amax((2, 3), keepdim=True)))
+
+    def forward(self, x):
+        x = x * self.weights(x)
+        return x * torch.sigmoid(self.spatial(torch.cat([x.mean(1, keepdim=True), x.amax(1, keepdim=True)], 1)))
+
+
+def make_attention(kind, channels, norm="bn"):
+    """Channel attention after a block's last conv: none | se | eca | cbam (the last two in the ANFR block)."""
+    if kind is None or kind == "none":
+        return nn.Identity()
+    if kind == "se":
+        return SqueezeExcite(channels)
+    if kind == "eca":
+        return EfficientChannelAttention(channels)
+    if kind == "cbam":
+        return CBAM(channels, norm)
+    raise ValueError(f"unknown attention '{kind}'")
+
+
+class BasicBlock(nn.Module):
+    expansion = 1
+
+    def __init__(self, cin, planes, stride, norm, attention, norm_after_act=False, beta=1.0, last_gain_init=0.0):
+        super().__init__()
+        cout = planes * self.expansion
+        self.norm_after_act = norm_after_act
+        nf_setup(self, norm, attention, beta, transition=stride != 1 or cin != cout)
+        self.conv1 = make_conv(norm, cin, planes, 3, stride, 1)
+        self.n1 = make_norm(norm, planes)
+        self.conv2 = make_conv(norm, planes, cout, 3, 1, 1, gain_init=last_gain_init)  # NF: timm starts it at 0
+        self.n2 = make_norm(norm, cout)
+        self.attn = make_attention(attention, cout, norm)
+        self.shortcut = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.shortcut = make_shortcut(norm, cin, cout, stride, norm_after_act)
+
+    def forward(self, x):
+        if self.norm_after_act:  # norm after each ReLU (FedLN, Zhang et al. 2024, Eq. 10)
+            out = self.attn(self.conv2(self.n1(F.relu(self.conv1(x)))))
+            return self.n2(F.relu(out + self.shortcut(x)))
+        if self.nf:  # NF-ResNet (Brock et al. 2021a): pre-activation h = relu(x) * beta, no activation norm
+            h = F.relu(x) * self.beta
+            return nf_merge(self, self.attn(self.conv2(F.relu(self.conv1(h)))), x, h)
+        out = F.relu(self.n1(self.conv1(x)))
+        out = self.attn(self.n2(self.conv2(out)))
+        return F.relu(out + self.shortcut(x))
+
+
+class Bottleneck(nn.Module):
+    expansion = 4
+
+    def __init__(self, cin, planes, stride, norm, attention, norm_after_act=False, beta=1.0, last_gain_init=0.0):
+        super().__init__()
+        cout = planes * self.expansion
+        self.norm_after_act = norm_after_act
+        nf_setup(self, norm, attention, beta, transition=stride != 1 or cin != cout)
+        self.conv1, self.n1 = make_conv(norm, cin, planes, 1), make_norm(norm, planes)
+        self.conv2, self.n2 = make_conv(norm, planes, planes, 3, stride, 1), make_norm(norm, planes)
+        self.conv3, self.n3 = make_conv(norm, planes, cout, 1, gain_init=last_gain_init), make_norm(norm, cout)  # NF: timm: 0
+        self.attn = make_attention(attention, cout, norm)
+        self.shortcut = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.shortcut = make_shortcut(norm, cin, cout, stride, norm_after_act)
+
+    def forward(self, x):
+        if self.norm_after_act:  # norm after each ReLU (FedLN, Zhang et al. 2024, Eq. 10)
+            out = self.n2(F.relu(self.conv2(self.n1(F.relu(self.conv1(x))))))
+            return self.n3(F.relu(self.attn(self.conv3(out)) + self.shortcut(x)))
+        if self.nf:  # NF-ResNet (Brock et al. 2021a): pre-activation h = relu(x) * beta, no activation norm
+            h = F.relu(x) * self.beta
+            return nf_merge(self, self.attn(self.conv3(F.relu(self.conv2(F.relu(self.conv1(h)))))), x, h)
+        out = F.relu(self.n1(self.conv1(x)))
+        out = F.relu(self.n2(self.conv2(out)))
+        out = self.attn(self.n3(self.conv3(out)))
+        return F.relu(out + self.shortcut(x))
+
+
+RESNET_LAYOUT = {18: (BasicBlock, [2, 2, 2, 2]), 26: (Bottleneck, [2, 2, 2, 2]),
+                 34: (BasicBlock, [3, 4, 6, 3]), 50: (Bottleneck, [3, 4, 6, 3])}
+
+
+class ResNetBody(nn.Module):
+    """He et al. 2016 ResNet up to global average pooling.
+
+    stem 'cifar': conv3x3 stride 1, no max-pool (32x32 inputs); 'imagenet': conv7x7 stride 2 + max-pool.
+    norm_after_act: normalization after each ReLU (and on the block's sum, not its shortcut), as in
+    FedLN (Zhang et al. 2024, Eq. 10 and Appendix C.1); default: conv -> norm -> ReLU.
+    """
+
+    def __init__(self, in_channels, depth=18, width=64, norm="bn", attention=None, stem="cifar",
+                 norm_after_act=False, last_gain_init=0.0):
+        super().__init__()
+        block, layers = RESNET_LAYOUT[depth]
+        norm_relu = (nn.ReLU(), make_norm(norm, width)) if norm_after_act else (make_norm(norm, width), nn.ReLU())
+        if norm == "nf":  # NF blocks pre-activate, so the stem ends at its conv (as timm's NF-ResNet)
+            norm_relu = (nn.Identity(), nn.Identity())
+        if stem == "cifar":
+            self.stem = nn.Sequential(make_conv(norm, in_channels, width, 3, 1, 1), *norm_relu)
+        else:
+            self.stem = nn.Sequential(make_conv(norm, in_channels, width, 7, 2, 3), *norm_relu,
+                                      nn.MaxPool2d(3, 2, 1))
+        stages, cin, expected_var = [], width, 1.0
+        for i, blocks in enumerate(layers):
+            planes = width * 2 ** i
+            for j in range(blocks):
+                stages.append(block(cin, planes, 2 if (j == 0 and i > 0) else 1, norm, attention,
+                                    norm_after_act=norm_after_act, beta=expected_var ** -0.5, last_gain_init=last_gain_init))
+                expected_var = nf_expected_var(stages[-1], expected_var)  # used by norm 'nf' only
+                cin = planes * block.expansion
+        self.stages = nn.Sequential(*stages)
+        self.final_act = nn.ReLU() if norm == "nf" else nn.Identity()  # NF: the last block ends without ReLU
+        self.out_dim = cin
+
+    def forward(self, x):
+        return self.final_act(self.stages(self.stem(x))).mean((2, 3))
+
+
+def resnet(in_channels, num_classes, image_size, depth=18, width=64, norm="bn", attention=None,
+           stem="cifar", norm_after_act=False, last_gain_init=0.0, **_):
+    body = ResNetBody(in_channels, depth, width, norm, attention, stem, norm_after_act=norm_after_act,
+                      last_gain_init=last_gain_init)
+    return Classifier(body, body.out_dim, num_classes)
+
+
+@register_model("resnet18")
+def resnet18(in_channels, num_classes, image_size, **options):
+    return resnet(in_channels, num_classes, image_size, depth=18, **options)
+
+
+@register_model("resnet50")
+def resnet50(in_channels, num_classes, image_size, **options):
+    return resnet(in_channels, num_classes, image_size, depth=50, **options)
+
+
+register_model("resnet")(resnet)  # the one ResNet with its options: depth, width, norm, attention, stem (anfr.py --arch)
+
+
+# ==============================================================================================
+# Run machinery: nothing below is federated learning. Flag checks, dataset files and caches, the
+# run folder and the loop's control (Run), atomic saves, RNG state, several processes (torchrun).
+# ==============================================================================================
+
+
+# --- Flag checks: exit status 2 and one line naming the flag, before any work -----------------
 TORCHVISION_DATASETS = ["mnist", "fashionmnist", "emnist", "cifar10", "cifar100", "svhn"]
 DATASETS = TORCHVISION_DATASETS + ["folder", "synthetic"]
 PARTITION_FLAGS = {"iid": "--iid", "shards": "--shards", "classes_per_client": "--classes-per-client",
@@ -36,8 +899,6 @@ NUM_CLASSES = {"mnist": 10, "fashionmnist": 10, "emnist": 62, "cifar10": 10, "ci
                "svhn": 10, "synthetic": 10}
 TRAIN_SIZE = {"mnist": 60000, "fashionmnist": 60000, "emnist": 697932, "cifar10": 50000,
               "cifar100": 50000, "svhn": 73257}
-
-
 RUNTIME_FLAGS = ("resume", "stop_after", "overwrite")  # not part of a run's config: they belong to one invocation
 RESUME_FLAGS = ("resume", "stop_after", "rounds", "device")  # what may be given with --resume (--rounds: extend)
 RUN_FILES = ("config.json", "partition.json", "metrics.jsonl", "checkpoint.pt", "summary.json", "model.pt")
@@ -91,21 +952,6 @@ def given_flags(parser, argv=None):
     namespace = argparse.Namespace(**{dest: unset for dest in dests})
     parser.parse_args(argv, namespace=namespace)  # argparse fills in defaults only where nothing is set
     return {k for k, v in vars(namespace).items() if v is not unset}
-
-
-def default_out_dir(script, args):
-    """runs/<script>__<dataset>__<seed>__<time>, with -2, -3, ... if another run started in the same second."""
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    base = os.path.join("runs", f"{script}__{args.dataset}__{args.seed}__{stamp}")
-    out, n = base, 1
-    while os.path.exists(out):
-        n += 1
-        out = f"{base}-{n}"
-    return out
-
-
-def holds_run(folder):
-    return any(os.path.exists(os.path.join(folder, name)) for name in RUN_FILES)
 
 
 def finish_args(parser, args, script, default_partition):
@@ -261,6 +1107,21 @@ def check_writable(folder, err):
                 os.rmdir(made)
 
 
+def default_out_dir(script, args):
+    """runs/<script>__<dataset>__<seed>__<time>, with -2, -3, ... if another run started in the same second."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = os.path.join("runs", f"{script}__{args.dataset}__{args.seed}__{stamp}")
+    out, n = base, 1
+    while os.path.exists(out):
+        n += 1
+        out = f"{base}-{n}"
+    return out
+
+
+def holds_run(folder):
+    return any(os.path.exists(os.path.join(folder, name)) for name in RUN_FILES)
+
+
 def _read_json(path):
     try:
         with open(path) as f:
@@ -292,67 +1153,23 @@ def seed_everything(seed):
     torch.manual_seed(seed)
 
 
-# ----------------------------------------------------------------------------------------------
-# Data: every dataset becomes uint8 tensors [N, C, H, W] on the run's device
-# ----------------------------------------------------------------------------------------------
-@dataclass
-class Data:
-    x_train: torch.Tensor  # uint8 [N, C, H, W]
-    y_train: torch.Tensor  # int64 [N]
-    x_test: torch.Tensor
-    y_test: torch.Tensor
-    num_classes: int
-    mean: torch.Tensor  # float [1, C, 1, 1], in [0, 1] pixel units, from the training split
-    std: torch.Tensor
-
-    @property
-    def in_channels(self):
-        return self.x_train.shape[1]
-
-    @property
-    def image_size(self):
-        return self.x_train.shape[2]
-
-
-def load_data(args):
-    """Load args.dataset into a Data on args.device (downloaded to / cached in args.data_dir)."""
-    name = args.dataset
+# --- Dataset files: torchvision downloads, image folders (decoded once, cached), synthetic data -----
+def read_dataset(args):
+    """(x_train, y_train, x_test, y_test) of args.dataset, as stored. Under torchrun one process per
+    machine downloads or decodes (and caches) first, then the others read its files."""
     world = rank_and_world()[1]
-    first = world == 1 or int(os.environ["LOCAL_RANK"]) == 0  # torchrun: one process per machine loads first
+    first = world == 1 or int(os.environ["LOCAL_RANK"]) == 0
     if not first:
-        dist.barrier()  # ... downloads / decodes and caches, then the others read its files
-    if name == "synthetic":
-        x_tr, y_tr, x_te, y_te = synthetic_dataset(args.data_seed)
-    elif name == "folder":
-        x_tr, y_tr, x_te, y_te = folder_dataset(args.data_dir)
+        dist.barrier()  # wait for the first process of this machine
+    if args.dataset == "synthetic":
+        tensors = synthetic_dataset(args.data_seed)
+    elif args.dataset == "folder":
+        tensors = folder_dataset(args.data_dir)
     else:
-        x_tr, y_tr, x_te, y_te = torchvision_dataset(name, args.data_dir)
+        tensors = torchvision_dataset(args.dataset, args.data_dir)
     if first and world > 1:
         dist.barrier()
-    # An image folder stores its images class by class. Evaluation cuts the test set into consecutive
-    # batches, and a model whose batch norm keeps no running statistics normalizes each batch with its
-    # own statistics, so a class-sorted test set would be scored on batches of one or two classes.
-    # One fixed permutation (its own seed, not --seed or --data-seed) mixes the classes the way
-    # torchvision's files are mixed; partitions select by label, so they are unaffected in distribution.
-    x_tr, y_tr = unsort(x_tr, y_tr)
-    x_te, y_te = unsort(x_te, y_te)
-    num_classes = int(max(y_tr.max(), y_te.max())) + 1
-    xf = x_tr.float() / 255
-    mean, std = xf.mean(dim=(0, 2, 3), keepdim=True), xf.std(dim=(0, 2, 3), keepdim=True)
-    dev = args.device
-    return Data(x_tr.to(dev), y_tr.to(dev), x_te.to(dev), y_te.to(dev), num_classes, mean.to(dev), std.to(dev))
-
-
-STORAGE_ORDER_SEED = 20240101  # the one fixed permutation of class-sorted datasets (see load_data)
-
-
-def unsort(x, y):
-    """Return (x, y) in one fixed random order if the labels are stored grouped (non-decreasing),
-    else unchanged: torchvision's files are already mixed, and their order is kept."""
-    if len(y) < 2 or not bool((y[1:] >= y[:-1]).all()):
-        return x, y
-    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(STORAGE_ORDER_SEED))
-    return x[perm], y[perm]
+    return tensors
 
 
 def synthetic_dataset(seed, n_train=3000, n_test=1000, num_classes=10, size=32):
@@ -467,547 +1284,7 @@ def _progress(items, desc):
     return tqdm(items, desc=desc, leave=False, mininterval=1.0, disable=len(items) < 2000)
 
 
-# ----------------------------------------------------------------------------------------------
-# Batches on the device: normalization and augmentation, all batched
-# ----------------------------------------------------------------------------------------------
-AUGMENTATIONS = ["crop-flip", "flip", "none"]
-
-
-def prepare_batch(x, data, augment="none"):
-    """uint8 [B, C, H, W] -> normalized float, with random crop (4-pixel zero padding) and/or flip."""
-    x = x.float().div_(255)
-    if augment == "crop-flip":
-        x = random_crop(x, padding=4)
-    if augment in ("crop-flip", "flip"):
-        flip = torch.rand(x.shape[0], 1, 1, 1, device=x.device) < 0.5
-        x = torch.where(flip, x.flip(3), x)
-    return (x - data.mean) / data.std
-
-
-def random_crop(x, padding):
-    b, _, h, w = x.shape
-    x = F.pad(x, (padding,) * 4)
-    dy = torch.randint(0, 2 * padding + 1, (b, 1), device=x.device)
-    dx = torch.randint(0, 2 * padding + 1, (b, 1), device=x.device)
-    rows = (torch.arange(h, device=x.device) + dy)[:, None, :, None]  # [B, 1, H, 1]
-    cols = (torch.arange(w, device=x.device) + dx)[:, None, None, :]  # [B, 1, 1, W]
-    batch = torch.arange(b, device=x.device)[:, None, None, None]
-    chan = torch.arange(x.shape[1], device=x.device)[None, :, None, None]
-    return x[batch, chan, rows, cols]
-
-
-def client_batches(indices, batch_size, epochs=None, steps=None):
-    """Index batches for local training: `epochs` shuffled passes over the client's data (the last
-    batch of a pass may be short), or exactly `steps` batches from reshuffled passes if steps is set."""
-    n, done = len(indices), 0
-    for epoch in itertools.count():
-        if steps is None and epoch == epochs:
-            return
-        perm = indices[torch.randperm(n, device=indices.device)]
-        for i in range(0, n, batch_size):
-            if n - i == 1 and n > 1:  # a lone trailing sample breaks batch norm in training mode: skip it
-                break
-            if steps is not None and done == steps:
-                return
-            yield perm[i:i + batch_size]
-            done += 1
-
-
-@torch.no_grad()
-def evaluate(forward, x, y, data, batch_size=2000, amp=False):
-    """Accuracy and mean cross-entropy of `forward` (a callable on normalized images)."""
-    correct, loss = 0, 0.0
-    for i in range(0, len(x), batch_size):
-        xb = prepare_batch(x[i:i + batch_size], data)
-        with autocast(xb.device, amp):
-            logits = forward(xb).float()
-        loss += F.cross_entropy(logits, y[i:i + batch_size], reduction="sum")
-        correct += (logits.argmax(1) == y[i:i + batch_size]).sum()
-    return float(correct) / len(x), float(loss) / len(x)
-
-
-def autocast(device, enabled):
-    return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=enabled)
-
-
-# ----------------------------------------------------------------------------------------------
-# Partitions: every scheme returns one LongTensor of training indices per client
-# ----------------------------------------------------------------------------------------------
-SPLIT2_CLASSES = [[0, 1, 2, 3], [2, 3, 4, 5], [4, 5, 6, 7], [6, 7, 8, 9], [8, 9, 0, 1]]
-
-
-@dataclass
-class Partition:
-    train: list  # per client: LongTensor of indices into data.x_train
-    test: list  # per client: LongTensor into data.x_test (with --client-test), else None
-    scheme: str
-
-
-def make_partition(args, data):
-    """Split the training set over args.num_clients with the one partition flag the run has.
-
-    Uses its own generator seeded by args.data_seed, so client sampling never changes it.
-    """
-    labels = data.y_train.cpu().numpy()
-    rng = np.random.default_rng(args.data_seed)
-    n, c = args.num_clients, data.num_classes
-    weights = powerlaw_weights(n, rng) if args.quantity == "powerlaw" else np.full(n, 1.0 / n)
-    if args.iid:
-        parts, scheme = split_iid(len(labels), weights, rng), "iid"
-    elif args.shards is not None:
-        parts, scheme = split_shards(labels, n, args.shards, weights, rng), f"shards={args.shards}"
-    elif args.classes_per_client is not None:
-        parts = split_classes(labels, n, c, args.classes_per_client, weights, rng)
-        scheme = f"classes-per-client={args.classes_per_client}"
-    elif args.alpha is not None:
-        parts, scheme = split_dirichlet(labels, n, c, args.alpha, weights, rng), f"dirichlet alpha={args.alpha}"
-    elif args.split2:
-        parts, scheme = split_classes(labels, 5, c, None, weights, rng, holders=SPLIT2_CLASSES), "split-2"
-    else:
-        raise ValueError("no partition flag set")
-    if args.quantity == "powerlaw":
-        scheme += " powerlaw"
-    empty = [k for k, p in enumerate(parts) if len(p) == 0]
-    if empty:  # bad input found only now that the data is known: exit 2 with one line, as parser.error
-        more = f" (and {len(empty) - 1} more)" if len(empty) > 1 else ""
-        msg = (f"--num-clients: client {empty[0]} of {n}{more} received no training data under {scheme} "
-               f"({len(labels)} training samples); use fewer --num-clients")
-        refuse(msg)
-    test = None
-    if getattr(args, "client_test", False):
-        test = client_test_split(data.y_test.cpu().numpy(), labels, parts, c, rng)
-    to_dev = lambda ps: [torch.as_tensor(np.sort(p), dtype=torch.long, device=data.y_train.device) for p in ps]
-    return Partition(to_dev(parts), to_dev(test) if test is not None else None, scheme)
-
-
-def powerlaw_weights(n, rng, exponent=1.5):
-    """Client shares following a power law (a few clients hold most of the data)."""
-    w = rng.pareto(exponent, n) + 1.0
-    return w / w.sum()
-
-
-def _cut(idx, shares):
-    """Split an index array into consecutive pieces with sizes proportional to shares (sum kept)."""
-    shares = np.asarray(shares, dtype=float)
-    bounds = np.round(np.cumsum(shares) / shares.sum() * len(idx)).astype(int)
-    return np.split(idx, bounds[:-1])
-
-
-def split_iid(n_samples, weights, rng):
-    return _cut(rng.permutation(n_samples), weights)
-
-
-def split_shards(labels, n, s, weights, rng):
-    """McMahan et al.: sort by label, cut into n*s equal shards, deal s shards to each client.
-
-    A client holds at most s classes when the shard size divides every class size (CIFAR-10 with
-    n=100 and s=2 or 10); otherwise a shard may straddle two classes, as in the original recipe.
-
-    With power-law weights a client gets a number of shards proportional to its weight (at least 1).
-    """
-    order = np.argsort(labels, kind="stable")
-    num_shards = n * s
-    shards = np.array_split(order, num_shards)
-    counts = np.full(n, s)
-    if not np.allclose(weights, weights[0]):
-        counts = np.maximum(1, np.floor(weights * (num_shards - n)).astype(int) + 1)
-        counts[np.argmax(weights)] += num_shards - counts.sum()
-    deal = rng.permutation(num_shards)
-    starts = np.concatenate([[0], np.cumsum(counts)])
-    return [np.concatenate([shards[j] for j in deal[starts[k]:starts[k + 1]]]) for k in range(n)]
-
-
-def split_classes(labels, n, c, per_client, weights, rng, holders=None):
-    """Each client holds `per_client` distinct classes, dealt round-robin so every class has the
-    same number of holders when n*per_client is a multiple of c; a class is split among its holders
-    (evenly, or by power-law weight). `holders` gives the class lists directly (split-2)."""
-    if holders is None:
-        start = rng.permutation(c)  # which class the round-robin begins with is random
-        holders = [[int(start[(k * per_client + j) % c]) for j in range(per_client)] for k in range(n)]
-    parts = [[] for _ in range(n)]
-    for cls in range(c):
-        owners = [k for k in range(n) if cls in holders[k]]
-        if not owners:
-            continue
-        idx = rng.permutation(np.flatnonzero(labels == cls))
-        for k, piece in zip(owners, _cut(idx, weights[owners])):
-            parts[k].append(piece)
-    return [np.concatenate(p) if p else np.array([], dtype=int) for p in parts]
-
-
-def split_dirichlet(labels, n, c, alpha, weights, rng, min_size=10, max_tries=100):
-    """Hsu et al. 2019: per class, proportions over clients ~ Dir(alpha) (times power-law weights).
-    Redraws until every client has at least min(min_size, |D|/n) samples; after max_tries draws it
-    refuses the flags (exit 2, one line, as parser.error)."""
-    need = min(min_size, len(labels) // n)
-    for _ in range(max_tries):
-        parts = [[] for _ in range(n)]
-        for cls in range(c):
-            idx = rng.permutation(np.flatnonzero(labels == cls))
-            if len(idx) == 0:
-                continue
-            p = rng.dirichlet(np.full(n, alpha)) * weights
-            for k, piece in enumerate(_cut(idx, p)):
-                parts[k].append(piece)
-        parts = [np.concatenate(p) for p in parts]
-        if min(len(p) for p in parts) >= need:
-            return parts
-    msg = (f"--alpha: after {max_tries} draws of Dir({alpha}) some client still had fewer than {need} samples; "
-           "use a larger --alpha or fewer --num-clients")
-    refuse(msg)
-
-
-def client_test_split(test_labels, train_labels, parts, c, rng):
-    """Deal the test split so that each client's test labels follow its training label distribution:
-    the test samples of class y go to the clients holding y, in proportion to their training counts.
-    Each client's test set is evaluated on its own, one client at a time (FedBABU's Algorithm 2 and
-    official code), so a batch norm without running statistics sees that client's classes only, as there."""
-    counts = np.stack([np.bincount(train_labels[p], minlength=c) for p in parts])  # [n, c]
-    test = [[] for _ in parts]
-    for cls in range(c):
-        owners = np.flatnonzero(counts[:, cls])
-        if len(owners) == 0:
-            continue
-        idx = rng.permutation(np.flatnonzero(test_labels == cls))
-        for k, piece in zip(owners, _cut(idx, counts[owners, cls])):
-            test[k].append(piece)
-    return [np.concatenate(t) if t else np.array([], dtype=int) for t in test]
-
-
-def label_counts(labels, parts, num_classes):
-    return [torch.bincount(labels[p], minlength=num_classes).tolist() for p in parts]
-
-
-def sample_clients(rng, num_clients, frac):
-    """The clients of one round: m = max(floor(frac * N), 1) of them (McMahan et al., Alg. 1), without replacement."""
-    m = max(int(frac * num_clients + 1e-9), 1)  # the epsilon keeps e.g. 0.29 * 100 at 29, not 28
-    return sorted(rng.choice(num_clients, m, replace=False).tolist())
-
-
-def lr_at(round_idx, args):
-    """Step decay: lr * decay^(number of --lr-decay-at fractions of the run already passed)."""
-    passed = sum(round_idx >= f * args.rounds for f in args.lr_decay_at)  # never before round 1 of 1
-    return args.lr * args.lr_decay ** passed
-
-
-# ----------------------------------------------------------------------------------------------
-# Models: every model has .body (images -> penultimate feature vector) and .head (one nn.Linear)
-# ----------------------------------------------------------------------------------------------
-MODELS = {}
-
-
-def register_model(name):
-    def wrap(fn):
-        MODELS[name] = fn
-        return fn
-    return wrap
-
-
-def build_model(name, data, **options):
-    """MODELS[name](in_channels, num_classes, image_size, **options)."""
-    return MODELS[name](data.in_channels, data.num_classes, data.image_size, **options)
-
-
-class Classifier(nn.Module):
-    """body -> feature vector -> head. Methods reach the classifier as model.head."""
-
-    def __init__(self, body, feature_dim, num_classes, head_bias=True):
-        super().__init__()
-        self.body = body
-        self.head = nn.Linear(feature_dim, num_classes, bias=head_bias)
-
-    def forward(self, x):
-        return self.head(self.body(x))
-
-
-def flat_dim(body, in_channels, image_size):
-    with torch.no_grad():
-        return body(torch.zeros(2, in_channels, image_size, image_size)).shape[1]
-
-
-@register_model("cnn")
-def cnn(in_channels, num_classes, image_size, **_):
-    """McMahan et al. 2017 CNN: conv5x5-32, pool, conv5x5-64, pool, fc 512, head."""
-    conv = nn.Sequential(
-        nn.Conv2d(in_channels, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten())
-    body = nn.Sequential(conv, nn.Linear(flat_dim(conv, in_channels, image_size), 512), nn.ReLU())
-    return Classifier(body, 512, num_classes)
-
-
-@register_model("mlp")
-def mlp(in_channels, num_classes, image_size, **_):
-    """McMahan et al. 2017 '2NN': two hidden layers of 200 units with ReLU (cheap: used by fast tests)."""
-    body = nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size ** 2, 200), nn.ReLU(),
-                         nn.Linear(200, 200), nn.ReLU())
-    return Classifier(body, 200, num_classes)
-
-
-# --- ResNet: one implementation; normalization and channel attention are options ---------------
-def make_norm(kind, channels):
-    """The activation normalization of a ResNet layer: bn | gn | ln | none | nf (none, with the
-    weight-standardized convolutions of make_conv: NF-ResNet, Brock et al. 2021a)."""
-    if kind == "bn":
-        return nn.BatchNorm2d(channels)
-    if kind == "gn":
-        return nn.GroupNorm(min(32, channels), channels)  # 32 groups (Wu & He 2018), fewer if narrow
-    if kind == "ln":
-        return nn.GroupNorm(1, channels)  # one group = layer norm over (C, H, W)
-    if kind in ("none", "nf"):
-        return nn.Identity()
-    raise ValueError(f"unknown norm '{kind}'")
-
-
-def make_conv(norm, cin, cout, kernel, stride=1, padding=0, gain_init=1.0):
-    """A ResNet convolution: plain and bias-free before an activation norm; for norm 'nf' a Scaled
-    Weight Standardized conv with bias and gain g starting at gain_init (ANFR Eq. 5; ScaledStdConv2d below)."""
-    if norm == "nf":
-        return ScaledStdConv2d(cin, cout, kernel, stride, padding, gamma=RELU_GAMMA, gain_init=gain_init)
-    return nn.Conv2d(cin, cout, kernel, stride, padding, bias=False)
-
-
-def make_shortcut(norm, cin, cout, stride, norm_after_act=False):
-    """A block's projection shortcut: conv1x1 with the block's stride, then the norm (none with norm_after_act,
-    which normalizes the sum instead). NF: timm's DownsampleAvg, a 2x2 average pool (strided blocks only)
-    and then a conv1x1 at stride 1."""
-    if norm == "nf":  # named as timm's (downsample.pool, downsample.conv)
-        shortcut = nn.Sequential()
-        shortcut.add_module("pool", nn.AvgPool2d(2, stride, ceil_mode=True, count_include_pad=False) if stride > 1 else nn.Identity())
-        shortcut.add_module("conv", make_conv(norm, cin, cout, 1))
-        return shortcut
-    return nn.Sequential(make_conv(norm, cin, cout, 1, stride), make_norm("none" if norm_after_act else norm, cout))
-
-
-def round_channels(v, divisor):
-    """timm's make_divisible(v, divisor, round_limit=0): the nearest multiple of divisor, at least divisor."""
-    return max(divisor, int(v + divisor / 2) // divisor * divisor)
-
-
-class SqueezeExcite(nn.Module):
-    """Hu et al. 2018: channel weights = sigmoid(MLP(global average pool)), reduction r; the hidden width
-    C/r rounded to a multiple of 8, at least 8 (timm SEModule, as in seresnet50 and nf_seresnet50)."""
-
-    def __init__(self, channels, reduction=16):
-        super().__init__()
-        hidden = round_channels(channels / reduction, 8)
-        self.fc1, self.fc2 = nn.Conv2d(channels, hidden, 1), nn.Conv2d(hidden, channels, 1)
-
-    def weights(self, x):  # [B, C, 1, 1] channel weights (read by anfr.py --analyze)
-        return torch.sigmoid(self.fc2(F.relu(self.fc1(x.mean((2, 3), keepdim=True)))))
-
-    def forward(self, x):
-        return x * self.weights(x)
-
-
-def make_attention(kind, channels, norm="bn"):
-    """Channel attention after a block's last conv: none | se | eca | cbam (the last two in the ANFR block)."""
-    if kind is None or kind == "none":
-        return nn.Identity()
-    if kind == "se":
-        return SqueezeExcite(channels)
-    if kind == "eca":
-        return EfficientChannelAttention(channels)
-    if kind == "cbam":
-        return CBAM(channels, norm)
-    raise ValueError(f"unknown attention '{kind}'")
-
-
-class BasicBlock(nn.Module):
-    expansion = 1
-
-    def __init__(self, cin, planes, stride, norm, attention, norm_after_act=False, beta=1.0, last_gain_init=0.0):
-        super().__init__()
-        cout = planes * self.expansion
-        self.norm_after_act = norm_after_act
-        nf_setup(self, norm, attention, beta, transition=stride != 1 or cin != cout)
-        self.conv1 = make_conv(norm, cin, planes, 3, stride, 1)
-        self.n1 = make_norm(norm, planes)
-        self.conv2 = make_conv(norm, planes, cout, 3, 1, 1, gain_init=last_gain_init)  # NF: timm starts it at 0
-        self.n2 = make_norm(norm, cout)
-        self.attn = make_attention(attention, cout, norm)
-        self.shortcut = nn.Identity()
-        if stride != 1 or cin != cout:
-            self.shortcut = make_shortcut(norm, cin, cout, stride, norm_after_act)
-
-    def forward(self, x):
-        if self.norm_after_act:  # norm after each ReLU (FedLN, Zhang et al. 2024, Eq. 10)
-            out = self.attn(self.conv2(self.n1(F.relu(self.conv1(x)))))
-            return self.n2(F.relu(out + self.shortcut(x)))
-        if self.nf:  # NF-ResNet (Brock et al. 2021a): pre-activation h = relu(x) * beta, no activation norm
-            h = F.relu(x) * self.beta
-            return nf_merge(self, self.attn(self.conv2(F.relu(self.conv1(h)))), x, h)
-        out = F.relu(self.n1(self.conv1(x)))
-        out = self.attn(self.n2(self.conv2(out)))
-        return F.relu(out + self.shortcut(x))
-
-
-class Bottleneck(nn.Module):
-    expansion = 4
-
-    def __init__(self, cin, planes, stride, norm, attention, norm_after_act=False, beta=1.0, last_gain_init=0.0):
-        super().__init__()
-        cout = planes * self.expansion
-        self.norm_after_act = norm_after_act
-        nf_setup(self, norm, attention, beta, transition=stride != 1 or cin != cout)
-        self.conv1, self.n1 = make_conv(norm, cin, planes, 1), make_norm(norm, planes)
-        self.conv2, self.n2 = make_conv(norm, planes, planes, 3, stride, 1), make_norm(norm, planes)
-        self.conv3, self.n3 = make_conv(norm, planes, cout, 1, gain_init=last_gain_init), make_norm(norm, cout)  # NF: timm: 0
-        self.attn = make_attention(attention, cout, norm)
-        self.shortcut = nn.Identity()
-        if stride != 1 or cin != cout:
-            self.shortcut = make_shortcut(norm, cin, cout, stride, norm_after_act)
-
-    def forward(self, x):
-        if self.norm_after_act:  # norm after each ReLU (FedLN, Zhang et al. 2024, Eq. 10)
-            out = self.n2(F.relu(self.conv2(self.n1(F.relu(self.conv1(x))))))
-            return self.n3(F.relu(self.attn(self.conv3(out)) + self.shortcut(x)))
-        if self.nf:  # NF-ResNet (Brock et al. 2021a): pre-activation h = relu(x) * beta, no activation norm
-            h = F.relu(x) * self.beta
-            return nf_merge(self, self.attn(self.conv3(F.relu(self.conv2(F.relu(self.conv1(h)))))), x, h)
-        out = F.relu(self.n1(self.conv1(x)))
-        out = F.relu(self.n2(self.conv2(out)))
-        out = self.attn(self.n3(self.conv3(out)))
-        return F.relu(out + self.shortcut(x))
-
-
-RESNET_LAYOUT = {18: (BasicBlock, [2, 2, 2, 2]), 26: (Bottleneck, [2, 2, 2, 2]),
-                 34: (BasicBlock, [3, 4, 6, 3]), 50: (Bottleneck, [3, 4, 6, 3])}
-
-
-class ResNetBody(nn.Module):
-    """He et al. 2016 ResNet up to global average pooling.
-
-    stem 'cifar': conv3x3 stride 1, no max-pool (32x32 inputs); 'imagenet': conv7x7 stride 2 + max-pool.
-    norm_after_act: normalization after each ReLU (and on the block's sum, not its shortcut), as in
-    FedLN (Zhang et al. 2024, Eq. 10 and Appendix C.1); default: conv -> norm -> ReLU.
-    """
-
-    def __init__(self, in_channels, depth=18, width=64, norm="bn", attention=None, stem="cifar",
-                 norm_after_act=False, last_gain_init=0.0):
-        super().__init__()
-        block, layers = RESNET_LAYOUT[depth]
-        norm_relu = (nn.ReLU(), make_norm(norm, width)) if norm_after_act else (make_norm(norm, width), nn.ReLU())
-        if norm == "nf":  # NF blocks pre-activate, so the stem ends at its conv (as timm's NF-ResNet)
-            norm_relu = (nn.Identity(), nn.Identity())
-        if stem == "cifar":
-            self.stem = nn.Sequential(make_conv(norm, in_channels, width, 3, 1, 1), *norm_relu)
-        else:
-            self.stem = nn.Sequential(make_conv(norm, in_channels, width, 7, 2, 3), *norm_relu,
-                                      nn.MaxPool2d(3, 2, 1))
-        stages, cin, expected_var = [], width, 1.0
-        for i, blocks in enumerate(layers):
-            planes = width * 2 ** i
-            for j in range(blocks):
-                stages.append(block(cin, planes, 2 if (j == 0 and i > 0) else 1, norm, attention,
-                                    norm_after_act=norm_after_act, beta=expected_var ** -0.5, last_gain_init=last_gain_init))
-                expected_var = nf_expected_var(stages[-1], expected_var)  # used by norm 'nf' only
-                cin = planes * block.expansion
-        self.stages = nn.Sequential(*stages)
-        self.final_act = nn.ReLU() if norm == "nf" else nn.Identity()  # NF: the last block ends without ReLU
-        self.out_dim = cin
-
-    def forward(self, x):
-        return self.final_act(self.stages(self.stem(x))).mean((2, 3))
-
-
-def resnet(in_channels, num_classes, image_size, depth=18, width=64, norm="bn", attention=None,
-           stem="cifar", norm_after_act=False, last_gain_init=0.0, **_):
-    body = ResNetBody(in_channels, depth, width, norm, attention, stem, norm_after_act=norm_after_act,
-                      last_gain_init=last_gain_init)
-    return Classifier(body, body.out_dim, num_classes)
-
-
-@register_model("resnet18")
-def resnet18(in_channels, num_classes, image_size, **options):
-    return resnet(in_channels, num_classes, image_size, depth=18, **options)
-
-
-@register_model("resnet50")
-def resnet50(in_channels, num_classes, image_size, **options):
-    return resnet(in_channels, num_classes, image_size, depth=50, **options)
-
-
-# ----------------------------------------------------------------------------------------------
-# State: averaging helpers, checkpoints, run directory
-# ----------------------------------------------------------------------------------------------
-def accumulate(total, state, weight):
-    """total += weight * state, entry by entry. Batch-norm running means and variances are averaged
-    with the same weights as the parameters (num_batches_tracked too; it only matters for momentum=None;
-    load_average rounds such integer entries when loading the sum, instead of truncating)."""
-    for k, v in state.items():
-        total[k] += weight * v.float()
-
-
-def prox_term(params, anchor, mu):
-    """FedProx's proximal term mu/2 sum_w ||w - w_t||^2 (Li et al. 2020, Eq. 2); its gradient mu (w - w_t)
-    pulls the local model toward w_t. anchor: the global parameters w_t, detached (no gradient may reach
-    the global model)."""
-    return mu / 2 * sum((w - w0).pow(2).sum() for w, w0 in zip(params, anchor))
-
-
-def load_average(model, total, strict=True):
-    """Load the weighted sum of client states (accumulate) into model, each entry cast back to its dtype.
-    Integer buffers (num_batches_tracked) are rounded: a float sum such as 9 x (1/9 x 3) can land just
-    below the integer, and a cast would truncate it."""
-    own = model.state_dict()
-    model.load_state_dict({k: v if own[k].is_floating_point() else v.round() for k, v in total.items()}, strict=strict)
-
-
-def client_weights(sizes, weighting):
-    """Aggregation weights over the sampled clients: n_k / n, or 1/m with --weighting uniform."""
-    sizes = torch.as_tensor(sizes, dtype=torch.float64)
-    w = torch.ones_like(sizes) if weighting == "uniform" else sizes
-    return (w / w.sum()).tolist()
-
-
-def rng_state(sampler):
-    state = {"torch": torch.get_rng_state(), "numpy_sampler": sampler.bit_generator.state}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state, sampler):
-    torch.set_rng_state(state["torch"].cpu())  # CPU tensors, also when the checkpoint was mapped to a GPU
-    sampler.bit_generator.state = state["numpy_sampler"]
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
-
-
-def _atomic_save(obj, path):
-    """torch.save obj (JSON for a *.json path, text for a str) to a temporary file, then rename it to
-    path: the file is whole or absent, whenever the process stops."""
-    tmp = f"{path}.{socket.gethostname()}.{os.getpid()}.tmp"  # one per process: writers never share a temporary file
-    try:
-        if isinstance(obj, str) or path.endswith(".json"):
-            with open(tmp, "w") as f:
-                f.write(obj if isinstance(obj, str) else json.dumps(_json_safe(obj), indent=2, allow_nan=False))
-        else:
-            torch.save(obj, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):  # interrupted (or failed) before the rename
-            os.remove(tmp)
-
-
-def _json_safe(obj):
-    """obj with every NaN or infinity replaced by None (JSON has neither; json.dumps would write NaN)."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
-
-
-def _interrupted(*_):
-    """Ctrl-C when a round cannot be finished first (before the loop, or a second time): one line, no traceback."""
-    print("\ninterrupted; the run folder keeps what was saved (resume from its last checkpoint with --resume)",
-          file=sys.stderr)
-    raise SystemExit(130)
-
-
+# --- The run folder and the loop's control ---------------------------------------------------------
 class Run:
     """The run folder and the loop's control: config.json, partition.json, metrics.jsonl, checkpoint.pt,
     summary.json; the rounds with their tqdm bar, checkpoints, --stop-after, Ctrl-C and resume.
@@ -1159,6 +1436,40 @@ class Run:
         return summary
 
 
+def _atomic_save(obj, path):
+    """torch.save obj (JSON for a *.json path, text for a str) to a temporary file, then rename it to
+    path: the file is whole or absent, whenever the process stops."""
+    tmp = f"{path}.{socket.gethostname()}.{os.getpid()}.tmp"  # one per process: writers never share a temporary file
+    try:
+        if isinstance(obj, str) or path.endswith(".json"):
+            with open(tmp, "w") as f:
+                f.write(obj if isinstance(obj, str) else json.dumps(_json_safe(obj), indent=2, allow_nan=False))
+        else:
+            torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):  # interrupted (or failed) before the rename
+            os.remove(tmp)
+
+
+def _json_safe(obj):
+    """obj with every NaN or infinity replaced by None (JSON has neither; json.dumps would write NaN)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def _interrupted(*_):
+    """Ctrl-C when a round cannot be finished first (before the loop, or a second time): one line, no traceback."""
+    print("\ninterrupted; the run folder keeps what was saved (resume from its last checkpoint with --resume)",
+          file=sys.stderr)
+    raise SystemExit(130)
+
+
 def device_name(device):
     if torch.device(device).type == "cuda":
         return torch.cuda.get_device_name(torch.device(device))
@@ -1166,12 +1477,24 @@ def device_name(device):
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
 
 
-# ----------------------------------------------------------------------------------------------
-# Several processes: `torchrun --nproc_per_node K script.py ...` splits each round's clients over
+def rng_state(sampler):
+    state = {"torch": torch.get_rng_state(), "numpy_sampler": sampler.bit_generator.state}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state, sampler):
+    torch.set_rng_state(state["torch"].cpu())  # CPU tensors, also when the checkpoint was mapped to a GPU
+    sampler.bit_generator.state = state["numpy_sampler"]
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+
+# --- Several processes: `torchrun --nproc_per_node K script.py ...` splits each round's clients over
 # K ranks. Every rank keeps the same global model and server state; a client's result is sent to
 # every rank, and every rank sums the results in client order, so the run equals the one-process
 # run bit for bit (with the same threads per process). Alone, these helpers do nothing extra.
-# ----------------------------------------------------------------------------------------------
 def setup_distributed(args):
     """Under torchrun (WORLD_SIZE > 1): join the process group (NCCL on GPUs, gloo on CPU), give each
     rank its own GPU (cuda:LOCAL_RANK, or cuda:0 where a process sees one GPU), take rank 0's --out,
@@ -1283,322 +1606,3 @@ def _broadcast(result, src):
         for i, part in zip(idx, buf.split(sizes)):
             received[i] = part.view(specs[i][1]).to("cpu" if specs[i][2] == "cpu" else wire).clone()  # not a view of buf
     return result if sender else _put_tensors(layout, received)
-
-
-# ----------------------------------------------------------------------------------------------
-# Paper models and shared routines added by the method scripts' issues. Each block below is
-# written for one paper; register models with @register_model so `--model NAME` finds them.
-# ----------------------------------------------------------------------------------------------
-# === FedBABU (fedbabu.py): convnet4, convnet3, mobilenet, per-client personalization ===
-def personalize(model, global_state, data, train_parts, test_parts, *, epochs, eval_epochs, lr, part,
-                batch_size, augment, momentum=0.9, amp=False, forward=None):
-    """Per-client fine-tuning and evaluation (FedBABU, Oh et al. 2022, Algorithm 2); method-neutral.
-
-    For each client k: load global_state into `model` (reused, no copies), fine-tune only `part` of it
-    ("full" | "body" | "head"; the rest is frozen: requires_grad off and not in the optimizer, and a
-    frozen body is kept in eval mode so its batch-norm running statistics do not move either) with
-    SGD(lr, momentum) and batch_size on data.x_train[train_parts[k]] (augmentation `augment`), and
-    evaluate on data.x_test[test_parts[k]] after each epoch e in eval_epochs (e = 0: before fine-tuning).
-    Training runs max(epochs, *eval_epochs) epochs and `epochs` is always evaluated too.
-    `forward(model, x) -> logits` (default model(x)) is used for both the fine-tuning loss and evaluation.
-    Clients with an empty test set are skipped. `model` is left holding the last client's weights.
-
-    Returns {"acc_mean": {e: mean accuracy over clients}, "acc_std": {e: std over clients (ddof 0)},
-             "per_client": {e: [accuracy of each client in "clients"]}, "clients": [k, ...]},
-    keyed by the evaluated epochs e (ints, sorted).
-    """
-    forward = forward or (lambda m, x: m(x))
-    points = sorted(set(eval_epochs) | {epochs})
-    params = {"full": model, "body": model.body, "head": model.head}[part].parameters()
-    trainable = {id(p) for p in params}
-    for p in model.parameters():
-        p.requires_grad_(id(p) in trainable)
-    opt_params = [p for p in model.parameters() if p.requires_grad]
-    clients = [k for k in range(len(train_parts)) if len(test_parts[k]) > 0]
-    per_client = {e: [] for e in points}
-    for k in clients:
-        model.load_state_dict(global_state)
-        opt = torch.optim.SGD(opt_params, lr=lr, momentum=momentum)
-        for e in range(points[-1] + 1):
-            if e > 0:  # one epoch of fine-tuning
-                model.train()
-                if part == "head":
-                    model.body.eval()
-                for batch in client_batches(train_parts[k], batch_size, epochs=1):
-                    x, y = prepare_batch(data.x_train[batch], data, augment), data.y_train[batch]
-                    with autocast(x.device, amp):
-                        loss = F.cross_entropy(forward(model, x).float(), y)
-                    opt.zero_grad(set_to_none=True)
-                    loss.backward()
-                    opt.step()
-            if e in per_client:
-                model.eval()
-                t = test_parts[k]
-                per_client[e].append(evaluate(lambda x: forward(model, x), data.x_test[t], data.y_test[t], data, amp=amp)[0])
-    for p in model.parameters():
-        p.requires_grad_(True)
-    return {"acc_mean": {e: float(np.mean(a)) for e, a in per_client.items()},
-            "acc_std": {e: float(np.std(a)) for e, a in per_client.items()},
-            "per_client": per_client, "clients": clients}
-
-
-def _conv_bn_pool(cin, cout=64):
-    """FedBABU Appendix A.1 block: conv3x3 (bias) -> batch norm without running statistics
-    (track_running_stats=False: batch statistics in training and evaluation, nothing to aggregate) -> ReLU -> max-pool 2."""
-    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout, track_running_stats=False),
-                         nn.ReLU(), nn.MaxPool2d(2))
-
-
-def convnet(in_channels, num_classes, image_size, blocks, width=64):
-    body = nn.Sequential(*[_conv_bn_pool(in_channels if i == 0 else width, width) for i in range(blocks)], nn.Flatten())
-    return Classifier(body, flat_dim(body, in_channels, image_size), num_classes)
-
-
-@register_model("convnet4")
-def convnet4(in_channels, num_classes, image_size, width=64, **_):
-    """FedBABU 4convNet (CIFAR-10): four conv3x3-64/BN/ReLU/pool blocks, linear 256 -> C at 32x32."""
-    return convnet(in_channels, num_classes, image_size, 4, width)
-
-
-@register_model("convnet4-tiny")
-def convnet4_tiny(in_channels, num_classes, image_size, **_):
-    """4convNet with 8 channels instead of 64: for tests and CPU smoke runs, not in the paper."""
-    return convnet(in_channels, num_classes, image_size, 4, width=8)
-
-
-@register_model("convnet3")
-def convnet3(in_channels, num_classes, image_size, width=64, **_):
-    """FedBABU 3convNet (EMNIST): three conv3x3-64/BN/ReLU/pool blocks, linear 576 -> C at 28x28."""
-    return convnet(in_channels, num_classes, image_size, 3, width)
-
-
-MOBILENET_CFG = [64, (128, 2), 128, (256, 2), 256, (512, 2), 512, 512, 512, 512, 512, (1024, 2), 1024]
-
-
-@register_model("mobilenet")
-def mobilenet(in_channels, num_classes, image_size, **_):
-    """MobileNet v1 (Howard et al. 2017) in the CIFAR layout of kuangliu/pytorch-cifar used by FedBABU:
-    conv3x3-32 stride 1, then depthwise-3x3/pointwise-1x1 blocks per MOBILENET_CFG (planes or
-    (planes, stride)), batch norm without running statistics, global average pool, linear 1024 -> C.
-    (The original uses avg_pool2d(2) on the 2x2 map of a 32x32 input: the same thing at 32x32.)"""
-    bn = lambda c: nn.BatchNorm2d(c, track_running_stats=False)
-    layers, cin = [nn.Conv2d(in_channels, 32, 3, 1, 1, bias=False), bn(32), nn.ReLU()], 32
-    for item in MOBILENET_CFG:
-        cout, stride = item if isinstance(item, tuple) else (item, 1)
-        layers += [nn.Conv2d(cin, cin, 3, stride, 1, groups=cin, bias=False), bn(cin), nn.ReLU(),
-                   nn.Conv2d(cin, cout, 1, bias=False), bn(cout), nn.ReLU()]
-        cin = cout
-    body = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten())
-    return Classifier(body, cin, num_classes)
-
-
-# === FedFN (fedfn.py): vgg11 ===
-VGG11_CFG = [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]  # Simonyan & Zisserman, config "A"
-
-
-@register_model("vgg11")
-def vgg11(in_channels, num_classes, image_size, **_):
-    """VGG11 for CIFAR as in the FedNTD code base (train_tools/models/vgg.py, `vgg11`, the model its
-    registry builds; fedfn.md B.2 ran Tables 2 and 8 on that code base, and FedBABU's has no VGG):
-    conv3x3 (bias) -> ReLU per VGG11_CFG entry (no batch norm), max-pool 2 at "M", then
-    fc 512*s*s -> 512 -> ReLU -> 512 -> ReLU (body output, d = 512), head linear 512 -> C with bias;
-    no dropout. Conv init N(0, 2/(9*C_out)), bias 0; linear layers keep PyTorch's default init.
-    A max-pool is skipped when the map is already 1x1 (28x28 inputs: 28-14-7-3-1, FedNTD drops the last one)."""
-    layers, cin, size = [], in_channels, image_size
-    for v in VGG11_CFG:
-        if v == "M":
-            if size >= 2:
-                layers.append(nn.MaxPool2d(2))
-                size //= 2
-            continue
-        conv = nn.Conv2d(cin, v, 3, padding=1)
-        nn.init.normal_(conv.weight, 0, math.sqrt(2.0 / (9 * v)))
-        nn.init.zeros_(conv.bias)
-        layers += [conv, nn.ReLU()]
-        cin = v
-    conv = nn.Sequential(*layers, nn.Flatten())
-    body = nn.Sequential(conv, nn.Linear(flat_dim(conv, in_channels, image_size), 512), nn.ReLU(),
-                         nn.Linear(512, 512), nn.ReLU())
-    return Classifier(body, 512, num_classes)
-
-
-# === FedLN (fedln.py): normcnn ===
-class FeatureNorm(nn.Module):
-    """FedLN's scale normalization of the last feature (Zhang et al. 2024, Section 2 and Eq. 7):
-    n(z) = sqrt(d) * z / max(eps, ||z||), so ||n(z)|| = sqrt(d) (the norm an n_MV output has).
-    FedFN (fedfn.py, Kim et al. 2023) normalizes to unit norm instead; the two differ by the constant sqrt(d)."""
-
-    def __init__(self, eps=1e-5):
-        super().__init__()
-        self.eps = eps
-
-    def forward(self, z):
-        return math.sqrt(z.shape[1]) * z / z.norm(dim=1, keepdim=True).clamp_min(self.eps)
-
-
-def fedln_norm(kind, channels, affine=True, conv=True):
-    """A normalization slot of normcnn (Zhang et al. 2024, Table 7, Section 5.3), for conv maps [B, C, H, W]
-    (conv=True) or dense features [B, C]: ln = layer norm over (C, H, W) or over the features (one group,
-    per-channel affine as in the authors' code), gn = group norm with 2 groups, bn = batch norm (the
-    script averages its running statistics with the weights), none | fn = nothing here. eps 1e-5."""
-    if kind == "ln":
-        return nn.GroupNorm(1, channels, eps=1e-5, affine=affine)
-    if kind == "gn":
-        return nn.GroupNorm(2, channels, eps=1e-5, affine=affine)
-    if kind == "bn":
-        return (nn.BatchNorm2d if conv else nn.BatchNorm1d)(channels, eps=1e-5, affine=affine)
-    if kind in ("none", "fn"):
-        return nn.Identity()
-    raise ValueError(f"unknown norm '{kind}'")
-
-
-@register_model("normcnn")
-def normcnn(in_channels, num_classes, image_size, norm="none", ln_affine=True, norm_after_act=True, width=64, **_):
-    """Zhang et al. 2024, Table 7: conv5x5-64 (no padding), pool 2, conv5x5-64, pool 2, dense -> 384, head
-    384 -> C; ReLU; no bias terms anywhere, head included (Assumption 1, scale equivariance). The dense
-    layer is 1600 -> 384 for 32 x 32 inputs, as in Table 7 (whose "(28, 28, 3)" input row would give 1024).
-    norm (none | ln | gn | bn | fn) fills the slot after each ReLU, before pooling (Appendix C.1), or before
-    each ReLU with norm_after_act=False (Table 6 "before"); ln_affine: learnable gamma, beta of ln/gn/bn
-    (Table 6 "learnable") or none ("static"). fn: no normalization inside, FeatureNorm on the 384-d feature.
-    width: channels of both convolutions (64 in Table 7; smaller only for quick tests)."""
-    def layer(op, channels):
-        n = fedln_norm(norm, channels, ln_affine, conv=isinstance(op, nn.Conv2d))
-        return [op, nn.ReLU(), n] if norm_after_act else [op, n, nn.ReLU()]
-    side = ((image_size - 4) // 2 - 4) // 2  # computed, not probed: a probe pass would move BN statistics
-    body = nn.Sequential(
-        *layer(nn.Conv2d(in_channels, width, 5, bias=False), width), nn.MaxPool2d(2),
-        *layer(nn.Conv2d(width, width, 5, bias=False), width), nn.MaxPool2d(2), nn.Flatten(),
-        *layer(nn.Linear(width * side * side, 384, bias=False), 384))
-    if norm == "fn":
-        body.append(FeatureNorm())
-    return Classifier(body, 384, num_classes, head_bias=False)
-
-
-# === FedNNNN (fednnnn.py): lenet, cnn6 ===
-@register_model("lenet")
-def lenet(in_channels, num_classes, image_size, **_):
-    """Nagura et al. 2020, Table 3 (MNIST): conv5x5-20, pool, conv5x5-50, pool, fc 500, head; all with
-    bias, no padding (28x28 -> 50x4x4; 431,080 parameters)."""
-    side = ((image_size - 4) // 2 - 4) // 2
-    body = nn.Sequential(
-        nn.Conv2d(in_channels, 20, 5), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(20, 50, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
-        nn.Linear(50 * side * side, 500), nn.ReLU())
-    return Classifier(body, 500, num_classes)
-
-
-@register_model("cnn6")
-def cnn6(in_channels, num_classes, image_size, width=32, **_):
-    """Nagura et al. 2020, Table 4 (CIFAR-10): [conv3x3 (padding 1) + BN + ReLU] x2 per stage with 32, 64,
-    128 channels, max-pool after each stage, then fc 382, fc 192 and the head; all layers with bias
-    (1,146,088 parameters at 32x32). 382 as printed, twice, in Table 4 (Fc1 out, Fc2 in), though likely
-    a typo for the 384 of the TensorFlow CIFAR-10 tutorial's 384-192 head. `width` is the first stage's
-    channels (32 in the paper; the stages have width, 2*width, 4*width). Batch norm keeps running statistics."""
-    layers, cin = [], in_channels
-    for cout in (width, width, "pool", 2 * width, 2 * width, "pool", 4 * width, 4 * width, "pool"):
-        if cout == "pool":
-            layers.append(nn.MaxPool2d(2))
-            continue
-        layers += [nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU()]
-        cin = cout
-    side = image_size // 8  # computed, not probed: a probe pass would move the BN running statistics
-    body = nn.Sequential(*layers, nn.Flatten(), nn.Linear(4 * width * side * side, 382), nn.ReLU(),
-                         nn.Linear(382, 192), nn.ReLU())
-    return Classifier(body, 192, num_classes)
-
-
-@register_model("cnn6-narrow")
-def cnn6_narrow(in_channels, num_classes, image_size, **_):
-    """cnn6 with a quarter of the channels (8, 16, 32; fc 382-192 kept): a CPU-sized model that, unlike
-    convnet4-tiny, keeps batch-norm running statistics (FedNNNN's evaluation model averages them)."""
-    return cnn6(in_channels, num_classes, image_size, width=8)
-
-
-# === ANFR (anfr.py): weight-standardized NF-ResNets and channel attention (see ResNet code above) ===
-RELU_GAMMA = 1.7139588594436646  # gamma = 1/std(relu(z)), z ~ N(0, 1), as measured by timm and DeepMind's NFNets (closed form 1.71286)
-NF_ALPHA = 0.2  # alpha: scale of each residual branch (Brock et al. 2021a; timm NfCfg.alpha)
-NF_ATTN_GAIN = 2.0  # attention output x2 in NF blocks, since a sigmoid gate starts near 0.5 (timm NfCfg.attn_gain)
-register_model("resnet")(resnet)  # the one ResNet with its options: depth, width, norm, attention, stem (anfr.py --arch)
-
-
-class ScaledStdConv2d(nn.Conv2d):
-    """Scaled Weight Standardization (ANFR Eq. 5; Brock et al. 2021a), per output channel c:
-    W_hat_c = g_c * gamma / sqrt(fan_in) * (W_c - mean(W_c)) / std(W_c), statistics over the
-    fan_in = C_in * k * k weights of channel c (Eq. 5 writes C_in for k = 1); learnable gain g and
-    bias beta (A' = X * W_hat + beta), gamma fixed by the nonlinearity that feeds the conv.
-    Init as timm: kaiming-normal weights (irrelevant after standardization), zero bias."""
-
-    def __init__(self, cin, cout, kernel, stride=1, padding=0, gamma=1.0, gain_init=1.0, eps=1e-5):
-        super().__init__(cin, cout, kernel, stride, padding, bias=True)
-        self.gain = nn.Parameter(torch.full((cout, 1, 1, 1), float(gain_init)))
-        self.scale = gamma / math.sqrt(self.weight[0].numel())  # gamma / sqrt(fan_in)
-        self.eps = eps  # timm's std_conv_eps for NF-ResNets
-        nn.init.kaiming_normal_(self.weight, nonlinearity="linear")
-        nn.init.zeros_(self.bias)
-
-    def standardized_weight(self):
-        """(W - mu_c) / sigma_c per output channel (Eq. 5 before gain and scale)."""
-        mean = self.weight.mean((1, 2, 3), keepdim=True)
-        var = self.weight.var((1, 2, 3), keepdim=True, unbiased=False)
-        return (self.weight - mean) / torch.sqrt(var + self.eps)
-
-    def forward(self, x):
-        return F.conv2d(x, self.gain * self.scale * self.standardized_weight(), self.bias, self.stride, self.padding)
-
-
-def nf_setup(block, norm, attention, beta, transition):
-    """A ResNet block's NF-ResNet constants (used when norm == 'nf'): alpha, beta = 1/sqrt(expected
-    Var(x) at the block input), the attention gain, and whether the shortcut is a (transition) conv."""
-    block.nf, block.alpha, block.beta, block.transition = norm == "nf", NF_ALPHA, beta, transition
-    block.attn_gain = NF_ATTN_GAIN if attention not in (None, "none") else 1.0
-
-
-def nf_merge(block, branch, x, h):
-    """NF residual sum x_{l+1} = shortcut + alpha * f(h), h = relu(x) * beta (Brock et al. 2021a):
-    the shortcut is x itself, or for a transition block the shortcut conv applied to h."""
-    return (block.shortcut(h) if block.transition else x) + block.alpha * block.attn_gain * branch
-
-
-def nf_expected_var(block, var):
-    """Expected-variance bookkeeping (Brock et al. 2021a): Var(x_{l+1}) = Var(x_l) + alpha^2, where a
-    transition block's shortcut (a conv on relu(x)*beta, variance ~1) first resets Var(x_l) to 1.
-    timm resets at each stage's first block, which is always a transition in its NF-ResNets."""
-    return (1.0 if block.transition else var) + NF_ALPHA ** 2
-
-
-class EfficientChannelAttention(nn.Module):
-    """ECA (Wang et al. 2020): channel weights = sigmoid(conv1d_k over channels of the global average
-    pool), no dimensionality reduction; k = |(log2 C + 1) / 2| rounded up to odd, at least 3 (timm EcaModule)."""
-
-    def __init__(self, channels, gamma=2, b=1):
-        super().__init__()
-        t = int(abs(math.log2(channels) + b) / gamma)
-        k = max(t if t % 2 else t + 1, 3)
-        self.conv = nn.Conv1d(1, 1, k, padding=(k - 1) // 2, bias=False)
-
-    def weights(self, x):  # [B, C, 1, 1]
-        return torch.sigmoid(self.conv(x.mean((2, 3)).unsqueeze(1))).transpose(1, 2).unsqueeze(-1)
-
-    def forward(self, x):
-        return x * self.weights(x)
-
-
-class CBAM(nn.Module):
-    """CBAM (Woo et al. 2018; timm CbamModule): channel gate sigmoid(MLP(avg pool) + MLP(max pool)) with
-    a shared bias-free MLP (reduction 16), then spatial gate sigmoid(conv7x7([mean_c, max_c])); the
-    spatial conv is followed by the network's norm (bn: batch norm; nf: weight-standardized conv with bias)."""
-
-    def __init__(self, channels, norm="bn", reduction=16):
-        super().__init__()
-        hidden = round_channels(channels / reduction, 1)  # timm ChannelAttn: C/r rounded, at least 1
-        self.fc1, self.fc2 = nn.Conv2d(channels, hidden, 1, bias=False), nn.Conv2d(hidden, channels, 1, bias=False)
-        conv = ScaledStdConv2d(2, 1, 7, 1, 3) if norm == "nf" else nn.Conv2d(2, 1, 7, 1, 3, bias=False)
-        self.spatial = nn.Sequential(conv, make_norm(norm, 1))
-
-    def weights(self, x):  # channel weights [B, C, 1, 1]
-        mlp = lambda z: self.fc2(F.relu(self.fc1(z)))
-        return torch.sigmoid(mlp(x.mean((2, 3), keepdim=True)) + mlp(x.amax((2, 3), keepdim=True)))
-
-    def forward(self, x):
-        x = x * self.weights(x)
-        return x * torch.sigmoid(self.spatial(torch.cat([x.mean(1, keepdim=True), x.amax(1, keepdim=True)], 1)))
