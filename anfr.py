@@ -19,6 +19,7 @@ Docs: docs/anfr.md, with the pretrained (timm) setting. Its "Implementation deta
 gives each choice with its reason: the CIFAR recipe at 32x32, per-client AdamW and cosine state,
 FedAdam, SCAFFOLD after each AdamW step, DP-SGD's sampling and accountant, batch-norm averaging.
 """
+
 import argparse
 import math
 import os
@@ -30,73 +31,120 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call, grad_and_value, vmap  # ANFR: per-sample gradients for DP-SGD
 
+# fmt: off
 from common import (AUGMENTATIONS, RESNET_LAYOUT, Run, accumulate, autocast, build_model, client_batches,
                     client_weights, decay_rate, device_flag, each_client, evaluate, finish_args, flag_type, fraction,
                     load_average, load_data, make_partition, non_negative_float, positive_float, positive_int,
                     prepare_batch, prox_term, refuse, rng_state, sample_clients, seed_everything, seed_int,
                     set_rng_state, setup_distributed)
 
-ARCHS = {"bn": ("bn", False), "gn": ("gn", False), "se": ("bn", True), "nf": ("nf", False), "anfr": ("nf", True)}  # ANFR: --arch -> (norm, attention?)
+# ANFR: --arch -> (norm, attention?)
+ARCHS = {"bn": ("bn", False), "gn": ("gn", False), "se": ("bn", True), "nf": ("nf", False), "anfr": ("nf", True)}
 DP_ORDERS = [1 + x / 10 for x in range(1, 100)] + list(range(12, 64))  # ANFR: Renyi orders (those of Opacus)
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", default="cifar10", help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | synthetic")
-    g.add_argument("--data-dir", default="./data", help="download folder, or the image folder (train/<class>/*, test/<class>/*) for --dataset folder")
-    g.add_argument("--augment", default="crop-flip", choices=AUGMENTATIONS, help="on-device augmentation of training batches (at the stored size)")
-    g.add_argument("--image-size", type=flag_type(int, 8), default=None, help="ANFR: resize every batch to this size after augmentation (the paper: 224; default: keep)")  # ANFR
+    g.add_argument("--dataset", default="cifar10",
+        help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | synthetic")
+    g.add_argument("--data-dir", default="./data",
+        help="download folder, or the image folder (train/<class>/*, test/<class>/*) for --dataset folder")
+    g.add_argument("--augment", default="crop-flip", choices=AUGMENTATIONS,
+        help="on-device augmentation of training batches (at the stored size)")
+    g.add_argument("--image-size", type=flag_type(int, 8), default=None,
+        help="ANFR: resize every batch to this size after augmentation (the paper: 224; default: keep)")  # ANFR
     g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2)")
     g.add_argument("--iid", action="store_true", help="uniform random split")
     g.add_argument("--shards", type=positive_int, default=None, help="S: sort by label, N*S shards, S per client")
-    g.add_argument("--classes-per-client", type=positive_int, default=None, help="C: each client holds C classes, each class split evenly among its holders")
-    g.add_argument("--alpha", type=positive_float, default=None, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
-    g.add_argument("--split2", action="store_true", help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each; the default, Appendix A.1)")
-    g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes: equal, or power law (unbalanced)")
-    g.add_argument("--client-test", action="store_true", help="also evaluate on per-client test sets with each client's label distribution (always on with --pfl)")
-    g.add_argument("--data-seed", type=seed_int, default=None, help="seed of the partition (default: --seed); client sampling uses --seed")
+    g.add_argument("--classes-per-client", type=positive_int, default=None,
+        help="C: each client holds C classes, each class split evenly among its holders")
+    g.add_argument("--alpha", type=positive_float, default=None,
+        help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
+    g.add_argument("--split2", action="store_true",
+        help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each; the default, Appendix A.1)")
+    g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"],
+        help="client sizes: equal, or power law (unbalanced)")
+    g.add_argument("--client-test", action="store_true",
+        help="also evaluate on per-client test sets with each client's label distribution (always on with --pfl)")
+    g.add_argument("--data-seed", type=seed_int, default=None,
+        help="seed of the partition (default: --seed); client sampling uses --seed")
     g = p.add_argument_group("federation")
     g.add_argument("--num-clients", type=positive_int, default=5, help="C: number of clients (split-2: 5)")  # ANFR
-    g.add_argument("--frac", type=fraction, default=1.0, help="fraction of clients sampled per round, in (0, 1] (paper: all)")  # ANFR
-    g.add_argument("--rounds", type=positive_int, default=100, help="T: communication rounds (Appendix A.1: 100)")  # ANFR
-    g.add_argument("--local-epochs", type=positive_int, default=1, help="E: local epochs per round (Appendix A.1: 1)")  # ANFR
-    g.add_argument("--local-steps", type=positive_int, default=None, help="local steps per round instead of --local-epochs")
+    g.add_argument("--frac", type=fraction, default=1.0,
+        help="fraction of clients sampled per round, in (0, 1] (paper: all)")  # ANFR
+    g.add_argument("--rounds", type=positive_int, default=100,
+        help="T: communication rounds (Appendix A.1: 100)")  # ANFR
+    g.add_argument("--local-epochs", type=positive_int, default=1,
+        help="E: local epochs per round (Appendix A.1: 1)")  # ANFR
+    g.add_argument("--local-steps", type=positive_int, default=None,
+        help="local steps per round instead of --local-epochs")
     g.add_argument("--batch-size", type=positive_int, default=32, help="B: local batch size (Appendix A.1: 32)")  # ANFR
-    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"], help="aggregation weights: n_k/n, or 1/m")
-    g.add_argument("--agg", default="fedavg", choices=["fedavg", "fedprox", "scaffold", "fedadam"], help="ANFR: aggregation method (Table 1)")  # ANFR
-    g.add_argument("--pfl", default="none", choices=["none", "fedper", "fedbn"], help="ANFR: personalization (Table 2): FedPer keeps each head local, FedBN each batch norm")  # ANFR
+    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"],
+        help="aggregation weights: n_k/n, or 1/m")
+    g.add_argument("--agg", default="fedavg", choices=["fedavg", "fedprox", "scaffold", "fedadam"],
+        help="ANFR: aggregation method (Table 1)")  # ANFR
+    g.add_argument("--pfl", default="none", choices=["none", "fedper", "fedbn"],
+        help="ANFR: personalization (Table 2): FedPer keeps each head local, FedBN each batch norm")  # ANFR
     g = p.add_argument_group("model (the one ResNet of common.py)")
-    g.add_argument("--arch", default="anfr", choices=list(ARCHS), help="ANFR: bn | gn (group norm) | se (bn + attention) | nf (NF-ResNet, Eq. 5) | anfr (nf + attention)")  # ANFR
-    g.add_argument("--depth", type=int, default=50, choices=[18, 26, 50], help="ANFR: ResNet depth (18: basic blocks; 26, 50: bottlenecks; paper: 50)")  # ANFR
-    g.add_argument("--width", type=positive_int, default=64, help="ANFR: base channel count (64 = standard ResNet)")  # ANFR
-    g.add_argument("--stem", default="cifar", choices=["cifar", "imagenet"], help="ANFR: conv3x3 stem for 32x32 inputs, or conv7x7 + max-pool (paper, at 224)")  # ANFR
-    g.add_argument("--attention", default="se", choices=["se", "eca", "cbam"], help="ANFR: channel attention of --arch se and anfr (Table 5); SE reduction r=16")  # ANFR
-    g.add_argument("--init-from", default=None, metavar="PATH", help="ANFR: start from this state dict, ours or timm's (the paper: timm's ImageNet weights; see the docstring); every entry but the head must load")  # ANFR
-    g.add_argument("--last-gain-init", type=non_negative_float, default=0.0, help="ANFR: start value of the gain g (Eq. 5) of the last conv of each NF residual branch; 0 = timm's NF-ResNets, the paper's models")  # ANFR
+    g.add_argument("--arch", default="anfr", choices=list(ARCHS),
+        help="ANFR: bn | gn (group norm) | se (bn + attention) | nf (NF-ResNet, Eq. 5) | anfr (nf + attention)")  # ANFR
+    g.add_argument("--depth", type=int, default=50, choices=[18, 26, 50],
+        help="ANFR: ResNet depth (18: basic blocks; 26, 50: bottlenecks; paper: 50)")  # ANFR
+    g.add_argument("--width", type=positive_int, default=64,
+        help="ANFR: base channel count (64 = standard ResNet)")  # ANFR
+    g.add_argument("--stem", default="cifar", choices=["cifar", "imagenet"],
+        help="ANFR: conv3x3 stem for 32x32 inputs, or conv7x7 + max-pool (paper, at 224)")  # ANFR
+    g.add_argument("--attention", default="se", choices=["se", "eca", "cbam"],
+        help="ANFR: channel attention of --arch se and anfr (Table 5); SE reduction r=16")  # ANFR
+    g.add_argument("--init-from", default=None, metavar="PATH",
+        help="ANFR: start from this state dict, ours or timm's (the paper: timm's ImageNet weights; see the "
+             "docstring); every entry but the head must load")  # ANFR
+    g.add_argument("--last-gain-init", type=non_negative_float, default=0.0,
+        help="ANFR: start value of the gain g (Eq. 5) of the last conv of each NF residual branch; 0 = timm's "
+             "NF-ResNets, the paper's models")  # ANFR
     g = p.add_argument_group("optimization")
-    g.add_argument("--lr", type=positive_float, default=1e-3, help="eta: local AdamW learning rate, cosine-decayed over the run (Appendix B.3: 1e-3)")  # ANFR
-    g.add_argument("--weight-decay", type=non_negative_float, default=0.01, help="AdamW decoupled weight decay (not given in the paper; PyTorch's default)")  # ANFR
-    g.add_argument("--clip", type=non_negative_float, default=1.0, help="ANFR: local gradient-norm clipping (Appendix A.1: 1.0; 0 = off)")  # ANFR
-    g.add_argument("--prox-mu", type=non_negative_float, default=None, help="mu: FedProx proximal term mu/2 ||w - w_t||^2, with --agg fedprox only (default 0.01; tuned in {1e-3, 1e-2, ...})")  # ANFR
-    g.add_argument("--server-lr", type=positive_float, default=1e-3, help="ANFR: FedAdam server learning rate eta (Appendix A.2 range 5e-4..1e-1)")  # ANFR
-    g.add_argument("--server-betas", type=decay_rate, nargs=2, default=[0.9, 0.99], help="ANFR: FedAdam beta1 beta2 (Reddi et al. 2021)")  # ANFR
-    g.add_argument("--server-tau", type=positive_float, default=1e-3, help="ANFR: FedAdam adaptivity tau (Reddi et al. 2021)")  # ANFR
+    g.add_argument("--lr", type=positive_float, default=1e-3,
+        help="eta: local AdamW learning rate, cosine-decayed over the run (Appendix B.3: 1e-3)")  # ANFR
+    g.add_argument("--weight-decay", type=non_negative_float, default=0.01,
+        help="AdamW decoupled weight decay (not given in the paper; PyTorch's default)")  # ANFR
+    g.add_argument("--clip", type=non_negative_float, default=1.0,
+        help="ANFR: local gradient-norm clipping (Appendix A.1: 1.0; 0 = off)")  # ANFR
+    g.add_argument("--prox-mu", type=non_negative_float, default=None,
+        help="mu: FedProx proximal term mu/2 ||w - w_t||^2, with --agg fedprox only (default 0.01; tuned in {1e-3, "
+             "1e-2, ...})")  # ANFR
+    g.add_argument("--server-lr", type=positive_float, default=1e-3,
+        help="ANFR: FedAdam server learning rate eta (Appendix A.2 range 5e-4..1e-1)")  # ANFR
+    g.add_argument("--server-betas", type=decay_rate, nargs=2, default=[0.9, 0.99],
+        help="ANFR: FedAdam beta1 beta2 (Reddi et al. 2021)")  # ANFR
+    g.add_argument("--server-tau", type=positive_float, default=1e-3,
+        help="ANFR: FedAdam adaptivity tau (Reddi et al. 2021)")  # ANFR
     g = p.add_argument_group("differential privacy (Section 4.3)")
-    g.add_argument("--dp-noise-multiplier", type=positive_float, default=None, help="ANFR: sigma; enables DP-SGD on clients (paper: 1.1); architectures without batch norm only")  # ANFR
-    g.add_argument("--dp-max-grad-norm", type=positive_float, default=1.0, help="ANFR: C, per-sample gradient norm bound of DP-SGD (paper: 1.0)")  # ANFR
+    g.add_argument("--dp-noise-multiplier", type=positive_float, default=None,
+        help="ANFR: sigma; enables DP-SGD on clients (paper: 1.1); architectures without batch norm only")  # ANFR
+    g.add_argument("--dp-max-grad-norm", type=positive_float, default=1.0,
+        help="ANFR: C, per-sample gradient norm bound of DP-SGD (paper: 1.0)")  # ANFR
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=seed_int, default=0, help="seed of model init, client sampling and local shuffling")
-    g.add_argument("--device", type=device_flag, default=None, help="cpu, cuda, cuda:N or mps (default: cuda if available, else cpu)")
+    g.add_argument("--device", type=device_flag, default=None,
+        help="cpu, cuda, cuda:N or mps (default: cuda if available, else cpu)")
     g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes (not with DP)")
-    g.add_argument("--eval-every", type=positive_int, default=1, help="evaluate every this many rounds (and at the last)")
-    g.add_argument("--checkpoint-every", type=positive_int, default=None, help="write checkpoint.pt every this many rounds (default: at each evaluation)")
-    g.add_argument("--analyze", action="store_true", help="ANFR: class selectivity index and attention-weight spread of the last attention module (Sec. 3.4) in summary.json")  # ANFR
+    g.add_argument("--eval-every", type=positive_int, default=1,
+        help="evaluate every this many rounds (and at the last)")
+    g.add_argument("--checkpoint-every", type=positive_int, default=None,
+        help="write checkpoint.pt every this many rounds (default: at each evaluation)")
+    g.add_argument("--analyze", action="store_true",
+        help="ANFR: class selectivity index and attention-weight spread of the last attention module (Sec. 3.4) in "
+             "summary.json")  # ANFR
     g.add_argument("--out", default=None, help="run folder (default runs/anfr__<dataset>__<seed>__<time>)")
-    g.add_argument("--overwrite", action="store_true", help="replace the run already in --out (without it, such an --out is refused)")
+    g.add_argument("--overwrite", action="store_true",
+        help="replace the run already in --out (without it, such an --out is refused)")
     g.add_argument("--save-model", action="store_true", help="write the final global state_dict to OUT/model.pt")
-    g.add_argument("--resume", default=None, metavar="DIR", help="continue the run in DIR (its config.json is used); with a larger --rounds, extend it")
-    g.add_argument("--stop-after", type=positive_int, default=None, help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
+    g.add_argument("--resume", default=None, metavar="DIR",
+        help="continue the run in DIR (its config.json is used); with a larger --rounds, extend it")
+    g.add_argument("--stop-after", type=positive_int, default=None,
+        help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
     p.set_defaults(model="resnet")  # ANFR: common.resnet with the options of --arch
     args = p.parse_args()
     args.client_test = args.client_test or args.pfl != "none"  # ANFR: pFL is evaluated on per-client test sets
@@ -104,30 +152,55 @@ def parse_args():
     if not args.resume:  # ANFR: checks of this script's flags
         dp, has_bn = args.dp_noise_multiplier is not None, ARCHS[args.arch][0] == "bn"
         for bad, msg in [
-                (args.pfl == "fedbn" and not has_bn, f"--pfl fedbn: --arch {args.arch} has no batch norm to keep local; use --arch bn or se, or --pfl fedper"),
-                (dp and has_bn, f"--dp-noise-multiplier: DP-SGD needs per-sample gradients, which batch norm (--arch {args.arch}) mixes; use --arch gn, nf or anfr"),
-                (args.agg == "fedprox" and args.prox_mu == 0, "--prox-mu: --agg fedprox needs mu > 0, got 0"),
-                (bool(args.prox_mu) and args.agg != "fedprox", f"--prox-mu: the proximal term belongs to --agg fedprox, not --agg {args.agg}; add --agg fedprox or drop --prox-mu"),
-                (args.init_from is not None and not os.path.isfile(args.init_from), f"--init-from: no file {args.init_from}"),
-                (args.last_gain_init != 0 and ARCHS[args.arch][0] != "nf", f"--last-gain-init: --arch {args.arch} has no NF gains; use --arch nf or anfr")]:
+            (args.pfl == "fedbn" and not has_bn,
+             f"--pfl fedbn: --arch {args.arch} has no batch norm to keep local; use --arch bn or se, or --pfl fedper"),
+            (dp and has_bn, f"--dp-noise-multiplier: DP-SGD needs per-sample gradients, which batch norm "
+                            f"(--arch {args.arch}) mixes; use --arch gn, nf or anfr"),
+            (args.agg == "fedprox" and args.prox_mu == 0, "--prox-mu: --agg fedprox needs mu > 0, got 0"),
+            (bool(args.prox_mu) and args.agg != "fedprox",
+             f"--prox-mu: the proximal term belongs to --agg fedprox, not --agg {args.agg}; add --agg fedprox"),
+            (args.init_from is not None and not os.path.isfile(args.init_from),
+             f"--init-from: no file {args.init_from}"),
+            (args.last_gain_init != 0 and ARCHS[args.arch][0] != "nf",
+             f"--last-gain-init: --arch {args.arch} has no NF gains; use --arch nf or anfr")]:
             if bad:
                 p.error(msg)
-        args.prox_mu = (0.01 if args.prox_mu is None else args.prox_mu) if args.agg == "fedprox" else 0.0  # 0 = no proximal term
+        # 0 = no proximal term
+        args.prox_mu = (0.01 if args.prox_mu is None else args.prox_mu) if args.agg == "fedprox" else 0.0
     return args
+# fmt: on
 
 
 def build(args, data):  # ANFR: the architecture of --arch from the one ResNet in common.py
     norm, attention = ARCHS[args.arch]
-    return build_model("resnet", data, depth=args.depth, width=args.width, norm=norm, stem=args.stem,
-                       attention=args.attention if attention else None, last_gain_init=args.last_gain_init)
+    return build_model(
+        "resnet",
+        data,
+        depth=args.depth,
+        width=args.width,
+        norm=norm,
+        stem=args.stem,
+        attention=args.attention if attention else None,
+        last_gain_init=args.last_gain_init,
+    )
 
 
 def resize(x, size):  # ANFR: --image-size
-    return x if size is None or x.shape[-1] == size else F.interpolate(x, size=(size, size), mode="bilinear", antialias=True)
+    return (
+        x
+        if size is None or x.shape[-1] == size
+        else F.interpolate(x, size=(size, size), mode="bilinear", antialias=True)
+    )
 
 
-TIMM_NAMES = [(r"^(conv1|stem\.conv)\.", "body.stem.0."), (r"^bn1\.", "body.stem.1."), (r"^(head\.)?fc\.", "head."),
-              (r"\.bn(\d)\.", r".n\1."), (r"\.(se|attn_last)\.", ".attn."), (r"\.downsample\.", ".shortcut.")]
+TIMM_NAMES = [
+    (r"^(conv1|stem\.conv)\.", "body.stem.0."),
+    (r"^bn1\.", "body.stem.1."),
+    (r"^(head\.)?fc\.", "head."),
+    (r"\.bn(\d)\.", r".n\1."),
+    (r"\.(se|attn_last)\.", ".attn."),
+    (r"\.downsample\.", ".shortcut."),
+]
 
 
 def timm_name(key, layout):  # ANFR: --init-from with timm weights: timm's entry name -> ours (ours unchanged)
@@ -137,7 +210,7 @@ def timm_name(key, layout):  # ANFR: --init-from with timm weights: timm's entry
     m = re.match(r"(layer(\d)|stages\.(\d))\.(\d+)\.", key)
     if m:
         stage = int(m[2]) - 1 if m[2] else int(m[3])
-        key = f"body.stages.{sum(layout[:stage]) + int(m[4])}.{key[m.end():]}"
+        key = f"body.stages.{sum(layout[:stage]) + int(m[4])}.{key[m.end() :]}"
     for pattern, ours in TIMM_NAMES:
         key = re.sub(pattern, ours, key)
     return key
@@ -152,8 +225,10 @@ def load_pretrained(model, src, layout):  # ANFR: --init-from
     src = {timm_name(k, layout): v for k, v in src.items()}
     own = model.state_dict()
     match = {k: v for k, v in src.items() if k in own and own[k].shape == v.shape}
-    for what, bad in (("of ours not in it (or of another shape)", [k for k in own if k not in match]),
-                      ("of it fitting none of ours", [k for k in src if k not in match])):
+    for what, bad in (
+        ("of ours not in it (or of another shape)", [k for k in own if k not in match]),
+        ("of it fitting none of ours", [k for k in src if k not in match]),
+    ):
         bad = [k for k in bad if not k.startswith("head.")]
         if bad:
             raise ValueError(f"{len(bad)} entries {what}: {', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}")
@@ -184,8 +259,12 @@ def personal_keys(model, pfl):  # ANFR: the state-dict entries each client keeps
     if pfl == "fedper":
         return {"head." + k for k in model.head.state_dict()}
     if pfl == "fedbn":
-        return {f"{name}.{k}" for name, m in model.named_modules()
-                if isinstance(m, nn.modules.batchnorm._BatchNorm) for k in m.state_dict()}
+        return {
+            f"{name}.{k}"
+            for name, m in model.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)
+            for k in m.state_dict()
+        }
     return set()
 
 
@@ -221,7 +300,9 @@ def _log_sub(a, b):  # log(exp(a) - exp(b)), a >= b
 
 def _log_erfc(x):
     r = math.erfc(x)
-    return math.log(r) if r > 0 else -x * x - math.log(x) - 0.5 * math.log(math.pi) + math.log1p(-0.5 / x ** 2 + 0.75 / x ** 4)
+    return (
+        math.log(r) if r > 0 else -x * x - math.log(x) - 0.5 * math.log(math.pi) + math.log1p(-0.5 / x**2 + 0.75 / x**4)
+    )
 
 
 def rdp_subsampled_gaussian(q, sigma, alpha):  # ANFR: Renyi DP of one DP-SGD step
@@ -233,16 +314,32 @@ def rdp_subsampled_gaussian(q, sigma, alpha):  # ANFR: Renyi DP of one DP-SGD st
     if sigma == 0:
         return math.inf
     if q == 1:
-        return alpha / (2 * sigma ** 2)
+        return alpha / (2 * sigma**2)
     if float(alpha).is_integer():  # A = sum_k C(a,k) (1-q)^(a-k) q^k exp((k^2 - k) / (2 sigma^2))
         a = int(alpha)
-        return float(np.logaddexp.reduce([math.log(math.comb(a, k)) + k * math.log(q) + (a - k) * math.log(1 - q)
-                                          + (k * k - k) / (2 * sigma ** 2) for k in range(a + 1)])) / (alpha - 1)
+        return float(
+            np.logaddexp.reduce(
+                [
+                    math.log(math.comb(a, k))
+                    + k * math.log(q)
+                    + (a - k) * math.log(1 - q)
+                    + (k * k - k) / (2 * sigma**2)
+                    for k in range(a + 1)
+                ]
+            )
+        ) / (alpha - 1)
     log_a, k, coef = [-math.inf, -math.inf], 0, 1.0  # the two series A_0, A_1; coef = binom(alpha, k), generalized
-    z0 = sigma ** 2 * math.log(1 / q - 1) + 0.5
+    z0 = sigma**2 * math.log(1 / q - 1) + 0.5
     while True:  # term k of A_0 (i = k, j = alpha - k) and of A_1 (i = alpha - k, j = k)
-        s = [math.log(abs(coef)) + i * math.log(q) + j * math.log(1 - q) + (i * i - i) / (2 * sigma ** 2)
-             + math.log(0.5) + _log_erfc(e / (math.sqrt(2) * sigma)) for i, j, e in ((k, alpha - k, k - z0), (alpha - k, k, z0 - alpha + k))]
+        s = [
+            math.log(abs(coef))
+            + i * math.log(q)
+            + j * math.log(1 - q)
+            + (i * i - i) / (2 * sigma**2)
+            + math.log(0.5)
+            + _log_erfc(e / (math.sqrt(2) * sigma))
+            for i, j, e in ((k, alpha - k, k - z0), (alpha - k, k, z0 - alpha + k))
+        ]
         log_a = [float(np.logaddexp(a, t)) if coef > 0 else _log_sub(a, t) for a, t in zip(log_a, s)]
         coef *= (alpha - k) / (k + 1)
         k += 1
@@ -288,11 +385,13 @@ def analyze(model, data, image_size, batch_size=500):  # ANFR: --analyze, on the
     model.eval()
     attn = [m for m in model.body.modules() if hasattr(m, "weights")]  # SE / ECA / CBAM modules, in order
     seen = []
-    hook = attn[-1].register_forward_hook(lambda m, inp, out: seen.append(m.weights(inp[0]).flatten(1))) if attn else None
+    hook = (
+        attn[-1].register_forward_hook(lambda m, inp, out: seen.append(m.weights(inp[0]).flatten(1))) if attn else None
+    )
     k = data.num_classes
     act, wts, count = 0, 0, torch.zeros(k, device=data.y_test.device)
     for i in range(0, len(data.x_test), batch_size):
-        x, y = resize(prepare_batch(data.x_test[i:i + batch_size], data), image_size), data.y_test[i:i + batch_size]
+        x, y = resize(prepare_batch(data.x_test[i : i + batch_size], data), image_size), data.y_test[i : i + batch_size]
         onehot = F.one_hot(y, k).float().T  # [k, B]
         act = act + onehot @ model.body(x).float()
         wts = wts + (onehot @ seen.pop().float() if attn else 0)
@@ -300,12 +399,23 @@ def analyze(model, data, image_size, batch_size=500):  # ANFR: --analyze, on the
     if hook:
         hook.remove()
     csi = class_selectivity(act / count[:, None].clamp_min(1))
-    out = {"csi_mean": csi.mean().item(), "csi_median": csi.median().item(), "csi_frac_above_0.75": (csi > 0.75).float().mean().item(),
-           "csi_hist": torch.histc(csi, 10, 0, 1).tolist()}
+    out = {
+        "csi_mean": csi.mean().item(),
+        "csi_median": csi.median().item(),
+        "csi_frac_above_0.75": (csi > 0.75).float().mean().item(),
+        "csi_hist": torch.histc(csi, 10, 0, 1).tolist(),
+    }
     if attn:
         w = wts / count[:, None].clamp_min(1)  # [classes, channels] class-mean attention weights
-        out.update({"attn_weight_mean": w.mean().item(), "attn_std_over_channels": w.std(1).mean().item(),
-                    "attn_std_over_classes": w.std(0).mean().item(), "attn_weight_min": w.min().item(), "attn_weight_max": w.max().item()})
+        out.update(
+            {
+                "attn_weight_mean": w.mean().item(),
+                "attn_std_over_channels": w.std(1).mean().item(),
+                "attn_std_over_classes": w.std(0).mean().item(),
+                "attn_weight_min": w.min().item(),
+                "attn_weight_max": w.max().item(),
+            }
+        )
     return out
 
 
@@ -331,7 +441,8 @@ def local_train(model, opt, batches, data, args, first_step, total, prox_pairs, 
             if args.clip > 0:  # ANFR: gradient-norm clipping (Appendix A.1)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         else:  # ANFR: DP-SGD (Section 4.3); the proximal term touches no data, so it is added after the noise
-            loss = dp_gradients(model, x, y, args.dp_noise_multiplier, args.dp_max_grad_norm, dp_batch)  # dp_batch = q |D_i|
+            # dp_batch = q |D_i|
+            loss = dp_gradients(model, x, y, args.dp_noise_multiplier, args.dp_max_grad_norm, dp_batch)
             if args.agg == "fedprox":
                 for w, w0 in prox_pairs:
                     w.grad += args.prox_mu * (w.detach() - w0)
@@ -351,28 +462,36 @@ if __name__ == "__main__":
     seed_everything(args.seed)
     data = load_data(args)
     partition = make_partition(args, data)  # uses its own generator seeded by --data-seed
-    model = build(args, data).to(args.device)  # the global model w_t  # ANFR
-    client = build(args, data).to(args.device)  # one client model, reloaded for every client  # ANFR
+    model = build(args, data).to(args.device)  # the global model w_t; ANFR: build() from --arch
+    client = build(args, data).to(args.device)  # one client model, reloaded for every client
     if args.init_from and not args.resume:  # ANFR: before the run folder exists, so a refused file leaves none
         try:
-            print("--init-from: loaded %d of %d entries" % load_pretrained(model, args.init_from, RESNET_LAYOUT[args.depth][1]))
+            print(
+                "--init-from: loaded %d of %d entries"
+                % load_pretrained(model, args.init_from, RESNET_LAYOUT[args.depth][1])
+            )
         except ValueError as e:
             refuse(f"--init-from {args.init_from}: {e}")
-    run = Run(args, "anfr")
+    run = Run(args, "anfr")  # the run folder and the loop's control (bar, checkpoints, stop, resume)
     run.write_partition(partition, data)
-    run.announce(model, partition, name=f"resnet{args.depth} --arch {args.arch}")  # start-up line  # ANFR: name
+    run.announce(model, partition, name=f"resnet{args.depth} --arch {args.arch}")  # ANFR: the model's name
     sampler = np.random.default_rng(args.seed)  # client sampling, independent of the partition
     sizes = [len(p) for p in partition.train]
     n_clients = len(sizes)
-    # ANFR: per-client state kept between rounds: AdamW state, scheduler position, FedPer/FedBN parts, SCAFFOLD c_i, DP steps
-    opts = [torch.optim.AdamW(client.parameters(), lr=args.lr, weight_decay=args.weight_decay) for _ in range(n_clients)]
+    # ANFR: per-client state kept between rounds: AdamW state, scheduler position, FedPer/FedBN parts,
+    # SCAFFOLD c_i, DP steps
+    opts = [
+        torch.optim.AdamW(client.parameters(), lr=args.lr, weight_decay=args.weight_decay) for _ in range(n_clients)
+    ]
     total_steps = [args.rounds * steps_per_round(n, args) for n in sizes]
     client_steps, dp_steps = [0] * n_clients, [0] * n_clients
     local_keys = personal_keys(model, args.pfl)
     local = [None] * n_clients
     shared = [k for k in model.state_dict() if k not in local_keys]  # averaged entries (BN running stats too)
     shared_params = [n for n, _ in model.named_parameters() if n not in local_keys]
-    zeros = lambda: {n: torch.zeros_like(p, dtype=torch.float) for n, p in model.named_parameters() if n in shared_params}
+    zeros = lambda: {
+        n: torch.zeros_like(p, dtype=torch.float) for n, p in model.named_parameters() if n in shared_params
+    }
     c, c_i = (zeros(), [None] * n_clients) if args.agg == "scaffold" else (None, None)  # ANFR: SCAFFOLD controls
     m, v = (zeros(), zeros()) if args.agg == "fedadam" else (None, None)  # ANFR: FedAdam moments
     if args.resume:
@@ -385,9 +504,18 @@ if __name__ == "__main__":
         c, c_i, m, v = ckpt["c"], ckpt["c_i"], ckpt["m"], ckpt["v"]  # ANFR
 
     def state():  # what a checkpoint holds
-        return {"model": model.state_dict(), "rng": rng_state(sampler),  # ANFR: + all client/server state
-                "opts": [o.state_dict() for o in opts], "client_steps": client_steps,
-                "dp_steps": dp_steps, "local": local, "c": c, "c_i": c_i, "m": m, "v": v}
+        return {
+            "model": model.state_dict(),
+            "rng": rng_state(sampler),  # ANFR: + all client/server state
+            "opts": [o.state_dict() for o in opts],
+            "client_steps": client_steps,
+            "dp_steps": dp_steps,
+            "local": local,
+            "c": c,
+            "c_i": c_i,
+            "m": m,
+            "v": v,
+        }
 
     def load_client(k):  # ANFR: w_t, then client k's own FedPer/FedBN entries
         client.load_state_dict(model.state_dict())
@@ -407,17 +535,36 @@ if __name__ == "__main__":
             if args.dp_noise_multiplier is None:
                 batches = client_batches(partition.train[k], args.batch_size, args.local_epochs, args.local_steps)
             else:  # ANFR: Poisson sampling of rate q = B / |D_i|
-                batches = poisson_batches(partition.train[k], min(1.0, args.batch_size / sizes[k]), steps_per_round(sizes[k], args))
+                batches = poisson_batches(
+                    partition.train[k], min(1.0, args.batch_size / sizes[k]), steps_per_round(sizes[k], args)
+                )
             correction, named, global_named = None, dict(client.named_parameters()), dict(model.named_parameters())
             prox_pairs = [(named[n], global_named[n].detach()) for n in shared_params]  # FedProx: not the local parts
             if c is not None:  # ANFR: SCAFFOLD
                 c_k = c_i[k] if c_i[k] is not None else zeros()
                 correction = ([named[n] for n in shared_params], [c[n] - c_k[n] for n in shared_params])
-            loss, steps, lr_sum = local_train(client, opts[k], batches, data, args, client_steps[k], total_steps[k],
-                                              prox_pairs, correction, dp_batch=min(args.batch_size, sizes[k]))
-            return {"loss": loss, "steps": steps, "lr_sum": lr_sum, "state": client.state_dict(), "opt": opts[k].state_dict()}
+            loss, steps, lr_sum = local_train(
+                client,
+                opts[k],
+                batches,
+                data,
+                args,
+                client_steps[k],
+                total_steps[k],
+                prox_pairs,
+                correction,
+                dp_batch=min(args.batch_size, sizes[k]),
+            )
+            return {
+                "loss": loss,
+                "steps": steps,
+                "lr_sum": lr_sum,
+                "state": client.state_dict(),
+                "opt": opts[k].state_dict(),
+            }
 
-        for k, w, out in each_client(clients, weights, train_client, args.seed, rnd):  # own seed per client; torchrun: split over ranks, summed in order
+        # own seed per client; torchrun: split over ranks, summed in order
+        for k, w, out in each_client(clients, weights, train_client, args.seed, rnd):
             opts[k].load_state_dict(out["opt"])  # ANFR: client k's AdamW state, on every rank (a no-op where k trained)
             client_steps[k] += out["steps"]
             dp_steps[k] += out["steps"] if args.dp_noise_multiplier is not None else 0
@@ -428,14 +575,26 @@ if __name__ == "__main__":
                 local[k] = {key: state[key].clone() for key in local_keys}
             if c is not None:  # ANFR: SCAFFOLD c_i+ (Eq. 4), and its change for the server
                 c_k = c_i[k] if c_i[k] is not None else zeros()
-                new = scaffold_control(c_k, c, x_params, {n: state[n].float() for n in shared_params}, max(out["lr_sum"], 1e-12))
+                new = scaffold_control(
+                    c_k, c, x_params, {n: state[n].float() for n in shared_params}, max(out["lr_sum"], 1e-12)
+                )
                 for n in shared_params:
                     dc_sum[n] += new[n] - c_k[n]
                 c_i[k] = new
         if args.agg == "fedadam":  # ANFR: Delta = sum_k w_k y_k - x; parameters by server Adam, BN statistics averaged
-            total.update(fedadam_step(x_params, {n: total[n] - x_params[n] for n in shared_params}, m, v,
-                                      args.server_lr, args.server_betas, args.server_tau))
-        load_average(model, total, strict=False)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (SCAFFOLD: eta_g = 1); local entries untouched
+            total.update(
+                fedadam_step(
+                    x_params,
+                    {n: total[n] - x_params[n] for n in shared_params},
+                    m,
+                    v,
+                    args.server_lr,
+                    args.server_betas,
+                    args.server_tau,
+                )
+            )
+        # w_{t+1} = sum_k n_k/n w_{t+1}^k (SCAFFOLD: eta_g = 1); local entries untouched
+        load_average(model, total, strict=False)
         if c is not None:  # ANFR: SCAFFOLD c <- c + 1/N sum_{i in S} (c_i+ - c_i) (Eq. 5)
             for n in shared_params:
                 c[n] += dc_sum[n] / n_clients
@@ -443,7 +602,7 @@ if __name__ == "__main__":
 
         if run.evaluates(rnd):  # every --eval-every rounds and the last
             model.eval()
-            fwd = lambda net: (lambda x: net(resize(x, args.image_size)))  # ANFR: --image-size
+            fwd = lambda net: lambda x: net(resize(x, args.image_size))  # ANFR: --image-size
             eval_bs = 2000 if (args.image_size or data.image_size) <= 64 else 200
             acc, loss = evaluate(fwd(model), data.x_test, data.y_test, data, batch_size=eval_bs, amp=args.amp)
             lr_now = cosine_lr(args.lr, client_steps[clients[0]], total_steps[clients[0]])
@@ -454,13 +613,18 @@ if __name__ == "__main__":
                     if local_keys:  # ANFR: personalized model of client k
                         load_client(k)
                     net = client.eval() if local_keys else model
-                    accs.append(evaluate(fwd(net), data.x_test[t], data.y_test[t], data, batch_size=eval_bs, amp=args.amp)[0])
+                    accs.append(
+                        evaluate(fwd(net), data.x_test[t], data.y_test[t], data, batch_size=eval_bs, amp=args.amp)[0]
+                    )
                 metrics["client_test_acc_mean"] = float(np.mean(accs))
                 metrics["client_test_acc"] = accs
                 if local_keys:  # ANFR: pFL reports the personalized models (the global one lacks the local parts)
                     metrics["global_test_acc"], metrics["test_acc"] = acc, float(np.mean(accs))
             if args.dp_noise_multiplier is not None:  # ANFR: epsilon at delta = 0.1/|D_i| for each client
-                eps = [dp_epsilon(min(1.0, args.batch_size / n), args.dp_noise_multiplier, s, 0.1 / n) for n, s in zip(sizes, dp_steps)]
+                eps = [
+                    dp_epsilon(min(1.0, args.batch_size / n), args.dp_noise_multiplier, s, 0.1 / n)
+                    for n, s in zip(sizes, dp_steps)
+                ]
                 metrics["dp_epsilon"], metrics["dp_epsilon_max"] = eps, max(eps)
             run.log(metrics)
     extra = {"analysis": analyze(model, data, args.image_size)} if args.analyze else {}  # ANFR: global model (Sec. 3.4)

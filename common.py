@@ -7,6 +7,7 @@ the run folder and the loop's control (Run), atomic saves, RNG state, several pr
 A method script imports what it needs from here and keeps its own training loop, so one script plus
 this file is everything a reader must copy. Most of a method's own equations live in its script.
 """
+
 import argparse
 import atexit
 import datetime
@@ -28,7 +29,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -124,7 +124,7 @@ def client_batches(indices, batch_size, epochs=None, steps=None):
                 break
             if steps is not None and done == steps:
                 return
-            yield perm[i:i + batch_size]
+            yield perm[i : i + batch_size]
             done += 1
 
 
@@ -137,11 +137,11 @@ def evaluate(forward, x, y, data, batch_size=2000, amp=False):
     """Accuracy and mean cross-entropy of `forward` (a callable on normalized images)."""
     correct, loss = 0, 0.0
     for i in range(0, len(x), batch_size):
-        xb = prepare_batch(x[i:i + batch_size], data)
+        xb = prepare_batch(x[i : i + batch_size], data)
         with autocast(xb.device, amp):
             logits = forward(xb).float()
-        loss += F.cross_entropy(logits, y[i:i + batch_size], reduction="sum")
-        correct += (logits.argmax(1) == y[i:i + batch_size]).sum()
+        loss += F.cross_entropy(logits, y[i : i + batch_size], reduction="sum")
+        correct += (logits.argmax(1) == y[i : i + batch_size]).sum()
     return float(correct) / len(x), float(loss) / len(x)
 
 
@@ -185,8 +185,10 @@ def make_partition(args, data):
     empty = [k for k, p in enumerate(parts) if len(p) == 0]
     if empty:  # bad input found only now that the data is known: exit 2 with one line, as parser.error
         more = f" (and {len(empty) - 1} more)" if len(empty) > 1 else ""
-        msg = (f"--num-clients: client {empty[0]} of {n}{more} received no training data under {scheme} "
-               f"({len(labels)} training samples); use fewer --num-clients")
+        msg = (
+            f"--num-clients: client {empty[0]} of {n}{more} received no training data under {scheme} "
+            f"({len(labels)} training samples); use fewer --num-clients"
+        )
         refuse(msg)
     test = None
     if getattr(args, "client_test", False):
@@ -229,7 +231,7 @@ def split_shards(labels, n, s, weights, rng):
         counts[np.argmax(weights)] += num_shards - counts.sum()
     deal = rng.permutation(num_shards)
     starts = np.concatenate([[0], np.cumsum(counts)])
-    return [np.concatenate([shards[j] for j in deal[starts[k]:starts[k + 1]]]) for k in range(n)]
+    return [np.concatenate([shards[j] for j in deal[starts[k] : starts[k + 1]]]) for k in range(n)]
 
 
 def split_classes(labels, n, c, per_client, weights, rng, holders=None):
@@ -267,8 +269,10 @@ def split_dirichlet(labels, n, c, alpha, weights, rng, min_size=10, max_tries=10
         parts = [np.concatenate(p) for p in parts]
         if min(len(p) for p in parts) >= need:
             return parts
-    msg = (f"--alpha: after {max_tries} draws of Dir({alpha}) some client still had fewer than {need} samples; "
-           "use a larger --alpha or fewer --num-clients")
+    msg = (
+        f"--alpha: after {max_tries} draws of Dir({alpha}) some client still had fewer than {need} samples; "
+        "use a larger --alpha or fewer --num-clients"
+    )
     refuse(msg)
 
 
@@ -305,7 +309,7 @@ def sample_clients(rng, num_clients, frac):
 def lr_at(round_idx, args):
     """Step decay: lr * decay^(number of --lr-decay-at fractions of the run already passed)."""
     passed = sum(round_idx >= f * args.rounds for f in args.lr_decay_at)  # never before round 1 of 1
-    return args.lr * args.lr_decay ** passed
+    return args.lr * args.lr_decay**passed
 
 
 def client_weights(sizes, weighting):
@@ -341,8 +345,23 @@ def prox_term(params, anchor, mu):
 # ----------------------------------------------------------------------------------------------
 # Personalization: fine-tune the global model on each client (FedBABU's Algorithm 2, FedFN-FT)
 # ----------------------------------------------------------------------------------------------
-def personalize(model, global_state, data, train_parts, test_parts, *, epochs, eval_epochs, lr, part,
-                batch_size, augment, momentum=0.9, amp=False, forward=None):
+def personalize(
+    model,
+    global_state,
+    data,
+    train_parts,
+    test_parts,
+    *,
+    epochs,
+    eval_epochs,
+    lr,
+    part,
+    batch_size,
+    augment,
+    momentum=0.9,
+    amp=False,
+    forward=None,
+):
     """Per-client fine-tuning and evaluation (FedBABU, Oh et al. 2022, Algorithm 2); method-neutral.
 
     For each client k: load global_state into `model` (reused, no copies), fine-tune only `part` of it
@@ -385,12 +404,17 @@ def personalize(model, global_state, data, train_parts, test_parts, *, epochs, e
             if e in per_client:
                 model.eval()
                 t = test_parts[k]
-                per_client[e].append(evaluate(lambda x: forward(model, x), data.x_test[t], data.y_test[t], data, amp=amp)[0])
+                per_client[e].append(
+                    evaluate(lambda x: forward(model, x), data.x_test[t], data.y_test[t], data, amp=amp)[0]
+                )
     for p in model.parameters():
         p.requires_grad_(True)
-    return {"acc_mean": {e: float(np.mean(a)) for e, a in per_client.items()},
-            "acc_std": {e: float(np.std(a)) for e, a in per_client.items()},
-            "per_client": per_client, "clients": clients}
+    return {
+        "acc_mean": {e: float(np.mean(a)) for e, a in per_client.items()},
+        "acc_std": {e: float(np.std(a)) for e, a in per_client.items()},
+        "per_client": per_client,
+        "clients": clients,
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -420,6 +444,7 @@ def register_model(name):
     def wrap(fn):
         MODELS[name] = fn
         return fn
+
     return wrap
 
 
@@ -449,8 +474,14 @@ def flat_dim(body, in_channels, image_size):
 def cnn(in_channels, num_classes, image_size, **_):
     """McMahan et al. 2017 CNN: conv5x5-32, pool, conv5x5-64, pool, fc 512, head."""
     conv = nn.Sequential(
-        nn.Conv2d(in_channels, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten())
+        nn.Conv2d(in_channels, 32, 5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+    )
     body = nn.Sequential(conv, nn.Linear(flat_dim(conv, in_channels, image_size), 512), nn.ReLU())
     return Classifier(body, 512, num_classes)
 
@@ -458,17 +489,20 @@ def cnn(in_channels, num_classes, image_size, **_):
 @register_model("mlp")
 def mlp(in_channels, num_classes, image_size, **_):
     """McMahan et al. 2017 '2NN': two hidden layers of 200 units with ReLU (cheap: used by fast tests)."""
-    body = nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size ** 2, 200), nn.ReLU(),
-                         nn.Linear(200, 200), nn.ReLU())
+    body = nn.Sequential(
+        nn.Flatten(), nn.Linear(in_channels * image_size**2, 200), nn.ReLU(), nn.Linear(200, 200), nn.ReLU()
+    )
     return Classifier(body, 200, num_classes)
 
 
 # FedBABU's 4convNet, 3convNet and MobileNet
 def _conv_bn_pool(cin, cout=64):
     """FedBABU Appendix A.1 block: conv3x3 (bias) -> batch norm without running statistics
-    (track_running_stats=False: batch statistics in training and evaluation, nothing to aggregate) -> ReLU -> max-pool 2."""
-    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout, track_running_stats=False),
-                         nn.ReLU(), nn.MaxPool2d(2))
+    (track_running_stats=False: batch statistics in training and evaluation, nothing to aggregate) -> ReLU
+    -> max-pool 2."""
+    return nn.Sequential(
+        nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout, track_running_stats=False), nn.ReLU(), nn.MaxPool2d(2)
+    )
 
 
 def convnet(in_channels, num_classes, image_size, blocks, width=64):
@@ -507,8 +541,14 @@ def mobilenet(in_channels, num_classes, image_size, **_):
     layers, cin = [nn.Conv2d(in_channels, 32, 3, 1, 1, bias=False), bn(32), nn.ReLU()], 32
     for item in MOBILENET_CFG:
         cout, stride = item if isinstance(item, tuple) else (item, 1)
-        layers += [nn.Conv2d(cin, cin, 3, stride, 1, groups=cin, bias=False), bn(cin), nn.ReLU(),
-                   nn.Conv2d(cin, cout, 1, bias=False), bn(cout), nn.ReLU()]
+        layers += [
+            nn.Conv2d(cin, cin, 3, stride, 1, groups=cin, bias=False),
+            bn(cin),
+            nn.ReLU(),
+            nn.Conv2d(cin, cout, 1, bias=False),
+            bn(cout),
+            nn.ReLU(),
+        ]
         cin = cout
     body = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten())
     return Classifier(body, cin, num_classes)
@@ -539,8 +579,9 @@ def vgg11(in_channels, num_classes, image_size, **_):
         layers += [conv, nn.ReLU()]
         cin = v
     conv = nn.Sequential(*layers, nn.Flatten())
-    body = nn.Sequential(conv, nn.Linear(flat_dim(conv, in_channels, image_size), 512), nn.ReLU(),
-                         nn.Linear(512, 512), nn.ReLU())
+    body = nn.Sequential(
+        conv, nn.Linear(flat_dim(conv, in_channels, image_size), 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU()
+    )
     return Classifier(body, 512, num_classes)
 
 
@@ -567,14 +608,20 @@ def normcnn(in_channels, num_classes, image_size, norm="none", ln_affine=True, n
     each ReLU with norm_after_act=False (Table 6 "before"); ln_affine: learnable gamma, beta of ln/gn/bn
     (Table 6 "learnable") or none ("static"). fn: no normalization inside, FeatureNorm on the 384-d feature.
     width: channels of both convolutions (64 in Table 7; smaller only for quick tests)."""
+
     def layer(op, channels):
         n = make_norm(norm, channels, groups=2, affine=ln_affine, conv=isinstance(op, nn.Conv2d))
         return [op, nn.ReLU(), n] if norm_after_act else [op, n, nn.ReLU()]
+
     side = ((image_size - 4) // 2 - 4) // 2  # computed, not probed: a probe pass would move BN statistics
     body = nn.Sequential(
-        *layer(nn.Conv2d(in_channels, width, 5, bias=False), width), nn.MaxPool2d(2),
-        *layer(nn.Conv2d(width, width, 5, bias=False), width), nn.MaxPool2d(2), nn.Flatten(),
-        *layer(nn.Linear(width * side * side, 384, bias=False), 384))
+        *layer(nn.Conv2d(in_channels, width, 5, bias=False), width),
+        nn.MaxPool2d(2),
+        *layer(nn.Conv2d(width, width, 5, bias=False), width),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        *layer(nn.Linear(width * side * side, 384, bias=False), 384),
+    )
     if norm == "fn":
         body.append(FeatureNorm())
     return Classifier(body, 384, num_classes, head_bias=False)
@@ -587,9 +634,16 @@ def lenet(in_channels, num_classes, image_size, **_):
     bias, no padding (28x28 -> 50x4x4; 431,080 parameters)."""
     side = ((image_size - 4) // 2 - 4) // 2
     body = nn.Sequential(
-        nn.Conv2d(in_channels, 20, 5), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(20, 50, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
-        nn.Linear(50 * side * side, 500), nn.ReLU())
+        nn.Conv2d(in_channels, 20, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(20, 50, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(50 * side * side, 500),
+        nn.ReLU(),
+    )
     return Classifier(body, 500, num_classes)
 
 
@@ -608,8 +662,9 @@ def cnn6(in_channels, num_classes, image_size, width=32, **_):
         layers += [nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU()]
         cin = cout
     side = image_size // 8  # computed, not probed: a probe pass would move the BN running statistics
-    body = nn.Sequential(*layers, nn.Flatten(), nn.Linear(4 * width * side * side, 382), nn.ReLU(),
-                         nn.Linear(382, 192), nn.ReLU())
+    body = nn.Sequential(
+        *layers, nn.Flatten(), nn.Linear(4 * width * side * side, 382), nn.ReLU(), nn.Linear(382, 192), nn.ReLU()
+    )
     return Classifier(body, 192, num_classes)
 
 
@@ -624,7 +679,8 @@ def cnn6_narrow(in_channels, num_classes, image_size, **_):
 # ResNet: one implementation; normalization (batch, group, layer, or none with weight-standardized
 # NF blocks, ANFR) and channel attention (SE, ECA, CBAM) are options
 # ----------------------------------------------------------------------------------------------
-RELU_GAMMA = 1.7139588594436646  # gamma = 1/std(relu(z)), z ~ N(0, 1), as measured by timm and DeepMind's NFNets (closed form 1.71286)
+# gamma = 1/std(relu(z)), z ~ N(0, 1), as measured by timm and DeepMind's NFNets (closed form 1.71286)
+RELU_GAMMA = 1.7139588594436646
 NF_ALPHA = 0.2  # alpha: scale of each residual branch (Brock et al. 2021a; timm NfCfg.alpha)
 NF_ATTN_GAIN = 2.0  # attention output x2 in NF blocks, since a sigmoid gate starts near 0.5 (timm NfCfg.attn_gain)
 
@@ -668,7 +724,9 @@ def make_shortcut(norm, cin, cout, stride, norm_after_act=False):
     and then a conv1x1 at stride 1."""
     if norm == "nf":  # named as timm's (downsample.pool, downsample.conv)
         shortcut = nn.Sequential()
-        shortcut.add_module("pool", nn.AvgPool2d(2, stride, ceil_mode=True, count_include_pad=False) if stride > 1 else nn.Identity())
+        shortcut.add_module(
+            "pool", nn.AvgPool2d(2, stride, ceil_mode=True, count_include_pad=False) if stride > 1 else nn.Identity()
+        )
         shortcut.add_module("conv", make_conv(norm, cin, cout, 1))
         return shortcut
     return nn.Sequential(make_conv(norm, cin, cout, 1, stride), make_norm("none" if norm_after_act else norm, cout))
@@ -691,7 +749,7 @@ def nf_expected_var(block, var):
     """Expected-variance bookkeeping (Brock et al. 2021a): Var(x_{l+1}) = Var(x_l) + alpha^2, where a
     transition block's shortcut (a conv on relu(x)*beta, variance ~1) first resets Var(x_l) to 1.
     timm resets at each stage's first block, which is always a transition in its NF-ResNets."""
-    return (1.0 if block.transition else var) + NF_ALPHA ** 2
+    return (1.0 if block.transition else var) + NF_ALPHA**2
 
 
 def round_channels(v, divisor):
@@ -805,7 +863,8 @@ class Bottleneck(nn.Module):
         nf_setup(self, norm, attention, beta, transition=stride != 1 or cin != cout)
         self.conv1, self.n1 = make_conv(norm, cin, planes, 1), make_norm(norm, planes)
         self.conv2, self.n2 = make_conv(norm, planes, planes, 3, stride, 1), make_norm(norm, planes)
-        self.conv3, self.n3 = make_conv(norm, planes, cout, 1, gain_init=last_gain_init), make_norm(norm, cout)  # NF: timm: 0
+        # NF: timm: 0
+        self.conv3, self.n3 = make_conv(norm, planes, cout, 1, gain_init=last_gain_init), make_norm(norm, cout)
         self.attn = make_attention(attention, cout, norm)
         self.shortcut = nn.Identity()
         if stride != 1 or cin != cout:
@@ -824,8 +883,12 @@ class Bottleneck(nn.Module):
         return F.relu(out + self.shortcut(x))
 
 
-RESNET_LAYOUT = {18: (BasicBlock, [2, 2, 2, 2]), 26: (Bottleneck, [2, 2, 2, 2]),
-                 34: (BasicBlock, [3, 4, 6, 3]), 50: (Bottleneck, [3, 4, 6, 3])}
+RESNET_LAYOUT = {
+    18: (BasicBlock, [2, 2, 2, 2]),
+    26: (Bottleneck, [2, 2, 2, 2]),
+    34: (BasicBlock, [3, 4, 6, 3]),
+    50: (Bottleneck, [3, 4, 6, 3]),
+}
 
 
 class ResNetBody(nn.Module):
@@ -836,8 +899,17 @@ class ResNetBody(nn.Module):
     FedLN (Zhang et al. 2024, Eq. 10 and Appendix C.1); default: conv -> norm -> ReLU.
     """
 
-    def __init__(self, in_channels, depth=18, width=64, norm="bn", attention=None, stem="cifar",
-                 norm_after_act=False, last_gain_init=0.0):
+    def __init__(
+        self,
+        in_channels,
+        depth=18,
+        width=64,
+        norm="bn",
+        attention=None,
+        stem="cifar",
+        norm_after_act=False,
+        last_gain_init=0.0,
+    ):
         super().__init__()
         block, layers = RESNET_LAYOUT[depth]
         norm_relu = (nn.ReLU(), make_norm(norm, width)) if norm_after_act else (make_norm(norm, width), nn.ReLU())
@@ -846,14 +918,23 @@ class ResNetBody(nn.Module):
         if stem == "cifar":
             self.stem = nn.Sequential(make_conv(norm, in_channels, width, 3, 1, 1), *norm_relu)
         else:
-            self.stem = nn.Sequential(make_conv(norm, in_channels, width, 7, 2, 3), *norm_relu,
-                                      nn.MaxPool2d(3, 2, 1))
+            self.stem = nn.Sequential(make_conv(norm, in_channels, width, 7, 2, 3), *norm_relu, nn.MaxPool2d(3, 2, 1))
         stages, cin, expected_var = [], width, 1.0
         for i, blocks in enumerate(layers):
-            planes = width * 2 ** i
+            planes = width * 2**i
             for j in range(blocks):
-                stages.append(block(cin, planes, 2 if (j == 0 and i > 0) else 1, norm, attention,
-                                    norm_after_act=norm_after_act, beta=expected_var ** -0.5, last_gain_init=last_gain_init))
+                stages.append(
+                    block(
+                        cin,
+                        planes,
+                        2 if (j == 0 and i > 0) else 1,
+                        norm,
+                        attention,
+                        norm_after_act=norm_after_act,
+                        beta=expected_var**-0.5,
+                        last_gain_init=last_gain_init,
+                    )
+                )
                 expected_var = nf_expected_var(stages[-1], expected_var)  # used by norm 'nf' only
                 cin = planes * block.expansion
         self.stages = nn.Sequential(*stages)
@@ -864,10 +945,22 @@ class ResNetBody(nn.Module):
         return self.final_act(self.stages(self.stem(x))).mean((2, 3))
 
 
-def resnet(in_channels, num_classes, image_size, depth=18, width=64, norm="bn", attention=None,
-           stem="cifar", norm_after_act=False, last_gain_init=0.0, **_):
-    body = ResNetBody(in_channels, depth, width, norm, attention, stem, norm_after_act=norm_after_act,
-                      last_gain_init=last_gain_init)
+def resnet(
+    in_channels,
+    num_classes,
+    image_size,
+    depth=18,
+    width=64,
+    norm="bn",
+    attention=None,
+    stem="cifar",
+    norm_after_act=False,
+    last_gain_init=0.0,
+    **_,
+):
+    body = ResNetBody(
+        in_channels, depth, width, norm, attention, stem, norm_after_act=norm_after_act, last_gain_init=last_gain_init
+    )
     return Classifier(body, body.out_dim, num_classes)
 
 
@@ -881,7 +974,8 @@ def resnet50(in_channels, num_classes, image_size, **options):
     return resnet(in_channels, num_classes, image_size, depth=50, **options)
 
 
-register_model("resnet")(resnet)  # the one ResNet with its options: depth, width, norm, attention, stem (anfr.py --arch)
+# the one ResNet with its options: depth, width, norm, attention, stem (anfr.py --arch)
+register_model("resnet")(resnet)
 
 
 # ==============================================================================================
@@ -893,12 +987,30 @@ register_model("resnet")(resnet)  # the one ResNet with its options: depth, widt
 # --- Flag checks: exit status 2 and one line naming the flag, before any work -----------------
 TORCHVISION_DATASETS = ["mnist", "fashionmnist", "emnist", "cifar10", "cifar100", "svhn"]
 DATASETS = TORCHVISION_DATASETS + ["folder", "synthetic"]
-PARTITION_FLAGS = {"iid": "--iid", "shards": "--shards", "classes_per_client": "--classes-per-client",
-                   "alpha": "--alpha", "split2": "--split2"}
-NUM_CLASSES = {"mnist": 10, "fashionmnist": 10, "emnist": 62, "cifar10": 10, "cifar100": 100,
-               "svhn": 10, "synthetic": 10}
-TRAIN_SIZE = {"mnist": 60000, "fashionmnist": 60000, "emnist": 697932, "cifar10": 50000,
-              "cifar100": 50000, "svhn": 73257}
+PARTITION_FLAGS = {
+    "iid": "--iid",
+    "shards": "--shards",
+    "classes_per_client": "--classes-per-client",
+    "alpha": "--alpha",
+    "split2": "--split2",
+}
+NUM_CLASSES = {
+    "mnist": 10,
+    "fashionmnist": 10,
+    "emnist": 62,
+    "cifar10": 10,
+    "cifar100": 100,
+    "svhn": 10,
+    "synthetic": 10,
+}
+TRAIN_SIZE = {
+    "mnist": 60000,
+    "fashionmnist": 60000,
+    "emnist": 697932,
+    "cifar10": 50000,
+    "cifar100": 50000,
+    "svhn": 73257,
+}
 RUNTIME_FLAGS = ("resume", "stop_after", "overwrite")  # not part of a run's config: they belong to one invocation
 RESUME_FLAGS = ("resume", "stop_after", "rounds", "device")  # what may be given with --resume (--rounds: extend)
 RUN_FILES = ("config.json", "partition.json", "metrics.jsonl", "checkpoint.pt", "summary.json", "model.pt")
@@ -908,6 +1020,7 @@ RUN_FILES = ("config.json", "partition.json", "metrics.jsonl", "checkpoint.pt", 
 # and "argument --lr: must be > 0, got -0.1", before anything is read or written.
 def flag_type(cast, low=-math.inf, high=math.inf, open_low=False, open_high=False):
     """An argparse type: cast(text), finite and in [low, high] (an open end where said)."""
+
     def check(text):
         try:
             value = cast(text)
@@ -918,6 +1031,7 @@ def flag_type(cast, low=-math.inf, high=math.inf, open_low=False, open_high=Fals
         if value < low or (open_low and value == low) or value > high or (open_high and value == high):
             raise argparse.ArgumentTypeError(f"must be {_range_text(low, high, open_low, open_high)}, got {text}")
         return value
+
     check.__name__ = cast.__name__  # argparse names the type in its own messages
     return check
 
@@ -973,8 +1087,11 @@ def finish_args(parser, args, script, default_partition):
         check_image_folder(args.data_dir, err)
     given = [k for k in PARTITION_FLAGS if getattr(args, k) not in (None, False)]
     if len(given) > 1:
-        err("partition: give at most one of " + ", ".join(PARTITION_FLAGS.values())
-            + f" (got {' and '.join(PARTITION_FLAGS[k] for k in given)})")
+        err(
+            "partition: give at most one of "
+            + ", ".join(PARTITION_FLAGS.values())
+            + f" (got {' and '.join(PARTITION_FLAGS[k] for k in given)})"
+        )
     if not given:
         setattr(args, default_partition[0], default_partition[1])
     classes = _num_classes_hint(args)
@@ -994,13 +1111,16 @@ def finish_args(parser, args, script, default_partition):
         args.data_seed = args.seed
     args.device = check_device(args.device, err)
     if args.amp and args.device == "cpu":
-        print("note: --amp on the CPU: bfloat16 autocast runs, but is usually slower than float32 there",
-              file=sys.stderr)
+        print(
+            "note: --amp on the CPU: bfloat16 autocast runs, but is usually slower than float32 there", file=sys.stderr
+        )
     if args.out is None:
         args.out = default_out_dir(script, args)
     elif holds_run(args.out) and not args.overwrite:
-        err(f"--out: {args.out} already holds a run; continue it with --resume {args.out}, "
-            f"write to another --out, or replace it with --overwrite")
+        err(
+            f"--out: {args.out} already holds a run; continue it with --resume {args.out}, "
+            f"write to another --out, or replace it with --overwrite"
+        )
     if int(os.environ.get("RANK", "0")) == 0:  # torchrun: rank 0's folder is the run's
         check_writable(args.out, err)
     args.script = script
@@ -1027,8 +1147,10 @@ def resume_args(parser, args, script):
     given = given_flags(parser)
     extra = sorted(given - set(RESUME_FLAGS))
     if extra:
-        err(f"--{extra[0].replace('_', '-')}: a resumed run keeps the flags of its config.json; "
-            "with --resume give only --rounds (to extend it), --stop-after or --device")
+        err(
+            f"--{extra[0].replace('_', '-')}: a resumed run keeps the flags of its config.json; "
+            "with --resume give only --rounds (to extend it), --stop-after or --device"
+        )
     rounds = args.rounds if "rounds" in given else saved["rounds"]
     if rounds < saved["rounds"]:
         err(f"--rounds: the run in {folder} has {saved['rounds']} rounds; --resume can extend it, not shorten it")
@@ -1036,12 +1158,16 @@ def resume_args(parser, args, script):
     if summary and summary.get("diverged"):
         err(f"--resume: the run in {folder} diverged in round {summary['round']}; start a new one (a smaller --lr?)")
     if summary and summary.get("final_round", saved["rounds"]) == rounds:
-        print(f"{folder}: this run has finished its {rounds} rounds; nothing to do "
-              f"(a larger --rounds extends it: --resume {folder} --rounds N)")
+        print(
+            f"{folder}: this run has finished its {rounds} rounds; nothing to do "
+            f"(a larger --rounds extends it: --resume {folder} --rounds N)"
+        )
         raise SystemExit(0)
     if not os.path.isfile(os.path.join(folder, "checkpoint.pt")):
-        err(f"--resume: {folder} has config.json but no checkpoint.pt (the run stopped before its first "
-            f"checkpoint); start it again with --out {folder} --overwrite")
+        err(
+            f"--resume: {folder} has config.json but no checkpoint.pt (the run stopped before its first "
+            f"checkpoint); start it again with --out {folder} --overwrite"
+        )
     device = check_device(args.device if "device" in given else saved["device"], err)
     keep = {"resume": folder, "stop_after": args.stop_after, "overwrite": False, "rounds": rounds, "device": device}
     args = argparse.Namespace(**{**vars(args), **saved, **keep, "script": script})
@@ -1077,12 +1203,19 @@ def check_image_folder(root, err):
         err(f"--data-dir: {train} has no class folders; a folder dataset needs {train}/<class>/*images*")
     missing = [c for c in classes if not os.path.isdir(os.path.join(test, c))]
     if missing:
-        err(f"--data-dir: {test} lacks the class folder(s) {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "
-            f"of {train}")
-    empty = [c for c in classes if not any(f.lower().endswith(IMAGE_EXTENSIONS) for f in os.listdir(os.path.join(train, c)))]
+        err(
+            f"--data-dir: {test} lacks the class folder(s) "
+            f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "
+            f"of {train}"
+        )
+    empty = [
+        c for c in classes if not any(f.lower().endswith(IMAGE_EXTENSIONS) for f in os.listdir(os.path.join(train, c)))
+    ]
     if empty:
-        err(f"--data-dir: the class folder(s) {', '.join(empty[:3])}{' ...' if len(empty) > 3 else ''} of {train} "
-            "hold no images; remove them or add images")
+        err(
+            f"--data-dir: the class folder(s) {', '.join(empty[:3])}{' ...' if len(empty) > 3 else ''} of {train} "
+            "hold no images; remove them or add images"
+        )
 
 
 def check_writable(folder, err):
@@ -1175,8 +1308,9 @@ def read_dataset(args):
 def synthetic_dataset(seed, n_train=3000, n_test=1000, num_classes=10, size=32):
     """Offline, seeded, learnable images: a smooth random template per class plus pixel noise."""
     g = torch.Generator().manual_seed(seed + 12345)
-    templates = F.interpolate(torch.rand(num_classes, 3, 4, 4, generator=g), size=size, mode="bilinear",
-                              align_corners=False)
+    templates = F.interpolate(
+        torch.rand(num_classes, 3, 4, 4, generator=g), size=size, mode="bilinear", align_corners=False
+    )
 
     def draw(n):  # n/num_classes images of each class, in random order
         y = (torch.arange(n) % num_classes)[torch.randperm(n, generator=g)]
@@ -1193,8 +1327,8 @@ def torchvision_dataset(name, root):
     """Download (once) into root and load a torchvision dataset. A failed download (no internet: urllib's
     URLError is an OSError; torchvision's MNIST mirrors end in a RuntimeError) exits 2 with one line."""
     import torchvision.datasets as tvd
-    ctor = {"mnist": tvd.MNIST, "fashionmnist": tvd.FashionMNIST, "cifar10": tvd.CIFAR10,
-            "cifar100": tvd.CIFAR100}
+
+    ctor = {"mnist": tvd.MNIST, "fashionmnist": tvd.FashionMNIST, "cifar10": tvd.CIFAR10, "cifar100": tvd.CIFAR100}
     out = []
     try:
         for train in (True, False):
@@ -1212,8 +1346,10 @@ def torchvision_dataset(name, root):
             out += [x.contiguous(), y]
     except (OSError, RuntimeError) as e:
         reason = " ".join(f"{type(e).__name__}: {e}".split())[:160]
-        msg = (f"--dataset: could not download or read {name} into --data-dir {root} ({reason}); without internet "
-               f"use --dataset folder --data-dir DIR (images in DIR/train/<class>/ and DIR/test/<class>/)")
+        msg = (
+            f"--dataset: could not download or read {name} into --data-dir {root} ({reason}); without internet "
+            f"use --dataset folder --data-dir DIR (images in DIR/train/<class>/ and DIR/test/<class>/)"
+        )
         refuse(msg)
     return out
 
@@ -1230,14 +1366,22 @@ def folder_dataset(root):
     """
     root = os.path.abspath(root)
     key = hashlib.sha1(root.encode()).hexdigest()[:16]
-    caches = [os.path.join(root, ".cleanfl-cache.pt"),
-              os.path.join(os.path.expanduser("~"), ".cache", "cleanfl", f"folder-{key}.pt")]
-    classes = sorted(d for d in os.listdir(os.path.join(root, "train"))
-                     if os.path.isdir(os.path.join(root, "train", d)))
-    files = {split: [(c, os.path.join(root, split, classes[c], f)) for c in range(len(classes))
-                     for f in sorted(os.listdir(os.path.join(root, split, classes[c])))
-                     if f.lower().endswith(IMAGE_EXTENSIONS)]
-             for split in ("train", "test")}
+    caches = [
+        os.path.join(root, ".cleanfl-cache.pt"),
+        os.path.join(os.path.expanduser("~"), ".cache", "cleanfl", f"folder-{key}.pt"),
+    ]
+    classes = sorted(
+        d for d in os.listdir(os.path.join(root, "train")) if os.path.isdir(os.path.join(root, "train", d))
+    )
+    files = {
+        split: [
+            (c, os.path.join(root, split, classes[c], f))
+            for c in range(len(classes))
+            for f in sorted(os.listdir(os.path.join(root, split, classes[c])))
+            if f.lower().endswith(IMAGE_EXTENSIONS)
+        ]
+        for split in ("train", "test")
+    }
     stamp = _fingerprint([path for split in files.values() for _, path in split], root)
     for path in caches:
         if os.path.isfile(path):
@@ -1251,8 +1395,10 @@ def folder_dataset(root):
             refuse(f"--data-dir: no images found under {os.path.join(root, split)}/<class>/")
         shapes = {tuple(x.shape) for x in xs}
         if len(shapes) > 1:
-            refuse(f"--data-dir: images under {root}/{split} differ in size ({sorted(shapes)[:3]}...); "
-                   "resize them to one size first")
+            refuse(
+                f"--data-dir: images under {root}/{split} differ in size ({sorted(shapes)[:3]}...); "
+                "resize them to one size first"
+            )
         tensors += [torch.stack(xs), torch.tensor([c for c, _ in files[split]])]
     for path in caches:  # first writable place wins
         try:
@@ -1275,6 +1421,7 @@ def _fingerprint(paths, root):
 
 def _decode_image(path):
     from PIL import Image  # installed with torchvision
+
     with Image.open(path) as img:
         x = torch.from_numpy(np.array(img))
     return x.unsqueeze(0) if x.ndim == 2 else x.permute(2, 0, 1)  # [C, H, W], grayscale -> 1 channel
@@ -1314,14 +1461,16 @@ class Run:
                         os.remove(os.path.join(self.dir, name))
                 _atomic_save("", self.metrics_path)
             # the config (with --resume --rounds N: the extended one)
-            _atomic_save({k: v for k, v in vars(args).items() if k not in RUNTIME_FLAGS},
-                         os.path.join(self.dir, "config.json"))
+            _atomic_save(
+                {k: v for k, v in vars(args).items() if k not in RUNTIME_FLAGS}, os.path.join(self.dir, "config.json")
+            )
         if world == 1:
             signal.signal(signal.SIGINT, self._on_sigint)
 
     def _on_sigint(self, *_):
-        print("\ninterrupt: finishing this round, then writing a checkpoint (Ctrl-C again stops at once)",
-              file=sys.stderr)
+        print(
+            "\ninterrupt: finishing this round, then writing a checkpoint (Ctrl-C again stops at once)", file=sys.stderr
+        )
         self.stop_requested = True
         signal.signal(signal.SIGINT, _interrupted)
 
@@ -1332,8 +1481,7 @@ class Run:
     def write_partition(self, partition, data):
         if not self.main:
             return
-        info = {"scheme": partition.scheme,
-                "train": label_counts(data.y_train, partition.train, data.num_classes)}
+        info = {"scheme": partition.scheme, "train": label_counts(data.y_train, partition.train, data.num_classes)}
         if partition.test is not None:
             info["test"] = label_counts(data.y_test, partition.test, data.num_classes)
         _atomic_save(info, os.path.join(self.dir, "partition.json"))
@@ -1343,9 +1491,13 @@ class Run:
         sizes = [len(p) for p in partition.train]
         params = sum(p.numel() for p in model.parameters())
         if self.main:
-            print(f"{self.script}: {device_name(self.args.device)} | model {name or self.args.model}, {params:,} parameters "
-                  f"| {partition.scheme}: {len(sizes)} clients, {min(sizes)}-{max(sizes)} training samples each "
-                  f"| run folder {self.dir}{' (resumed)' if self.args.resume else ''}", flush=True)
+            print(
+                f"{self.script}: {device_name(self.args.device)} "
+                f"| model {name or self.args.model}, {params:,} parameters "
+                f"| {partition.scheme}: {len(sizes)} clients, {min(sizes)}-{max(sizes)} training samples each "
+                f"| run folder {self.dir}{' (resumed)' if self.args.resume else ''}",
+                flush=True,
+            )
 
     def rounds(self, state):
         """The round indices of this invocation, under a tqdm bar. After each round's body: a checkpoint of
@@ -1353,12 +1505,20 @@ class Run:
         --checkpoint-every rounds and at the last; then the stop asked for by --stop-after or Ctrl-C
         (checkpoint, the command that resumes, exit 0 or 130)."""
         args, first = self.args, self.first_round
-        self.bar = tqdm(range(first, args.rounds), initial=first, total=args.rounds, desc=self.script, unit="round",
-                        disable=not self.main)
+        self.bar = tqdm(
+            range(first, args.rounds),
+            initial=first,
+            total=args.rounds,
+            desc=self.script,
+            unit="round",
+            disable=not self.main,
+        )
         for rnd in self.bar:
             yield rnd
             done = rnd + 1
-            stop = done < args.rounds and (self.stop_requested or (args.stop_after is not None and done - first >= args.stop_after))
+            stop = done < args.rounds and (
+                self.stop_requested or (args.stop_after is not None and done - first >= args.stop_after)
+            )
             if args.checkpoint_every is None:
                 due = self.evaluates(rnd)
             else:
@@ -1380,8 +1540,10 @@ class Run:
         train_loss = float(train_loss)
         if not math.isfinite(train_loss):
             self._write_summary({"diverged": True, "round": rnd + 1, "train_loss": train_loss})
-            sys.exit(f"diverged: training loss became {train_loss} in round {rnd + 1}; "
-                     f"try a smaller --lr (summary in {self.dir})")
+            sys.exit(
+                f"diverged: training loss became {train_loss} in round {rnd + 1}; "
+                f"try a smaller --lr (summary in {self.dir})"
+            )
         return train_loss
 
     def log(self, metrics):
@@ -1400,15 +1562,15 @@ class Run:
     def save_checkpoint(self, round_done, state):
         """state: everything the method keeps (global model, server/client state, RNG)."""
         if self.main:
-            _atomic_save({"round": round_done, "elapsed_s": self.elapsed, **state},
-                         os.path.join(self.dir, "checkpoint.pt"))
+            _atomic_save(
+                {"round": round_done, "elapsed_s": self.elapsed, **state}, os.path.join(self.dir, "checkpoint.pt")
+            )
 
     def load_checkpoint(self):
         """Load checkpoint.pt (rounds() then starts after its round) and drop metrics logged after it, so the
         resumed log has no repeats. Under torchrun every rank reads the file (with several nodes, --out must
         be on a shared disk)."""
-        ckpt = torch.load(os.path.join(self.dir, "checkpoint.pt"), map_location=self.args.device,
-                          weights_only=False)
+        ckpt = torch.load(os.path.join(self.dir, "checkpoint.pt"), map_location=self.args.device, weights_only=False)
         self.elapsed_before, self.first_round = ckpt["elapsed_s"], ckpt["round"]
         with open(self.metrics_path) as f:
             rows = [json.loads(line) for line in f if line.strip()]
@@ -1429,8 +1591,14 @@ class Run:
         return summary
 
     def _write_summary(self, summary):
-        summary = {**summary, "wall_time_s": round(self.elapsed, 3), "device": device_name(self.args.device),
-                   "torch": torch.__version__, "script": self.script, "processes": rank_and_world()[1]}
+        summary = {
+            **summary,
+            "wall_time_s": round(self.elapsed, 3),
+            "device": device_name(self.args.device),
+            "torch": torch.__version__,
+            "script": self.script,
+            "processes": rank_and_world()[1],
+        }
         if self.main:
             _atomic_save(summary, os.path.join(self.dir, "summary.json"))
         return summary
@@ -1465,8 +1633,10 @@ def _json_safe(obj):
 
 def _interrupted(*_):
     """Ctrl-C when a round cannot be finished first (before the loop, or a second time): one line, no traceback."""
-    print("\ninterrupted; the run folder keeps what was saved (resume from its last checkpoint with --resume)",
-          file=sys.stderr)
+    print(
+        "\ninterrupted; the run folder keeps what was saved (resume from its last checkpoint with --resume)",
+        file=sys.stderr,
+    )
     raise SystemExit(130)
 
 
@@ -1474,7 +1644,9 @@ def device_name(device):
     if torch.device(device).type == "cuda":
         return torch.cuda.get_device_name(torch.device(device))
     import platform
-    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+
+    cpu = platform.processor() or platform.machine()
+    return f"cpu ({cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
 
 
 def rng_state(sampler):
@@ -1509,8 +1681,10 @@ def setup_distributed(args):
         gpu, visible = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
         gpu = 0 if visible == 1 else gpu  # e.g. a scheduler that gives each process one GPU
         if gpu >= visible:
-            refuse(f"--device {args.device}: local rank {gpu} needs GPU cuda:{gpu}, but this machine shows {visible}; "
-                   f"start at most that many processes per machine (--nproc_per_node)")
+            refuse(
+                f"--device {args.device}: local rank {gpu} needs GPU cuda:{gpu}, but this machine shows {visible}; "
+                f"start at most that many processes per machine (--nproc_per_node)"
+            )
         args.device = f"cuda:{gpu}"
         torch.cuda.set_device(args.device)
     # a long timeout: ranks wait for rank 0's first download or decoding, and for a wave's slowest client
@@ -1547,7 +1721,7 @@ def each_client(clients, weights, train_client, seed, rnd):
     """
     rank, world = rank_and_world()
     for first in range(0, len(clients), world):
-        wave = clients[first:first + world]  # one client per rank; the last wave may leave ranks idle
+        wave = clients[first : first + world]  # one client per rank; the last wave may leave ranks idle
         result = None
         if rank < len(wave):
             torch.manual_seed(client_seed(seed, rnd, wave[rank]))
@@ -1572,11 +1746,13 @@ def _map_leaves(obj, fn):
 
 def _take_tensors(obj, tensors):
     """obj with each tensor moved to the list `tensors` and replaced by its _Slot."""
+
     def take(leaf):
         if not isinstance(leaf, torch.Tensor):
             return leaf
         tensors.append(leaf)
         return _Slot(len(tensors) - 1)
+
     return _map_leaves(obj, take)
 
 
@@ -1604,5 +1780,6 @@ def _broadcast(result, src):
             buf = torch.empty(sum(sizes), dtype=dtype, device=wire)
         dist.broadcast(buf, src=src)
         for i, part in zip(idx, buf.split(sizes)):
-            received[i] = part.view(specs[i][1]).to("cpu" if specs[i][2] == "cpu" else wire).clone()  # not a view of buf
+            # not a view of buf
+            received[i] = part.view(specs[i][1]).to("cpu" if specs[i][2] == "cpu" else wire).clone()
     return result if sender else _put_tensors(layout, received)

@@ -17,12 +17,14 @@ Docs: docs/fedavg.md (usage, logged metrics, results). Choices the paper leaves 
 in its "Implementation details and deviations": SGD momentum 0.9 and weight decay 5e-4 by default,
 crop-and-flip augmentation, batch-norm running statistics averaged like weights.
 """
+
 import argparse
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+# fmt: off
 from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights, decay_rate,
                     device_flag, each_client, evaluate, finish_args, fraction, inner_fraction, load_average, load_data,
                     lr_at, make_partition, non_negative_float, positive_float, positive_int, prepare_batch, prox_term,
@@ -30,48 +32,70 @@ from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, clien
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", default="cifar10", help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | synthetic")
-    g.add_argument("--data-dir", default="./data", help="download folder, or the image folder (train/<class>/*, test/<class>/*) for --dataset folder")
-    g.add_argument("--augment", default="crop-flip", choices=AUGMENTATIONS, help="on-device augmentation of training batches")
+    g.add_argument("--dataset", default="cifar10",
+        help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | synthetic")
+    g.add_argument("--data-dir", default="./data",
+        help="download folder, or the image folder (train/<class>/*, test/<class>/*) for --dataset folder")
+    g.add_argument("--augment", default="crop-flip", choices=AUGMENTATIONS,
+        help="on-device augmentation of training batches")
     g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2)")
     g.add_argument("--iid", action="store_true", help="uniform random split")
-    g.add_argument("--shards", type=positive_int, default=None, help="S: sort by label, N*S shards, S per client (default: S=2, McMahan's pathological non-IID)")
-    g.add_argument("--classes-per-client", type=positive_int, default=None, help="C: each client holds C classes, each class split evenly among its holders")
-    g.add_argument("--alpha", type=positive_float, default=None, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
-    g.add_argument("--split2", action="store_true", help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
-    g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes: equal, or power law (unbalanced)")
-    g.add_argument("--client-test", action="store_true", help="also evaluate on per-client test sets with each client's label distribution")
-    g.add_argument("--data-seed", type=seed_int, default=None, help="seed of the partition (default: --seed); client sampling uses --seed")
+    g.add_argument("--shards", type=positive_int, default=None,
+        help="S: sort by label, N*S shards, S per client (default: S=2, McMahan's pathological non-IID)")
+    g.add_argument("--classes-per-client", type=positive_int, default=None,
+        help="C: each client holds C classes, each class split evenly among its holders")
+    g.add_argument("--alpha", type=positive_float, default=None,
+        help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
+    g.add_argument("--split2", action="store_true",
+        help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
+    g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"],
+        help="client sizes: equal, or power law (unbalanced)")
+    g.add_argument("--client-test", action="store_true",
+        help="also evaluate on per-client test sets with each client's label distribution")
+    g.add_argument("--data-seed", type=seed_int, default=None,
+        help="seed of the partition (default: --seed); client sampling uses --seed")
     g = p.add_argument_group("federation")
     g.add_argument("--num-clients", type=positive_int, default=100, help="K: number of clients")
     g.add_argument("--frac", type=fraction, default=0.1, help="C: fraction of clients sampled per round, in (0, 1]")
     g.add_argument("--rounds", type=positive_int, default=200, help="T: communication rounds")
     g.add_argument("--local-epochs", type=positive_int, default=5, help="E: local epochs per round")
-    g.add_argument("--local-steps", type=positive_int, default=None, help="local SGD steps per round instead of --local-epochs")
+    g.add_argument("--local-steps", type=positive_int, default=None,
+        help="local SGD steps per round instead of --local-epochs")
     g.add_argument("--batch-size", type=positive_int, default=50, help="B: local batch size")
-    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"], help="aggregation weights: n_k/n, or 1/m")
+    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"],
+        help="aggregation weights: n_k/n, or 1/m")
     g = p.add_argument_group("optimization")
     g.add_argument("--model", default="cnn", help="cnn | resnet18 | ... (see common.MODELS)")
     g.add_argument("--lr", type=positive_float, default=0.01, help="eta: local learning rate")
     g.add_argument("--momentum", type=decay_rate, default=0.9, help="local SGD momentum (reset every round)")
     g.add_argument("--weight-decay", type=non_negative_float, default=5e-4, help="local L2 weight decay")
-    g.add_argument("--lr-decay-at", type=inner_fraction, nargs="*", default=[], help="fractions of the run at which lr is multiplied by --lr-decay, e.g. 0.5 0.75")
+    g.add_argument("--lr-decay-at", type=inner_fraction, nargs="*", default=[],
+        help="fractions of the run at which lr is multiplied by --lr-decay, e.g. 0.5 0.75")
     g.add_argument("--lr-decay", type=fraction, default=0.1, help="lr multiplier at each --lr-decay-at")
-    g.add_argument("--prox-mu", type=non_negative_float, default=0.0, help="mu: FedProx proximal term mu/2 ||w - w_t||^2 (0 = FedAvg)")
+    g.add_argument("--prox-mu", type=non_negative_float, default=0.0,
+        help="mu: FedProx proximal term mu/2 ||w - w_t||^2 (0 = FedAvg)")
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=seed_int, default=0, help="seed of model init, client sampling and local shuffling")
-    g.add_argument("--device", type=device_flag, default=None, help="cpu, cuda, cuda:N or mps (default: cuda if available, else cpu)")
+    g.add_argument("--device", type=device_flag, default=None,
+        help="cpu, cuda, cuda:N or mps (default: cuda if available, else cpu)")
     g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
-    g.add_argument("--eval-every", type=positive_int, default=1, help="evaluate every this many rounds (and at the last)")
-    g.add_argument("--checkpoint-every", type=positive_int, default=None, help="write checkpoint.pt every this many rounds (default: at each evaluation)")
+    g.add_argument("--eval-every", type=positive_int, default=1,
+        help="evaluate every this many rounds (and at the last)")
+    g.add_argument("--checkpoint-every", type=positive_int, default=None,
+        help="write checkpoint.pt every this many rounds (default: at each evaluation)")
     g.add_argument("--out", default=None, help="run folder (default runs/fedavg__<dataset>__<seed>__<time>)")
-    g.add_argument("--overwrite", action="store_true", help="replace the run already in --out (without it, such an --out is refused)")
+    g.add_argument("--overwrite", action="store_true",
+        help="replace the run already in --out (without it, such an --out is refused)")
     g.add_argument("--save-model", action="store_true", help="write the final global state_dict to OUT/model.pt")
-    g.add_argument("--resume", default=None, metavar="DIR", help="continue the run in DIR (its config.json is used); with a larger --rounds, extend it")
-    g.add_argument("--stop-after", type=positive_int, default=None, help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
+    g.add_argument("--resume", default=None, metavar="DIR",
+        help="continue the run in DIR (its config.json is used); with a larger --rounds, extend it")
+    g.add_argument("--stop-after", type=positive_int, default=None,
+        help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
     return finish_args(p, p.parse_args(), "fedavg", default_partition=("shards", 2))
+# fmt: on
 
 
 def local_train(model, indices, data, args, lr, global_params):
@@ -127,7 +151,8 @@ if __name__ == "__main__":
             loss = local_train(client, partition.train[k], data, args, lr, [p.detach() for p in model.parameters()])
             return {"loss": loss, "state": client.state_dict()}
 
-        for k, w, out in each_client(clients, weights, train_client, args.seed, rnd):  # own seed per client; torchrun: split over ranks, summed in order
+        # own seed per client; torchrun: split over ranks, summed in order
+        for k, w, out in each_client(clients, weights, train_client, args.seed, rnd):
             train_loss += w * out["loss"]
             accumulate(total, out["state"], w)  # batch-norm running statistics are averaged like weights
         load_average(model, total)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (McMahan et al. 2017, Alg. 1)

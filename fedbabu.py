@@ -7,7 +7,7 @@ client's data and evaluated on that client's test set (Algorithm 2). --train-hea
 code path; --prox-mu gives FedProx(+BABU).
 
 Reproduce (CPU, synthetic data, about a minute; add --train-head for the FedAvg side):
-    python fedbabu.py --dataset synthetic --model convnet4-tiny --num-clients 10 --frac 0.5 --shards 2 --local-epochs 1 --rounds 10
+    python fedbabu.py --dataset synthetic --model convnet4-tiny --num-clients 10 --frac 0.5 --local-epochs 1 --rounds 10
 The paper's settings: CIFAR-100 with MobileNet (Tables 3-6), CIFAR-10 with 4convNet (Appendix F, Table 13):
     python fedbabu.py --dataset cifar100
     python fedbabu.py --dataset cifar10 --model convnet4 --shards 10
@@ -19,12 +19,14 @@ Docs: docs/fedbabu.md. Its "Implementation details and deviations" gives each ch
 the frozen head, the body-only average, Algorithm 2's fine-tuning (the official code's settings), the
 per-client test sets and the "without head" accuracy.
 """
+
 import argparse
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+# fmt: off
 from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights, decay_rate,
                     device_flag, each_client, evaluate, finish_args, fraction, inner_fraction, load_average, load_data,
                     lr_at, make_partition, non_negative_float, non_negative_int, positive_float, positive_int,
@@ -34,57 +36,94 @@ from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, clien
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", default="cifar100", help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | synthetic")  # FedBABU: CIFAR-100
-    g.add_argument("--data-dir", default="./data", help="download folder, or the image folder (train/<class>/*, test/<class>/*) for --dataset folder")
-    g.add_argument("--augment", default="crop-flip", choices=AUGMENTATIONS, help="on-device augmentation of training and fine-tuning batches")  # FedBABU: also fine-tuning
+    g.add_argument("--dataset", default="cifar100",
+        help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | synthetic")  # FedBABU: CIFAR-100
+    g.add_argument("--data-dir", default="./data",
+        help="download folder, or the image folder (train/<class>/*, test/<class>/*) for --dataset folder")
+    g.add_argument("--augment", default="crop-flip", choices=AUGMENTATIONS,
+        help="on-device augmentation of training and fine-tuning batches")  # FedBABU: also fine-tuning
     g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2)")
     g.add_argument("--iid", action="store_true", help="uniform random split")
-    g.add_argument("--shards", type=positive_int, default=None, help="s: sort by label, N*s shards, s per client (default: s=10, the paper's most heterogeneous CIFAR-100 setting)")  # FedBABU: s=10
-    g.add_argument("--classes-per-client", type=positive_int, default=None, help="C: each client holds C classes, each class split evenly among its holders")
-    g.add_argument("--alpha", type=positive_float, default=None, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
-    g.add_argument("--split2", action="store_true", help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
-    g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes: equal, or power law (unbalanced)")
-    g.add_argument("--client-test", action=argparse.BooleanOptionalAction, default=True, help="D_i^ts: per-client test sets with each client's training classes (needed for initial/personalized accuracy)")  # FedBABU: on
-    g.add_argument("--data-seed", type=seed_int, default=None, help="seed of the partition (default: --seed); client sampling uses --seed")
+    g.add_argument("--shards", type=positive_int, default=None,
+        help="s: sort by label, N*s shards, s per client (default: s=10, the paper's most heterogeneous CIFAR-100 "
+             "setting)")  # FedBABU: s=10
+    g.add_argument("--classes-per-client", type=positive_int, default=None,
+        help="C: each client holds C classes, each class split evenly among its holders")
+    g.add_argument("--alpha", type=positive_float, default=None,
+        help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
+    g.add_argument("--split2", action="store_true",
+        help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
+    g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"],
+        help="client sizes: equal, or power law (unbalanced)")
+    g.add_argument("--client-test", action=argparse.BooleanOptionalAction, default=True,
+        help="D_i^ts: per-client test sets with each client's training classes (needed for initial/personalized "
+             "accuracy)")  # FedBABU: on
+    g.add_argument("--data-seed", type=seed_int, default=None,
+        help="seed of the partition (default: --seed); client sampling uses --seed")
     g = p.add_argument_group("federation")
     g.add_argument("--num-clients", type=positive_int, default=100, help="N: number of clients")  # FedBABU: symbol
-    g.add_argument("--frac", type=fraction, default=0.1, help="f: fraction of clients sampled per round, in (0, 1]")  # FedBABU: symbol
-    g.add_argument("--rounds", type=positive_int, default=None, help="K: communication rounds (default: 320 // tau)")  # FedBABU: rounds x tau = 320
-    g.add_argument("--local-epochs", type=positive_int, default=10, help="tau: local epochs per round")  # FedBABU: tau=10
-    g.add_argument("--local-steps", type=positive_int, default=None, help="local SGD steps per round instead of --local-epochs")
-    g.add_argument("--batch-size", type=positive_int, default=50, help="B: local (and fine-tuning) batch size")  # FedBABU: also fine-tuning
-    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"], help="aggregation weights: n_k/n, or 1/m")
+    g.add_argument("--frac", type=fraction, default=0.1,
+        help="f: fraction of clients sampled per round, in (0, 1]")  # FedBABU: symbol
+    g.add_argument("--rounds", type=positive_int, default=None,
+        help="K: communication rounds (default: 320 // tau)")  # FedBABU: rounds x tau = 320
+    g.add_argument("--local-epochs", type=positive_int, default=10,
+        help="tau: local epochs per round")  # FedBABU: tau=10
+    g.add_argument("--local-steps", type=positive_int, default=None,
+        help="local SGD steps per round instead of --local-epochs")
+    g.add_argument("--batch-size", type=positive_int, default=50,
+        help="B: local (and fine-tuning) batch size")  # FedBABU: also fine-tuning
+    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"],
+        help="aggregation weights: n_k/n, or 1/m")
     g = p.add_argument_group("optimization")
-    g.add_argument("--model", default="mobilenet", help="mobilenet | convnet4 | convnet3 | resnet18 | resnet50 | ... (see common.MODELS)")  # FedBABU: MobileNet
+    g.add_argument("--model", default="mobilenet",
+        help="mobilenet | convnet4 | convnet3 | resnet18 | resnet50 | ... (see common.MODELS)")  # FedBABU: MobileNet
     g.add_argument("--lr", type=positive_float, default=0.1, help="local learning rate of the body")  # FedBABU: 0.1
-    g.add_argument("--momentum", type=decay_rate, default=0.9, help="local (and fine-tuning) SGD momentum (reset every round)")  # FedBABU: also fine-tuning (App. D)
-    g.add_argument("--weight-decay", type=non_negative_float, default=0.0, help="local L2 weight decay")  # FedBABU: none
-    g.add_argument("--lr-decay-at", type=inner_fraction, nargs="*", default=[0.5, 0.75], help="fractions of the run at which lr is multiplied by --lr-decay")  # FedBABU: half, three quarters
+    g.add_argument("--momentum", type=decay_rate, default=0.9,
+        help="local (and fine-tuning) SGD momentum (reset every round)")  # FedBABU: also fine-tuning (App. D)
+    g.add_argument("--weight-decay", type=non_negative_float, default=0.0,
+        help="local L2 weight decay")  # FedBABU: none
+    g.add_argument("--lr-decay-at", type=inner_fraction, nargs="*", default=[0.5, 0.75],
+        help="fractions of the run at which lr is multiplied by --lr-decay")  # FedBABU: half, three quarters
     g.add_argument("--lr-decay", type=fraction, default=0.1, help="lr multiplier at each --lr-decay-at")
-    g.add_argument("--prox-mu", type=non_negative_float, default=0.0, help="mu: FedProx proximal term mu/2 ||w - w_t||^2 (0 = FedAvg/FedBABU; Table 7 uses 0.01)")
-    g.add_argument("--train-head", action="store_true", help="also train and aggregate the head theta_cls: plain FedAvg (the paper's baseline)")  # FedBABU
+    g.add_argument("--prox-mu", type=non_negative_float, default=0.0,
+        help="mu: FedProx proximal term mu/2 ||w - w_t||^2 (0 = FedAvg/FedBABU; Table 7 uses 0.01)")
+    g.add_argument("--train-head", action="store_true",
+        help="also train and aggregate the head theta_cls: plain FedAvg (the paper's baseline)")  # FedBABU
     g = p.add_argument_group("personalization (Algorithm 2, run once after the last round)")  # FedBABU
-    g.add_argument("--ft-epochs", type=non_negative_int, default=5, help="tau_f: fine-tuning epochs of the personalized accuracy")  # FedBABU
-    g.add_argument("--ft-lr", type=positive_float, default=1e-3, help="fine-tuning learning rate (the paper gives none; 1e-3 as in the official code)")  # FedBABU
-    g.add_argument("--ft-part", default="full", choices=["full", "body", "head"], help="part updated when fine-tuning (Table 4)")  # FedBABU
-    g.add_argument("--ft-eval-epochs", type=non_negative_int, nargs="*", default=[0, 1, 2, 5, 10], help="fine-tuning epochs at which personalized accuracy is also reported (Table 6; 0 = initial)")  # FedBABU
+    g.add_argument("--ft-epochs", type=non_negative_int, default=5,
+        help="tau_f: fine-tuning epochs of the personalized accuracy")  # FedBABU
+    g.add_argument("--ft-lr", type=positive_float, default=1e-3,
+        help="fine-tuning learning rate (the paper gives none; 1e-3 as in the official code)")  # FedBABU
+    g.add_argument("--ft-part", default="full", choices=["full", "body", "head"],
+        help="part updated when fine-tuning (Table 4)")  # FedBABU
+    g.add_argument("--ft-eval-epochs", type=non_negative_int, nargs="*", default=[0, 1, 2, 5, 10],
+        help="fine-tuning epochs at which personalized accuracy is also reported (Table 6; 0 = initial)")  # FedBABU
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=seed_int, default=0, help="seed of model init, client sampling and local shuffling")
-    g.add_argument("--device", type=device_flag, default=None, help="cpu, cuda, cuda:N or mps (default: cuda if available, else cpu)")
+    g.add_argument("--device", type=device_flag, default=None,
+        help="cpu, cuda, cuda:N or mps (default: cuda if available, else cpu)")
     g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
-    g.add_argument("--eval-every", type=positive_int, default=1, help="evaluate every this many rounds (and at the last)")
-    g.add_argument("--checkpoint-every", type=positive_int, default=None, help="write checkpoint.pt every this many rounds (default: at each evaluation)")
-    g.add_argument("--out", default=None, help="run folder (default runs/fedbabu__<dataset>__<seed>__<time>)")  # FedBABU: name
-    g.add_argument("--overwrite", action="store_true", help="replace the run already in --out (without it, such an --out is refused)")
+    g.add_argument("--eval-every", type=positive_int, default=1,
+        help="evaluate every this many rounds (and at the last)")
+    g.add_argument("--checkpoint-every", type=positive_int, default=None,
+        help="write checkpoint.pt every this many rounds (default: at each evaluation)")
+    g.add_argument("--out", default=None,
+        help="run folder (default runs/fedbabu__<dataset>__<seed>__<time>)")  # FedBABU: name
+    g.add_argument("--overwrite", action="store_true",
+        help="replace the run already in --out (without it, such an --out is refused)")
     g.add_argument("--save-model", action="store_true", help="write the final global state_dict to OUT/model.pt")
-    g.add_argument("--resume", default=None, metavar="DIR", help="continue the run in DIR (its config.json is used); with a larger --rounds, extend it")
-    g.add_argument("--stop-after", type=positive_int, default=None, help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
+    g.add_argument("--resume", default=None, metavar="DIR",
+        help="continue the run in DIR (its config.json is used); with a larger --rounds, extend it")
+    g.add_argument("--stop-after", type=positive_int, default=None,
+        help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
     args = p.parse_args()  # FedBABU
     if args.rounds is None:  # FedBABU: K = 320 / tau (Sec. 3)
         args.rounds = max(320 // args.local_epochs, 1)  # FedBABU
     return finish_args(p, args, "fedbabu", default_partition=("shards", 10))  # FedBABU: s=10
+# fmt: on
 
 
 def aggregate(model, total, train_head=False):  # FedBABU: theta_G,ext^k = sum_i n_i/n theta_i,ext^k (Alg. 1 line 9)
@@ -98,7 +137,8 @@ def aggregate(model, total, train_head=False):  # FedBABU: theta_G,ext^k = sum_i
 
 def local_train(model, indices, data, args, lr, global_params):
     """E epochs (or --local-steps) of SGD on one client; returns the mean training loss (a tensor)."""
-    params = model.parameters() if args.train_head else model.body.parameters()  # FedBABU: head not in the optimizer (Alg. 1 line 16: SGD on theta_ext given theta_cls^0)
+    # FedBABU: head not in the optimizer (Alg. 1 line 16: SGD on theta_ext given theta_cls^0)
+    params = model.parameters() if args.train_head else model.body.parameters()
     opt = torch.optim.SGD(params, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)  # FedBABU: params
     model.train()
     loss_sum = torch.zeros((), device=args.device)
@@ -123,7 +163,7 @@ def body_features(model, x, data, amp=False, batch_size=2000):  # FedBABU
     out = []
     for i in range(0, len(x), batch_size):
         with autocast(x.device, amp):
-            out.append(model.body(prepare_batch(x[i:i + batch_size], data)).float())
+            out.append(model.body(prepare_batch(x[i : i + batch_size], data)).float())
     return torch.cat(out)
 
 
@@ -153,9 +193,10 @@ if __name__ == "__main__":
     seed_everything(args.seed)
     data = load_data(args)
     partition = make_partition(args, data)  # uses its own generator seeded by --data-seed
-    run = Run(args, "fedbabu")  # FedBABU: name
+    run = Run(args, "fedbabu")  # the run folder and the loop's control (bar, checkpoints, stop, resume)
     run.write_partition(partition, data)
-    model = build_model(args.model, data).to(args.device)  # the global model w_t  # FedBABU: its head stays theta_G,cls^0 (Alg. 1 line 1)
+    # the global model w_t; FedBABU: its head stays theta_G,cls^0 (Alg. 1 line 1)
+    model = build_model(args.model, data).to(args.device)
     client = build_model(args.model, data).to(args.device)  # one client model, reloaded for every client
     run.announce(model, partition)  # start-up line: device, model, partition, run folder
     client.head.requires_grad_(args.train_head)  # FedBABU: no gradient for the frozen head
@@ -177,14 +218,17 @@ if __name__ == "__main__":
         train_loss = torch.zeros((), device=args.device)
 
         def train_client(k):  # what client k does this round; returns what the server sums
-            client.load_state_dict(model.state_dict())  # FedBABU: broadcast {theta_G,ext^{k-1}, theta_G,cls^0} (Alg. 1 line 6)
+            # FedBABU: broadcast {theta_G,ext^{k-1}, theta_G,cls^0} (Alg. 1 line 6)
+            client.load_state_dict(model.state_dict())
             loss = local_train(client, partition.train[k], data, args, lr, [p.detach() for p in model.parameters()])
             return {"loss": loss, "state": client.state_dict()}
 
-        for k, w, out in each_client(clients, weights, train_client, args.seed, rnd):  # own seed per client; torchrun: split over ranks, summed in order
+        # own seed per client; torchrun: split over ranks, summed in order
+        for k, w, out in each_client(clients, weights, train_client, args.seed, rnd):
             train_loss += w * out["loss"]
             accumulate(total, out["state"], w)  # batch-norm running statistics are averaged like weights
-        aggregate(model, total, args.train_head)  # FedBABU: theta_G,ext^k = sum_i n_i/n theta_i,ext^k (Alg. 1 line 9); the head stays
+        # FedBABU: theta_G,ext^k = sum_i n_i/n theta_i,ext^k (Alg. 1 line 9); the head stays
+        aggregate(model, total, args.train_head)
         train_loss = run.check_loss(train_loss, rnd)  # NaN or inf: summary.json says diverged, exit
 
         if run.evaluates(rnd):  # every --eval-every rounds and the last
@@ -192,20 +236,45 @@ if __name__ == "__main__":
             acc, loss = evaluate(model, data.x_test, data.y_test, data, amp=args.amp)
             metrics = {"round": rnd + 1, "test_acc": acc, "test_loss": loss, "train_loss": train_loss, "lr": lr}
             if partition.test is not None:
-                accs = [evaluate(model, data.x_test[t], data.y_test[t], data, amp=args.amp)[0] for t in partition.test if len(t)]  # FedBABU: skip empty test sets
-                metrics["client_test_acc_mean"] = float(np.mean(accs))  # FedBABU: the initial accuracy of this round's global model
+                accs = [
+                    evaluate(model, data.x_test[t], data.y_test[t], data, amp=args.amp)[0]
+                    for t in partition.test
+                    if len(t)
+                ]  # FedBABU: skip empty test sets
+                # FedBABU: the initial accuracy of this round's global model
+                metrics["client_test_acc_mean"] = float(np.mean(accs))
             run.log(metrics)
-    summary = {}  # FedBABU: Algorithm 2's results, added to summary.json
-    if partition.test is not None:  # FedBABU: Algorithm 2 on the final global model, every client
+    # FedBABU: Algorithm 2 on the final global model, for every client: fine-tune, then test
+    summary = {}  # FedBABU: its results, added to summary.json
+    if partition.test is not None:  # FedBABU
         nohead = nohead_accuracy(model, data, partition.train, partition.test, args.amp)  # FedBABU: Table 3
-        ft = personalize(client, model.state_dict(), data, partition.train, partition.test, epochs=args.ft_epochs,  # FedBABU: Alg. 2
-                         eval_epochs=[0, *args.ft_eval_epochs], lr=args.ft_lr, part=args.ft_part, batch_size=args.batch_size,  # FedBABU
-                         augment=args.augment, momentum=args.momentum, amp=args.amp)  # FedBABU
-        summary.update(init_acc_mean=ft["acc_mean"][0], init_acc_std=ft["acc_std"][0],  # FedBABU: Alg. 2 lines 5-6
-                       pers_acc_mean=ft["acc_mean"][args.ft_epochs], pers_acc_std=ft["acc_std"][args.ft_epochs],  # FedBABU: lines 7-9, tau_f
-                       nohead_acc_mean=float(np.mean(nohead)), nohead_acc_std=float(np.std(nohead)),  # FedBABU
-                       pers_acc_mean_by_epoch={str(e): a for e, a in ft["acc_mean"].items()},  # FedBABU: Table 6
-                       pers_acc_std_by_epoch={str(e): a for e, a in ft["acc_std"].items()})  # FedBABU
-        print(f"initial {summary['init_acc_mean']:.4f}, personalized ({args.ft_epochs} epochs) {summary['pers_acc_mean']:.4f}, "  # FedBABU
-              f"without head {summary['nohead_acc_mean']:.4f} (means over clients)")  # FedBABU
-    run.finish(model, **summary)  # summary.json: the final round's metrics  # FedBABU: + personalization
+        ft = personalize(  # FedBABU: Alg. 2, accuracy after 0 (initial), tau_f and --ft-eval-epochs epochs
+            client,
+            model.state_dict(),
+            data,
+            partition.train,
+            partition.test,
+            epochs=args.ft_epochs,
+            eval_epochs=[0, *args.ft_eval_epochs],
+            lr=args.ft_lr,
+            part=args.ft_part,
+            batch_size=args.batch_size,
+            augment=args.augment,
+            momentum=args.momentum,
+            amp=args.amp,
+        )
+        summary = {  # FedBABU: Alg. 2 lines 5-6 (initial), 7-9 (personalized after tau_f epochs), Table 6 (speed)
+            "init_acc_mean": ft["acc_mean"][0],
+            "init_acc_std": ft["acc_std"][0],
+            "pers_acc_mean": ft["acc_mean"][args.ft_epochs],
+            "pers_acc_std": ft["acc_std"][args.ft_epochs],
+            "nohead_acc_mean": float(np.mean(nohead)),
+            "nohead_acc_std": float(np.std(nohead)),
+            "pers_acc_mean_by_epoch": {str(e): a for e, a in ft["acc_mean"].items()},
+            "pers_acc_std_by_epoch": {str(e): a for e, a in ft["acc_std"].items()},
+        }
+        print(  # FedBABU
+            f"initial {summary['init_acc_mean']:.4f}, personalized ({args.ft_epochs} epochs) "
+            f"{summary['pers_acc_mean']:.4f}, without head {summary['nohead_acc_mean']:.4f} (means over clients)"
+        )
+    run.finish(model, **summary)  # FedBABU: summary.json also holds the personalization

@@ -18,6 +18,7 @@ at this scale the unit feature's logit bound is the deficit.
 Docs: docs/fedfn.md. Its "Implementation details and deviations" gives each choice with its reason:
 VGG11 without batch norm, no weight decay, the head's bias, SCAFFOLD's momentum step count, FedEXP.
 """
+
 import argparse
 import math
 
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+# fmt: off
 from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights, decay_rate,
                     device_flag, each_client, evaluate, finish_args, fraction, inner_fraction, load_average, load_data,
                     lr_at, make_partition, non_negative_float, non_negative_int, positive_float, positive_int,
@@ -34,60 +36,103 @@ from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, clien
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", default="cifar10", help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | synthetic")
-    g.add_argument("--data-dir", default="./data", help="download folder, or the image folder (train/<class>/*, test/<class>/*) for --dataset folder")
-    g.add_argument("--augment", default="flip", choices=AUGMENTATIONS, help="on-device augmentation of training batches (FedFN B.2: horizontal flip only)")  # FedFN: flip only
+    g.add_argument("--dataset", default="cifar10",
+        help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | synthetic")
+    g.add_argument("--data-dir", default="./data",
+        help="download folder, or the image folder (train/<class>/*, test/<class>/*) for --dataset folder")
+    g.add_argument("--augment", default="flip", choices=AUGMENTATIONS,
+        help="on-device augmentation of training batches (FedFN B.2: horizontal flip only)")  # FedFN: flip only
     g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2)")
     g.add_argument("--iid", action="store_true", help="uniform random split")
-    g.add_argument("--shards", type=positive_int, default=None, help="s: sort by label, N*s shards, s per client (default: s=10; the paper also runs 2, 3, 5)")  # FedFN: s=10
-    g.add_argument("--classes-per-client", type=positive_int, default=None, help="C: each client holds C classes, each class split evenly among its holders")
-    g.add_argument("--alpha", type=positive_float, default=None, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
-    g.add_argument("--split2", action="store_true", help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
-    g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes: equal, or power law (unbalanced)")
-    g.add_argument("--client-test", action="store_true", help="also evaluate on per-client test sets with each client's label distribution")
-    g.add_argument("--data-seed", type=seed_int, default=None, help="seed of the partition (default: --seed); client sampling uses --seed")
+    g.add_argument("--shards", type=positive_int, default=None,
+        help="s: sort by label, N*s shards, s per client (default: s=10; the paper also runs 2, 3, 5)")  # FedFN: s=10
+    g.add_argument("--classes-per-client", type=positive_int, default=None,
+        help="C: each client holds C classes, each class split evenly among its holders")
+    g.add_argument("--alpha", type=positive_float, default=None,
+        help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
+    g.add_argument("--split2", action="store_true",
+        help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
+    g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"],
+        help="client sizes: equal, or power law (unbalanced)")
+    g.add_argument("--client-test", action="store_true",
+        help="also evaluate on per-client test sets with each client's label distribution")
+    g.add_argument("--data-seed", type=seed_int, default=None,
+        help="seed of the partition (default: --seed); client sampling uses --seed")
     g = p.add_argument_group("federation")
-    g.add_argument("--num-clients", type=positive_int, default=100, help="N: number of clients")  # FedFN: the paper's symbols
-    g.add_argument("--frac", type=fraction, default=0.1, help="r: fraction of clients sampled per round, in (0, 1]")  # FedFN: the paper's symbols
+    g.add_argument("--num-clients", type=positive_int, default=100,
+        help="N: number of clients")  # FedFN: the paper's symbols
+    g.add_argument("--frac", type=fraction, default=0.1,
+        help="r: fraction of clients sampled per round, in (0, 1]")  # FedFN: the paper's symbols
     g.add_argument("--rounds", type=positive_int, default=320, help="R: communication rounds")  # FedFN: 320 rounds
-    g.add_argument("--local-epochs", type=positive_int, default=15, help="E: local epochs per round (15 for CIFAR-10, 5 for CIFAR-100)")  # FedFN: E=15
-    g.add_argument("--local-steps", type=positive_int, default=None, help="local SGD steps per round instead of --local-epochs")
+    g.add_argument("--local-epochs", type=positive_int, default=15,
+        help="E: local epochs per round (15 for CIFAR-10, 5 for CIFAR-100)")  # FedFN: E=15
+    g.add_argument("--local-steps", type=positive_int, default=None,
+        help="local SGD steps per round instead of --local-epochs")
     g.add_argument("--batch-size", type=positive_int, default=50, help="B: local batch size")
-    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"], help="aggregation weights: n_k/n, or 1/m")
+    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"],
+        help="aggregation weights: n_k/n, or 1/m")
     g = p.add_argument_group("optimization")
-    g.add_argument("--model", default="vgg11", help="vgg11 | mobilenet | resnet18 | cnn | ... (see common.MODELS)")  # FedFN: VGG11
-    g.add_argument("--lr", type=positive_float, default=0.03, help="eta: initial local learning rate (FN: 0.03 CIFAR-10 VGG11, 0.5 CIFAR-100 MobileNet, 0.1 ResNet18; FedAvg 0.01)")  # FedFN: tuned FN rate
+    g.add_argument("--model", default="vgg11",
+        help="vgg11 | mobilenet | resnet18 | cnn | ... (see common.MODELS)")  # FedFN: VGG11
+    g.add_argument("--lr", type=positive_float, default=0.03,
+        help="eta: initial local learning rate (FN: 0.03 CIFAR-10 VGG11, 0.5 CIFAR-100 MobileNet, 0.1 ResNet18; "
+             "FedAvg 0.01)")  # FedFN: tuned FN rate
     g.add_argument("--momentum", type=decay_rate, default=0.9, help="local SGD momentum (reset every round)")
-    g.add_argument("--weight-decay", type=non_negative_float, default=0.0, help="local L2 weight decay (paper: not stated; FedBABU code: none)")  # FedFN: no weight decay
-    g.add_argument("--lr-decay-at", type=inner_fraction, nargs="*", default=[0.5, 0.75], help="fractions of the run at which lr is multiplied by --lr-decay (B.2: half and three quarters)")  # FedFN: x0.1 at 1/2, 3/4
+    g.add_argument("--weight-decay", type=non_negative_float, default=0.0,
+        help="local L2 weight decay (paper: not stated; FedBABU code: none)")  # FedFN: no weight decay
+    # FedFN: x0.1 at 1/2, 3/4
+    g.add_argument("--lr-decay-at", type=inner_fraction, nargs="*", default=[0.5, 0.75],
+        help="fractions of the run at which lr is multiplied by --lr-decay (B.2: half and three quarters)")
     g.add_argument("--lr-decay", type=fraction, default=0.1, help="lr multiplier at each --lr-decay-at")
-    g.add_argument("--prox-mu", type=non_negative_float, default=0.0, help="mu: FedProx proximal term mu/2 ||w - w_t||^2 (0 = FedAvg)")
+    g.add_argument("--prox-mu", type=non_negative_float, default=0.0,
+        help="mu: FedProx proximal term mu/2 ||w - w_t||^2 (0 = FedAvg)")
     g = p.add_argument_group("FedFN")  # FedFN: the method's flags
-    g.add_argument("--no-fn", dest="fn", action="store_false", help="logits theta_cls f instead of theta_cls f/||f||_2 (FedAvg on this code path)")  # FedFN
-    g.add_argument("--fn-scale", type=fn_scale, default=1.0, help="s in z = theta_cls (s f/||f||_2): 1 is the paper's FedFN; a number, or sqrt-d for s = sqrt(d) (FedLN's FN, fedln.py)")  # FedFN: our control, not in the paper
-    g.add_argument("--fr-mu", type=non_negative_float, default=0.0, help="mu of Eq. (1): + mu ||f(x)||_2 on the local loss (FedFR, App. D.6; 0.005 there, use with --no-fn)")  # FedFN: Eq. (1)
-    g.add_argument("--agg", default="fedavg", choices=["fedavg", "scaffold", "fedexp"], help="server algorithm FN is combined with (Table 2)")  # FedFN
-    g.add_argument("--fedexp-eps", type=positive_float, default=1e-3, help="epsilon of FedEXP's server step size (Jhunjhunwala et al. 2023)")  # FedFN
-    g.add_argument("--ft-epochs", type=non_negative_int, default=0, help="FedFN-FT: fine-tune the final model this many epochs per client (App. D.3: 5; needs --client-test)")  # FedFN: FedFN-FT
-    g.add_argument("--ft-lr", type=positive_float, default=None, help="FedFN-FT fine-tuning lr (default: 0.1 x --lr, Table 9)")  # FedFN: FedFN-FT
-    g.add_argument("--analyze", nargs="?", const="final", default=None, choices=["final", "every"], help="four factors (Sec. 3.1, B.3) + mean feature norm on the test set: at the final evaluation, or at every one")  # FedFN
+    g.add_argument("--no-fn", dest="fn", action="store_false",
+        help="logits theta_cls f instead of theta_cls f/||f||_2 (FedAvg on this code path)")  # FedFN
+    g.add_argument("--fn-scale", type=fn_scale, default=1.0,
+        help="s in z = theta_cls (s f/||f||_2): 1 is the paper's FedFN; a number, or sqrt-d for s = sqrt(d) (FedLN's "
+             "FN, fedln.py)")  # FedFN: our control, not in the paper
+    # FedFN: Eq. (1)
+    g.add_argument("--fr-mu", type=non_negative_float, default=0.0,
+        help="mu of Eq. (1): + mu ||f(x)||_2 on the local loss (FedFR, App. D.6; 0.005 there, use with --no-fn)")
+    g.add_argument("--agg", default="fedavg", choices=["fedavg", "scaffold", "fedexp"],
+        help="server algorithm FN is combined with (Table 2)")  # FedFN
+    g.add_argument("--fedexp-eps", type=positive_float, default=1e-3,
+        help="epsilon of FedEXP's server step size (Jhunjhunwala et al. 2023)")  # FedFN
+    # FedFN: FedFN-FT
+    g.add_argument("--ft-epochs", type=non_negative_int, default=0,
+        help="FedFN-FT: fine-tune the final model this many epochs per client (App. D.3: 5; needs --client-test)")
+    g.add_argument("--ft-lr", type=positive_float, default=None,
+        help="FedFN-FT fine-tuning lr (default: 0.1 x --lr, Table 9)")  # FedFN: FedFN-FT
+    g.add_argument("--analyze", nargs="?", const="final", default=None, choices=["final", "every"],
+        help="four factors (Sec. 3.1, B.3) + mean feature norm on the test set: at the final evaluation, or at every "
+             "one")  # FedFN
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=seed_int, default=0, help="seed of model init, client sampling and local shuffling")
-    g.add_argument("--device", type=device_flag, default=None, help="cpu, cuda, cuda:N or mps (default: cuda if available, else cpu)")
+    g.add_argument("--device", type=device_flag, default=None,
+        help="cpu, cuda, cuda:N or mps (default: cuda if available, else cpu)")
     g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
-    g.add_argument("--eval-every", type=positive_int, default=1, help="evaluate every this many rounds (and at the last)")
-    g.add_argument("--checkpoint-every", type=positive_int, default=None, help="write checkpoint.pt every this many rounds (default: at each evaluation; with --agg scaffold it holds every client's c_i)")  # FedFN
+    g.add_argument("--eval-every", type=positive_int, default=1,
+        help="evaluate every this many rounds (and at the last)")
+    g.add_argument("--checkpoint-every", type=positive_int, default=None,
+        help="write checkpoint.pt every this many rounds (default: at each evaluation; with --agg scaffold it holds "
+             "every client's c_i)")  # FedFN
     g.add_argument("--out", default=None, help="run folder (default runs/fedfn__<dataset>__<seed>__<time>)")  # FedFN
-    g.add_argument("--overwrite", action="store_true", help="replace the run already in --out (without it, such an --out is refused)")
+    g.add_argument("--overwrite", action="store_true",
+        help="replace the run already in --out (without it, such an --out is refused)")
     g.add_argument("--save-model", action="store_true", help="write the final global state_dict to OUT/model.pt")
-    g.add_argument("--resume", default=None, metavar="DIR", help="continue the run in DIR (its config.json is used); with a larger --rounds, extend it")
-    g.add_argument("--stop-after", type=positive_int, default=None, help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
+    g.add_argument("--resume", default=None, metavar="DIR",
+        help="continue the run in DIR (its config.json is used); with a larger --rounds, extend it")
+    g.add_argument("--stop-after", type=positive_int, default=None,
+        help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
     args = p.parse_args()  # FedFN: check the method's flags first
     if args.ft_epochs > 0 and not args.client_test:
         p.error("--ft-epochs: FedFN-FT needs --client-test (per-client test sets)")
     return finish_args(p, args, "fedfn", default_partition=("shards", 10))  # FedFN: s=10 (Table 1)
+# fmt: on
 
 
 def fn_scale(value):  # FedFN: --fn-scale
@@ -148,7 +193,7 @@ def effective_steps(steps, momentum):  # FedFN: SCAFFOLD with heavy-ball momentu
         return float(steps)
     if momentum == 1:  # the limit of the formula: 1 + 2 + ... + K (torch's SGD accepts momentum 1)
         return steps * (steps + 1) / 2
-    return (steps - momentum * (1 - momentum ** steps) / (1 - momentum)) / (1 - momentum)
+    return (steps - momentum * (1 - momentum**steps) / (1 - momentum)) / (1 - momentum)
 
 
 def scaffold_correction(c, c_i):  # FedFN: SCAFFOLD, y_i <- y_i - eta_l (g_i(y_i) - c_i + c)
@@ -207,17 +252,24 @@ def four_factors(weight, feats, labels, num_classes, fn=True):  # FedFN: Section
     protos = F.normalize(torch.stack([head_in[labels == c].mean(0) for c in classes]), dim=1)
     off = lambda m: m[~torch.eye(len(m), dtype=torch.bool, device=m.device)].mean()
     intra = [(F.normalize(feats[labels == c], dim=1) @ protos[i]).mean() for i, c in enumerate(classes)]
-    return {"weight_sim": float(off(w @ w.T)), "inter_class_sim": float(off(protos @ protos.T)),
-            "intra_class_sim": float(torch.stack(intra).mean()),
-            "proto_weight_align": float((w[classes] * protos).sum(1).mean()),
-            "feature_norm": float(feats.norm(dim=1).mean())}
+    return {
+        "weight_sim": float(off(w @ w.T)),
+        "inter_class_sim": float(off(protos @ protos.T)),
+        "intra_class_sim": float(torch.stack(intra).mean()),
+        "proto_weight_align": float((w[classes] * protos).sum(1).mean()),
+        "feature_norm": float(feats.norm(dim=1).mean()),
+    }
 
 
 @torch.no_grad()
 def analyze(model, data, args, batch_size=2000):  # FedFN: the four factors of the global model on D_test
     model.eval()
-    feats = torch.cat([fn_forward(model, prepare_batch(data.x_test[i:i + batch_size], data), args.fn, args.fn_scale)[1].float()
-                       for i in range(0, len(data.x_test), batch_size)])
+    feats = torch.cat(
+        [
+            fn_forward(model, prepare_batch(data.x_test[i : i + batch_size], data), args.fn, args.fn_scale)[1].float()
+            for i in range(0, len(data.x_test), batch_size)
+        ]
+    )
     return four_factors(model.head.weight, feats, data.y_test, data.num_classes, args.fn)
 
 
@@ -227,7 +279,7 @@ if __name__ == "__main__":
     seed_everything(args.seed)
     data = load_data(args)
     partition = make_partition(args, data)  # uses its own generator seeded by --data-seed
-    run = Run(args, "fedfn")  # FedFN
+    run = Run(args, "fedfn")  # the run folder and the loop's control (bar, checkpoints, stop, resume)
     run.write_partition(partition, data)
     model = build_model(args.model, data).to(args.device)  # the global model w_t
     client = build_model(args.model, data).to(args.device)  # one client model, reloaded for every client
@@ -259,15 +311,18 @@ if __name__ == "__main__":
         x_old = [w.detach().clone() for w in model.parameters()]  # FedFN: w_t, for SCAFFOLD / FedEXP
         delta_c_sum = [torch.zeros_like(w) for w in x_old] if scaffold else None  # FedFN
         sq_norm_mean = torch.zeros((), device=args.device)  # FedFN: FedEXP sum_i p_i ||Delta_i||^2
-        c_of = lambda k: c_local.get(k, [torch.zeros_like(v) for v in x_old])  # FedFN: SCAFFOLD c_i (0 until client i trains)
+        # FedFN: SCAFFOLD c_i (0 until client i trains)
+        c_of = lambda k: c_local.get(k, [torch.zeros_like(v) for v in x_old])
 
         def train_client(k):  # what client k does this round; returns what the server sums
             client.load_state_dict(model.state_dict())
             correction = scaffold_correction(c_global, c_of(k)) if scaffold else None  # FedFN: c - c_i
-            loss, steps = local_train(client, partition.train[k], data, args, lr, x_old, correction)  # FedFN: x_old = detached w_t
+            # FedFN: x_old = detached w_t
+            loss, steps = local_train(client, partition.train[k], data, args, lr, x_old, correction)
             return {"loss": loss, "state": client.state_dict(), "steps": steps}  # FedFN: + steps
 
-        for k, w, out in each_client(clients, weights, train_client, args.seed, rnd):  # own seed per client; torchrun: split over ranks, summed in order
+        # own seed per client; torchrun: split over ranks, summed in order
+        for k, w, out in each_client(clients, weights, train_client, args.seed, rnd):
             train_loss += w * out["loss"]
             y = [out["state"][n] for n in param_names]  # FedFN: y_i
             if scaffold:  # FedFN: c_i+ (option II) and the server's sum of delta c_i
@@ -295,7 +350,9 @@ if __name__ == "__main__":
             acc, loss = evaluate(forward, data.x_test, data.y_test, data, amp=args.amp)  # FedFN
             metrics = {"round": rnd + 1, "test_acc": acc, "test_loss": loss, "train_loss": train_loss, "lr": lr}
             if partition.test is not None:
-                accs = [evaluate(forward, data.x_test[t], data.y_test[t], data, amp=args.amp)[0] for t in partition.test]  # FedFN
+                accs = [
+                    evaluate(forward, data.x_test[t], data.y_test[t], data, amp=args.amp)[0] for t in partition.test
+                ]  # FedFN
                 metrics["client_test_acc_mean"] = float(np.mean(accs))
             if fedexp:  # FedFN
                 metrics["server_lr"] = eta_g
@@ -306,12 +363,28 @@ if __name__ == "__main__":
     final = {}  # FedFN: FedFN-FT's results, added to summary.json
     if args.ft_epochs > 0:  # FedFN: FedFN-FT (App. D.3): fine-tune the final model on each client, FN kept
         ft_lr = args.ft_lr if args.ft_lr is not None else 0.1 * args.lr
-        res = personalize(client, model.state_dict(), data, partition.train,
-                          partition.test, epochs=args.ft_epochs, eval_epochs=[0], lr=ft_lr, part="full",
-                          batch_size=args.batch_size, augment=args.augment, momentum=args.momentum,
-                          amp=args.amp, forward=lambda m, x: fn_forward(m, x, args.fn, args.fn_scale)[0])
-        final.update(ft_acc_mean=res["acc_mean"][args.ft_epochs], ft_acc_std=res["acc_std"][args.ft_epochs],
-                     ft_lr=ft_lr, ft_acc_mean_before=res["acc_mean"][0])
-    run.finish(model, **final)  # summary.json: the final round's metrics  # FedFN: + FedFN-FT
+        res = personalize(
+            client,
+            model.state_dict(),
+            data,
+            partition.train,
+            partition.test,
+            epochs=args.ft_epochs,
+            eval_epochs=[0],
+            lr=ft_lr,
+            part="full",
+            batch_size=args.batch_size,
+            augment=args.augment,
+            momentum=args.momentum,
+            amp=args.amp,
+            forward=lambda m, x: fn_forward(m, x, args.fn, args.fn_scale)[0],
+        )
+        final.update(
+            ft_acc_mean=res["acc_mean"][args.ft_epochs],
+            ft_acc_std=res["acc_std"][args.ft_epochs],
+            ft_lr=ft_lr,
+            ft_acc_mean_before=res["acc_mean"][0],
+        )
+    run.finish(model, **final)  # FedFN: summary.json also holds FedFN-FT
     if args.ft_epochs > 0:  # FedFN
         print(f"FedFN-FT personalized accuracy {final['ft_acc_mean']:.4f} +- {final['ft_acc_std']:.4f}")

@@ -19,6 +19,7 @@ Docs: docs/fedln.md, with the commands of Tables 1-4 and 10. Its "Implementation
 deviations" gives each choice with its reason: where the norms sit, Table 7's CNN, FN's sqrt(d) scale
 against fedfn.py's unit norm, SCAFFOLD, FedYogi, FedProx and Figure 3's measurements.
 """
+
 import argparse
 import math  # FedLN: sqrt(d) of ScaleNorm
 
@@ -27,6 +28,7 @@ import torch
 import torch.nn as nn  # FedLN: nn.Sequential to append FeatureNorm
 import torch.nn.functional as F
 
+# fmt: off
 from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights, decay_rate,
                     device_flag, each_client, evaluate, finish_args, fraction, inner_fraction, load_average, load_data,
                     lr_at, make_partition, non_negative_float, non_negative_int, positive_float, positive_int,
@@ -38,68 +40,118 @@ NORM_MODELS = ("normcnn", "resnet18", "resnet50")  # FedLN: models with normaliz
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", default="cifar10", help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | synthetic")
-    g.add_argument("--data-dir", default="./data", help="download folder, or the image folder (train/<class>/*, test/<class>/*) for --dataset folder")
-    g.add_argument("--augment", default="crop-flip", choices=AUGMENTATIONS, help="on-device augmentation of training batches")
+    g.add_argument("--dataset", default="cifar10",
+        help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | synthetic")
+    g.add_argument("--data-dir", default="./data",
+        help="download folder, or the image folder (train/<class>/*, test/<class>/*) for --dataset folder")
+    g.add_argument("--augment", default="crop-flip", choices=AUGMENTATIONS,
+        help="on-device augmentation of training batches")
     g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2)")
     g.add_argument("--iid", action="store_true", help="uniform random split")
-    g.add_argument("--shards", type=positive_int, default=None, help="S: sort by label, N*S shards, S per client")  # FedLN: not the default
-    g.add_argument("--classes-per-client", type=positive_int, default=None, help="n: each client holds n classes, each class split evenly among its holders (default: n=1, the paper's '1 class')")  # FedLN: default 1
-    g.add_argument("--alpha", type=positive_float, default=None, help="beta: Dirichlet label skew Dir(beta) (Hsu et al. 2019; the paper's Dir(0.1))")  # FedLN: paper's symbol
-    g.add_argument("--split2", action="store_true", help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
-    g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes: equal, or power law (unbalanced)")
-    g.add_argument("--client-test", action="store_true", help="also evaluate on per-client test sets with each client's label distribution")
-    g.add_argument("--data-seed", type=seed_int, default=None, help="seed of the partition (default: --seed); client sampling uses --seed")
+    g.add_argument("--shards", type=positive_int, default=None,
+        help="S: sort by label, N*S shards, S per client")  # FedLN: not the default
+    g.add_argument("--classes-per-client", type=positive_int, default=None,
+        help="n: each client holds n classes, each class split evenly among its holders (default: n=1, the paper's '1"
+             " class')")  # FedLN: default 1
+    g.add_argument("--alpha", type=positive_float, default=None,
+        help="beta: Dirichlet label skew Dir(beta) (Hsu et al. 2019; the paper's Dir(0.1))")  # FedLN: paper's symbol
+    g.add_argument("--split2", action="store_true",
+        help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
+    g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"],
+        help="client sizes: equal, or power law (unbalanced)")
+    g.add_argument("--client-test", action="store_true",
+        help="also evaluate on per-client test sets with each client's label distribution")
+    g.add_argument("--data-seed", type=seed_int, default=None,
+        help="seed of the partition (default: --seed); client sampling uses --seed")
     g = p.add_argument_group("federation")
     g.add_argument("--num-clients", type=positive_int, default=10, help="K: number of clients")  # FedLN: 10 (Table 8)
-    g.add_argument("--frac", type=fraction, default=1.0, help="fraction of clients sampled per round, in (0, 1] (paper: all)")  # FedLN: full participation
-    g.add_argument("--rounds", type=positive_int, default=10000, help="T: communication rounds (Appendix C.3)")  # FedLN: 10,000
-    g.add_argument("--local-steps", type=positive_int, default=10, help="E: local SGD steps (batches) per round (Appendix C.3)")  # FedLN: steps, not epochs
+    g.add_argument("--frac", type=fraction, default=1.0,
+        help="fraction of clients sampled per round, in (0, 1] (paper: all)")  # FedLN: full participation
+    g.add_argument("--rounds", type=positive_int, default=10000,
+        help="T: communication rounds (Appendix C.3)")  # FedLN: 10,000
+    g.add_argument("--local-steps", type=positive_int, default=10,
+        help="E: local SGD steps (batches) per round (Appendix C.3)")  # FedLN: steps, not epochs
     g.add_argument("--batch-size", type=positive_int, default=32, help="B: local batch size (Table 9)")  # FedLN: 32
-    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"], help="aggregation weights: m_k/m (Eq. 1), or 1/|S|")  # FedLN: paper's symbols
+    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"],
+        help="aggregation weights: m_k/m (Eq. 1), or 1/|S|")  # FedLN: paper's symbols
     g = p.add_argument_group("optimization")
-    g.add_argument("--model", default="normcnn", help="normcnn (Table 7) | resnet18 (Appendix C.1) | cnn | ... (see common.MODELS)")  # FedLN: Table 7 CNN
-    g.add_argument("--width", type=positive_int, default=64, help="channels of normcnn's convolutions (Table 7: 64) or resnet18's first stage (64)")  # FedLN: narrow models for tests
-    g.add_argument("--lr", type=positive_float, default=0.01, help="eta_l: local learning rate (Table 9)")  # FedLN: paper's symbol
-    g.add_argument("--momentum", type=decay_rate, default=0.0, help="local SGD momentum (reset every round; paper: none)")  # FedLN: plain SGD
-    g.add_argument("--weight-decay", type=non_negative_float, default=0.0, help="local L2 weight decay (paper: none)")  # FedLN: none
-    g.add_argument("--lr-decay-at", type=inner_fraction, nargs="*", default=[], help="fractions of the run at which lr is multiplied by --lr-decay, e.g. 0.5 0.75")
+    g.add_argument("--model", default="normcnn",
+        help="normcnn (Table 7) | resnet18 (Appendix C.1) | cnn | ... (see common.MODELS)")  # FedLN: Table 7 CNN
+    # FedLN: narrow models for tests
+    g.add_argument("--width", type=positive_int, default=64,
+        help="channels of normcnn's convolutions (Table 7: 64) or resnet18's first stage (64)")
+    g.add_argument("--lr", type=positive_float, default=0.01,
+        help="eta_l: local learning rate (Table 9)")  # FedLN: paper's symbol
+    g.add_argument("--momentum", type=decay_rate, default=0.0,
+        help="local SGD momentum (reset every round; paper: none)")  # FedLN: plain SGD
+    g.add_argument("--weight-decay", type=non_negative_float, default=0.0,
+        help="local L2 weight decay (paper: none)")  # FedLN: none
+    g.add_argument("--lr-decay-at", type=inner_fraction, nargs="*", default=[],
+        help="fractions of the run at which lr is multiplied by --lr-decay, e.g. 0.5 0.75")
     g.add_argument("--lr-decay", type=fraction, default=0.1, help="lr multiplier at each --lr-decay-at")
-    g.add_argument("--prox-mu", type=non_negative_float, default=None, help="mu: FedProx proximal term mu/2 ||w - w_t||^2 of --agg fedprox (default there: 0.01, Appendix C.4); with another --agg it is refused (exit 2), never ignored")  # FedLN: --agg fedprox's mu
+    g.add_argument("--prox-mu", type=non_negative_float, default=None,
+        help="mu: FedProx proximal term mu/2 ||w - w_t||^2 of --agg fedprox (default there: 0.01, Appendix C.4); with"
+             " another --agg it is refused (exit 2), never ignored")  # FedLN: --agg fedprox's mu
     g = p.add_argument_group("FedLN: normalization and aggregation")  # FedLN: the method's flags
-    g.add_argument("--norm", default="ln", choices=["none", "ln", "fn", "gn", "bn", "fn-each", "ln-last"], help="ln: layer norm after each activation (FedLN, Table 3 n^L_MV); fn: n(z) = sqrt(d) z / max(eps, ||z||) on the last feature (FedFN, Eq. 7, Table 3 n 1^{L-1}); gn: group norm; bn: batch norm; none: vanilla; normcnn only: fn-each: n after each activation (Table 3 n^L), ln-last: mean shift s after each activation, layer norm after the last (Table 3 / 4 n_MV s^{L-1}, Prop. 2)")  # FedLN
-    g.add_argument("--ln-affine", action=argparse.BooleanOptionalAction, default=True, help="gamma, beta of ln/gn/bn: learnable (Table 6 'learnable') or static; normcnn only")  # FedLN
-    g.add_argument("--norm-before-act", action="store_true", help="normalize before each ReLU instead of after (Table 6 'before'; for resnet18: the standard conv-norm-ReLU ResNet)")  # FedLN
-    g.add_argument("--agg", default="fedavg", choices=["fedavg", "fedprox", "scaffold", "fedyogi"], help="FedAvg; FedProx (--prox-mu); SCAFFOLD (Option II); FedYogi (server Yogi on the mean update)")  # FedLN
-    g.add_argument("--server-lr", type=positive_float, default=0.01, help="eta: FedYogi server learning rate (Appendix C.4)")  # FedLN
+    g.add_argument("--norm", default="ln", choices=["none", "ln", "fn", "gn", "bn", "fn-each", "ln-last"],
+        help="ln: layer norm after each activation (FedLN, Table 3 n^L_MV); fn: n(z) = sqrt(d) z / max(eps, ||z||) on"
+             " the last feature (FedFN, Eq. 7, Table 3 n 1^{L-1}); gn: group norm; bn: batch norm; none: vanilla; "
+             "normcnn only: fn-each: n after each activation (Table 3 n^L), ln-last: mean shift s after each "
+             "activation, layer norm after the last (Table 3 / 4 n_MV s^{L-1}, Prop. 2)")  # FedLN
+    g.add_argument("--ln-affine", action=argparse.BooleanOptionalAction, default=True,
+        help="gamma, beta of ln/gn/bn: learnable (Table 6 'learnable') or static; normcnn only")  # FedLN
+    g.add_argument("--norm-before-act", action="store_true",
+        help="normalize before each ReLU instead of after (Table 6 'before'; for resnet18: the standard "
+             "conv-norm-ReLU ResNet)")  # FedLN
+    g.add_argument("--agg", default="fedavg", choices=["fedavg", "fedprox", "scaffold", "fedyogi"],
+        help="FedAvg; FedProx (--prox-mu); SCAFFOLD (Option II); FedYogi (server Yogi on the mean update)")  # FedLN
+    g.add_argument("--server-lr", type=positive_float, default=0.01,
+        help="eta: FedYogi server learning rate (Appendix C.4)")  # FedLN
     g.add_argument("--yogi-beta1", type=decay_rate, default=0.9, help="beta_1: FedYogi first-moment decay")  # FedLN
     g.add_argument("--yogi-beta2", type=decay_rate, default=0.99, help="beta_2: FedYogi second-moment decay")  # FedLN
-    g.add_argument("--yogi-tau", type=positive_float, default=1e-3, help="tau: FedYogi adaptivity (added to sqrt(v))")  # FedLN
-    g.add_argument("--yogi-v0", type=non_negative_float, default=1e-6, help="v_0: FedYogi initial second moment (Appendix C.4)")  # FedLN
-    g.add_argument("--track-singular-values", action="store_true", help="log the singular values of the feature matrix [g(x_1)..g(x_20)] of 20 fixed test images of different classes at each evaluation (feature collapse, Figure 3 right: the global model)")  # FedLN
-    g.add_argument("--overfit-client", type=non_negative_int, default=None, metavar="K", help="Figure 3 left panels (Appendix D): train client K alone (every round samples only K, so the logged model is its local model) and log at each evaluation ||w_c|| per class, ||g(x)|| of 20 of its training images, and the singular values of 20 test images of different classes")  # FedLN
+    g.add_argument("--yogi-tau", type=positive_float, default=1e-3,
+        help="tau: FedYogi adaptivity (added to sqrt(v))")  # FedLN
+    g.add_argument("--yogi-v0", type=non_negative_float, default=1e-6,
+        help="v_0: FedYogi initial second moment (Appendix C.4)")  # FedLN
+    g.add_argument("--track-singular-values", action="store_true",
+        help="log the singular values of the feature matrix [g(x_1)..g(x_20)] of 20 fixed test images of different "
+             "classes at each evaluation (feature collapse, Figure 3 right: the global model)")  # FedLN
+    g.add_argument("--overfit-client", type=non_negative_int, default=None, metavar="K",
+        help="Figure 3 left panels (Appendix D): train client K alone (every round samples only K, so the logged "
+             "model is its local model) and log at each evaluation ||w_c|| per class, ||g(x)|| of 20 of its training "
+             "images, and the singular values of 20 test images of different classes")  # FedLN
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=seed_int, default=0, help="seed of model init, client sampling and local shuffling")
-    g.add_argument("--device", type=device_flag, default=None, help="cpu, cuda, cuda:N or mps (default: cuda if available, else cpu)")
+    g.add_argument("--device", type=device_flag, default=None,
+        help="cpu, cuda, cuda:N or mps (default: cuda if available, else cpu)")
     g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
-    g.add_argument("--eval-every", type=positive_int, default=100, help="evaluate every this many rounds (and at the last)")  # FedLN: 100
-    g.add_argument("--checkpoint-every", type=positive_int, default=None, help="write checkpoint.pt every this many rounds (default: at each evaluation)")
+    g.add_argument("--eval-every", type=positive_int, default=100,
+        help="evaluate every this many rounds (and at the last)")  # FedLN: 100
+    g.add_argument("--checkpoint-every", type=positive_int, default=None,
+        help="write checkpoint.pt every this many rounds (default: at each evaluation)")
     g.add_argument("--out", default=None, help="run folder (default runs/fedln__<dataset>__<seed>__<time>)")  # FedLN
-    g.add_argument("--overwrite", action="store_true", help="replace the run already in --out (without it, such an --out is refused)")
+    g.add_argument("--overwrite", action="store_true",
+        help="replace the run already in --out (without it, such an --out is refused)")
     g.add_argument("--save-model", action="store_true", help="write the final global state_dict to OUT/model.pt")
-    g.add_argument("--resume", default=None, metavar="DIR", help="continue the run in DIR (its config.json is used); with a larger --rounds, extend it")
-    g.add_argument("--stop-after", type=positive_int, default=None, help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
-    args = finish_args(p, p.parse_args(), "fedln", default_partition=("classes_per_client", 1))  # FedLN: 1 class per client
+    g.add_argument("--resume", default=None, metavar="DIR",
+        help="continue the run in DIR (its config.json is used); with a larger --rounds, extend it")
+    g.add_argument("--stop-after", type=positive_int, default=None,
+        help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
+    # FedLN: 1 class per client
+    args = finish_args(p, p.parse_args(), "fedln", default_partition=("classes_per_client", 1))
     if args.norm in ("ln", "gn", "bn") and args.model not in NORM_MODELS:  # FedLN: --model cnn has no slots
-        p.error(f"--norm: {args.norm} needs a model with normalization slots ({', '.join(NORM_MODELS)}), not {args.model}")  # FedLN
+        p.error(f"--norm: {args.norm} needs a model with normalization slots ({', '.join(NORM_MODELS)}), "
+                f"not {args.model}")  # FedLN
     if args.norm in ("fn-each", "ln-last") and args.model != "normcnn":  # FedLN: Table 3's variants of the Table 7 CNN
         p.error(f"--norm: {args.norm} is defined for --model normcnn only, not {args.model}")  # FedLN
     if not args.ln_affine and args.model != "normcnn":  # FedLN
         p.error("--no-ln-affine: only normcnn has static normalization layers")  # FedLN
     if args.prox_mu and args.agg != "fedprox" and not args.resume:  # FedLN: --prox-mu is never silently ignored
-        p.error(f"--prox-mu: the proximal term belongs to --agg fedprox, not --agg {args.agg}; add --agg fedprox or drop --prox-mu")  # FedLN
+        p.error(f"--prox-mu: the proximal term belongs to --agg fedprox, not --agg {args.agg}; "
+                "add --agg fedprox or drop --prox-mu")  # FedLN
     if args.agg == "fedprox":  # FedLN: mu = 0.01 unless given (Appendix C.4)
         args.prox_mu = 0.01 if args.prox_mu is None else args.prox_mu  # FedLN
         if args.prox_mu <= 0:  # FedLN
@@ -108,10 +160,12 @@ def parse_args():
         args.prox_mu = 0.0  # FedLN
     if args.overfit_client is not None:  # FedLN: Figure 3 left, client K alone
         if not 0 <= args.overfit_client < args.num_clients:
-            p.error(f"--overfit-client: K must be in 0..{args.num_clients - 1} (--num-clients {args.num_clients}), got {args.overfit_client}")  # FedLN
+            p.error(f"--overfit-client: K must be in 0..{args.num_clients - 1} (--num-clients {args.num_clients}), "
+                    f"got {args.overfit_client}")  # FedLN
         if args.agg != "fedavg":
             p.error(f"--overfit-client: trains one client alone, which needs --agg fedavg, not {args.agg}")  # FedLN
-    return args  # FedLN
+    return args
+# fmt: on
 
 
 class ScaleNorm(nn.Module):
@@ -140,7 +194,9 @@ def build(args, data):
     ln-last (normcnn) refill the Table 7 CNN's three LN slots: n in each (Table 3 n^L), or s in the first
     two and the LN kept in the last (n_MV s^{L-1}, Prop. 2 / Eq. 8)."""
     base = {"fn": "none", "fn-each": "ln", "ln-last": "ln"}.get(args.norm, args.norm)
-    model = build_model(args.model, data, norm=base, ln_affine=args.ln_affine, norm_after_act=not args.norm_before_act, width=args.width)
+    model = build_model(
+        args.model, data, norm=base, ln_affine=args.ln_affine, norm_after_act=not args.norm_before_act, width=args.width
+    )
     if args.norm == "fn":  # g(x) = n(vanilla body(x)): scale-normalizing the last feature only (Prop. 1, Eq. 7)
         model.body = nn.Sequential(model.body, FeatureNorm(eps=1e-5))
     if args.norm in ("fn-each", "ln-last"):  # Table 3: the slots are the GroupNorm(1, C) layers of --norm ln
@@ -161,11 +217,12 @@ def local_train(model, indices, data, args, lr, global_params, correction=None):
         x, y = prepare_batch(data.x_train[batch], data, args.augment), data.y_train[batch]
         with autocast(args.device, args.amp):
             loss = F.cross_entropy(model(x).float(), y)
-        if args.agg == "fedprox":  # FedProx: + mu/2 ||w - w_t||^2 (Li et al. 2020, Eq. 2)  # FedLN: --agg
+        if args.agg == "fedprox":  # FedLN: --agg fedprox: + mu/2 ||w - w_t||^2 (Li et al. 2020, Eq. 2)
             loss = loss + prox_term(model.parameters(), global_params, args.prox_mu)  # FedLN: a tested function
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        if correction is not None:  # FedLN: SCAFFOLD y <- y - eta_l (g(y) - c_k + c) (Karimireddy et al., Alg. 1, local step)
+        # FedLN: SCAFFOLD y <- y - eta_l (g(y) - c_k + c) (Karimireddy et al., Alg. 1, local step)
+        if correction is not None:
             for w, c in zip(model.parameters(), correction):
                 w.grad.add_(c)
         opt.step()
@@ -217,8 +274,10 @@ def figure3_images(labels, n, seed):
     classes"): the classes in turn (2 of each of 10), each class's images in an order drawn by a private generator."""
     g = torch.Generator().manual_seed(seed)
     labels = labels.cpu()
-    pools = [idx[torch.randperm(len(idx), generator=g)] for idx in
-             (torch.nonzero(labels == c).flatten() for c in labels.unique().tolist())]
+    pools = [
+        idx[torch.randperm(len(idx), generator=g)]
+        for idx in (torch.nonzero(labels == c).flatten() for c in labels.unique().tolist())
+    ]
     picked = [int(pool[r]) for r in range(max(map(len, pools))) for pool in pools if r < len(pool)]
     return torch.tensor(picked[:n])
 
@@ -243,14 +302,16 @@ if __name__ == "__main__":
     seed_everything(args.seed)
     data = load_data(args)
     partition = make_partition(args, data)  # uses its own generator seeded by --data-seed
-    run = Run(args, "fedln")  # FedLN
+    run = Run(args, "fedln")  # the run folder and the loop's control (bar, checkpoints, stop, resume)
     run.write_partition(partition, data)
-    model = build(args, data).to(args.device)  # the global model w_t  # FedLN: build with --norm
-    client = build(args, data).to(args.device)  # one client model, reloaded for every client  # FedLN: build with --norm
+    model = build(args, data).to(args.device)  # the global model w_t; FedLN: build() adds --norm
+    # one client model, reloaded for every client
+    client = build(args, data).to(args.device)
     run.announce(model, partition)  # start-up line: device, model, partition, run folder
     sampler = np.random.default_rng(args.seed)  # client sampling, independent of the partition
     sizes = [len(p) for p in partition.train]
-    names = [n for n, _ in model.named_parameters()]  # FedLN: SCAFFOLD and FedYogi act on parameters; buffers are averaged
+    # FedLN: SCAFFOLD and FedYogi act on parameters; buffers are averaged
+    names = [n for n, _ in model.named_parameters()]
     zeros = lambda fill=0.0: {n: torch.full_like(p, fill).detach() for n, p in model.named_parameters()}  # FedLN
     server = {}  # FedLN: method state: SCAFFOLD's c and c_k, FedYogi's m and v
     if args.agg == "scaffold":  # FedLN: control variates start at 0
@@ -262,7 +323,12 @@ if __name__ == "__main__":
         sv_x = prepare_batch(data.x_test[figure3_images(data.y_test, 20, args.seed).to(data.x_test.device)], data)
     if args.overfit_client is not None:  # FedLN: Figure 3 middle left, "20 images from client 1"
         own = partition.train[args.overfit_client]
-        own_x = prepare_batch(data.x_train[own[torch.randperm(len(own), generator=torch.Generator().manual_seed(args.seed))[:20].to(own.device)]], data)
+        own_x = prepare_batch(
+            data.x_train[
+                own[torch.randperm(len(own), generator=torch.Generator().manual_seed(args.seed))[:20].to(own.device)]
+            ],
+            data,
+        )
     if args.resume:
         ckpt = run.load_checkpoint()  # run.rounds() continues after its round
         model.load_state_dict(ckpt["model"])
@@ -275,7 +341,8 @@ if __name__ == "__main__":
     for rnd in run.rounds(state):
         lr = lr_at(rnd, args)
         clients = sample_clients(sampler, args.num_clients, args.frac)
-        if args.overfit_client is not None:  # FedLN: client K alone (Figure 3 left, Appendix D); weight 1: the model is its own
+        # FedLN: client K alone (Figure 3 left, Appendix D); weight 1: the model is its own
+        if args.overfit_client is not None:
             clients = [args.overfit_client]
         weights = client_weights([sizes[k] for k in clients], args.weighting)
         total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items()}
@@ -284,24 +351,33 @@ if __name__ == "__main__":
 
         def train_client(k):  # what client k does this round; returns what the server sums
             client.load_state_dict(model.state_dict())
-            correction = scaffold_correction(server["c"], server["c_k"][k], names) if args.agg == "scaffold" else None  # FedLN: c - c_k
-            loss = local_train(client, partition.train[k], data, args, lr, [p.detach() for p in model.parameters()], correction)  # FedLN: + correction
+            # FedLN: c - c_k
+            correction = scaffold_correction(server["c"], server["c_k"][k], names) if args.agg == "scaffold" else None
+            loss = local_train(
+                client, partition.train[k], data, args, lr, [p.detach() for p in model.parameters()], correction
+            )  # FedLN: + correction
             return {"loss": loss, "state": client.state_dict()}
 
-        for k, w, out in each_client(clients, weights, train_client, args.seed, rnd):  # own seed per client; torchrun: split over ranks, summed in order
+        # own seed per client; torchrun: split over ranks, summed in order
+        for k, w, out in each_client(clients, weights, train_client, args.seed, rnd):
             train_loss += w * out["loss"]
             accumulate(total, out["state"], w)  # batch-norm running statistics are averaged like weights
             if args.agg == "scaffold":  # FedLN: Option II update of c_k (Alg. 1)
-                new_c[k] = scaffold_control(server["c_k"][k], server["c"], model.state_dict(), out["state"], args.local_steps, lr)
+                new_c[k] = scaffold_control(
+                    server["c_k"][k], server["c"], model.state_dict(), out["state"], args.local_steps, lr
+                )
         if args.agg == "scaffold":  # FedLN: c <- c + 1/N sum_{k in S} (c_k+ - c_k), then c_k <- c_k+
-            server["c"] = scaffold_server_control(server["c"], [server["c_k"][k] for k in new_c], list(new_c.values()), args.num_clients)
+            server["c"] = scaffold_server_control(
+                server["c"], [server["c_k"][k] for k in new_c], list(new_c.values()), args.num_clients
+            )
             for k, c_k in new_c.items():
                 server["c_k"][k] = c_k
         if args.agg == "fedyogi":  # FedLN: x <- Yogi(x, D = sum_k n_k/n y_k - x); buffers keep the average
             state = model.state_dict()
             x = {n: state[n].float() for n in names}
-            x, server["m"], server["v"] = fedyogi_step(x, total, server["m"], server["v"], args.server_lr,
-                                                       args.yogi_beta1, args.yogi_beta2, args.yogi_tau)
+            x, server["m"], server["v"] = fedyogi_step(
+                x, total, server["m"], server["v"], args.server_lr, args.yogi_beta1, args.yogi_beta2, args.yogi_tau
+            )
             total.update(x)
         load_average(model, total)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (each entry cast back to its dtype)
         train_loss = run.check_loss(train_loss, rnd)  # NaN or inf: summary.json says diverged, exit

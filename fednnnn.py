@@ -20,6 +20,7 @@ Measured (benchmarks/reproduce/fednnnn.sh small: cnn6-narrow, s=2, 100 rounds; r
 Docs: docs/fednnnn.md. Its "Implementation details and deviations" gives each choice with its reason:
 the non-IID-B partition, which entries are normalized, N close to 0, the conv / fc split of the norms.
 """
+
 import argparse
 
 import numpy as np
@@ -27,6 +28,7 @@ import torch
 import torch.nn as nn  # FedNNNN: module types for the conv / fc split
 import torch.nn.functional as F
 
+# fmt: off
 from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights, decay_rate,
                     device_flag, each_client, evaluate, finish_args, fraction, inner_fraction, load_average, load_data,
                     lr_at, make_partition, non_negative_float, positive_float, positive_int, prepare_batch, prox_term,
@@ -34,54 +36,94 @@ from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, clien
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", default="cifar10", help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | synthetic")
-    g.add_argument("--data-dir", default="./data", help="download folder, or the image folder (train/<class>/*, test/<class>/*) for --dataset folder")
-    g.add_argument("--augment", default="none", choices=AUGMENTATIONS, help="on-device augmentation of training batches (the paper: none, inputs are only normalized)")  # FedNNNN: no augmentation
+    g.add_argument("--dataset", default="cifar10",
+        help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | synthetic")
+    g.add_argument("--data-dir", default="./data",
+        help="download folder, or the image folder (train/<class>/*, test/<class>/*) for --dataset folder")
+    # FedNNNN: no augmentation
+    g.add_argument("--augment", default="none", choices=AUGMENTATIONS,
+        help="on-device augmentation of training batches (the paper: none, inputs are only normalized)")
     g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2)")
     g.add_argument("--iid", action="store_true", help="uniform random split (the paper's IID)")  # FedNNNN: help
-    g.add_argument("--shards", type=positive_int, default=None, help="S: sort by label, N*S shards, S per client (default: S=2, McMahan's recipe for the paper's non-IID '2 classes'; on CIFAR-10 5-9 of the 100 clients get 2 shards of one class; --classes-per-client 2 gives exactly 2)")  # FedNNNN: help
-    g.add_argument("--classes-per-client", type=positive_int, default=None, help="C: each client holds C classes, each class split evenly among its holders")
-    g.add_argument("--alpha", type=positive_float, default=None, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
-    g.add_argument("--split2", action="store_true", help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
-    g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes: equal (B), or power law (the paper's unbalanced UB)")  # FedNNNN: help
-    g.add_argument("--client-test", action="store_true", help="also evaluate on per-client test sets with each client's label distribution")
-    g.add_argument("--data-seed", type=seed_int, default=None, help="seed of the partition (default: --seed); client sampling uses --seed")
+    g.add_argument("--shards", type=positive_int, default=None,
+        help="S: sort by label, N*S shards, S per client (default: S=2, McMahan's recipe for the paper's non-IID '2 "
+             "classes'; on CIFAR-10 5-9 of the 100 clients get 2 shards of one class; --classes-per-client 2 gives "
+             "exactly 2)")  # FedNNNN: help
+    g.add_argument("--classes-per-client", type=positive_int, default=None,
+        help="C: each client holds C classes, each class split evenly among its holders")
+    g.add_argument("--alpha", type=positive_float, default=None,
+        help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
+    g.add_argument("--split2", action="store_true",
+        help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
+    g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"],
+        help="client sizes: equal (B), or power law (the paper's unbalanced UB)")  # FedNNNN: help
+    g.add_argument("--client-test", action="store_true",
+        help="also evaluate on per-client test sets with each client's label distribution")
+    g.add_argument("--data-seed", type=seed_int, default=None,
+        help="seed of the partition (default: --seed); client sampling uses --seed")
     g = p.add_argument_group("federation")
     g.add_argument("--num-clients", type=positive_int, default=100, help="K: number of clients")
-    g.add_argument("--frac", type=fraction, default=1.0, help="C: fraction of clients sampled per round, in (0, 1]")  # FedNNNN: C=1 (Table 1)
-    g.add_argument("--rounds", type=positive_int, default=250, help="T: communication rounds")  # FedNNNN: 250 (Table 1, CIFAR-10)
+    g.add_argument("--frac", type=fraction, default=1.0,
+        help="C: fraction of clients sampled per round, in (0, 1]")  # FedNNNN: C=1 (Table 1)
+    g.add_argument("--rounds", type=positive_int, default=250,
+        help="T: communication rounds")  # FedNNNN: 250 (Table 1, CIFAR-10)
     g.add_argument("--local-epochs", type=positive_int, default=5, help="E: local epochs per round")
-    g.add_argument("--local-steps", type=positive_int, default=None, help="local SGD steps per round instead of --local-epochs")
+    g.add_argument("--local-steps", type=positive_int, default=None,
+        help="local SGD steps per round instead of --local-epochs")
     g.add_argument("--batch-size", type=positive_int, default=50, help="B: local batch size")
-    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"], help="aggregation weights: n_k/n, or 1/m (the paper's unbalanced setting: sizes unknown to the server)")  # FedNNNN: help
+    # FedNNNN: help
+    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"],
+        help="aggregation weights: n_k/n, or 1/m (the paper's unbalanced setting: sizes unknown to the server)")
     g = p.add_argument_group("optimization")
-    g.add_argument("--model", default="cnn6", help="cnn6 (Table 4, CIFAR-10) | lenet (Table 3, MNIST) | cnn | ... (see common.MODELS)")  # FedNNNN: Table 4
-    g.add_argument("--lr", type=positive_float, default=0.05, help="eta: local learning rate")  # FedNNNN: 0.05 (Table 1)
-    g.add_argument("--momentum", type=decay_rate, default=0.0, help="local SGD momentum (reset every round; the paper: none)")  # FedNNNN: plain SGD (Sec. 5.1)
-    g.add_argument("--weight-decay", type=non_negative_float, default=5e-4, help="lambda: local L2 weight decay (paper: 5e-4 on CIFAR-10, none on MNIST)")  # FedNNNN: help
-    g.add_argument("--lr-decay-at", type=inner_fraction, nargs="*", default=[], help="fractions of the run at which lr is multiplied by --lr-decay, e.g. 0.5 0.75")
+    g.add_argument("--model", default="cnn6",
+        help="cnn6 (Table 4, CIFAR-10) | lenet (Table 3, MNIST) | cnn | ... (see common.MODELS)")  # FedNNNN: Table 4
+    g.add_argument("--lr", type=positive_float, default=0.05,
+        help="eta: local learning rate")  # FedNNNN: 0.05 (Table 1)
+    g.add_argument("--momentum", type=decay_rate, default=0.0,
+        help="local SGD momentum (reset every round; the paper: none)")  # FedNNNN: plain SGD (Sec. 5.1)
+    g.add_argument("--weight-decay", type=non_negative_float, default=5e-4,
+        help="lambda: local L2 weight decay (paper: 5e-4 on CIFAR-10, none on MNIST)")  # FedNNNN: help
+    g.add_argument("--lr-decay-at", type=inner_fraction, nargs="*", default=[],
+        help="fractions of the run at which lr is multiplied by --lr-decay, e.g. 0.5 0.75")
     g.add_argument("--lr-decay", type=fraction, default=0.1, help="lr multiplier at each --lr-decay-at")
-    g.add_argument("--prox-mu", type=non_negative_float, default=0.0, help="mu: FedProx proximal term mu/2 ||w - w_t||^2 (0 = FedAvg); > 0 turns FedProx on, combined with the server aggregation")  # FedNNNN: help
+    g.add_argument("--prox-mu", type=non_negative_float, default=0.0,
+        help="mu: FedProx proximal term mu/2 ||w - w_t||^2 (0 = FedAvg); > 0 turns FedProx on, combined with the "
+             "server aggregation")  # FedNNNN: help
     g = p.add_argument_group("FedNNNN server aggregation (Algorithm 3)")  # FedNNNN: the method's flags
-    g.add_argument("--beta", type=positive_float, default=0.6, help="beta: the normalized step has norm beta * E (Eqs. 8-9, 12)")  # FedNNNN
-    g.add_argument("--gamma", type=decay_rate, default=0.7, help="gamma: server momentum d_{t+1} = gamma d_t + ... (Eq. 12); 0 = Norm-Norm")  # FedNNNN
-    g.add_argument("--no-normalize", action="store_true", help="use E/N = 1 (Momentum variant, Eq. 10; with --beta 1 --gamma 0: FedAvg)")  # FedNNNN
-    g.add_argument("--norm-scope", default="global", choices=["global", "layer"], help="N, E over the whole flattened parameter vector (Eqs. 4-5), or one E/N per parameter tensor")  # FedNNNN
-    g.add_argument("--norm-eps", type=non_negative_float, default=1e-6, help="N counts as (near) zero when N <= eps * E: then no normalization (Sec. 4.2)")  # FedNNNN
+    g.add_argument("--beta", type=positive_float, default=0.6,
+        help="beta: the normalized step has norm beta * E (Eqs. 8-9, 12)")  # FedNNNN
+    g.add_argument("--gamma", type=decay_rate, default=0.7,
+        help="gamma: server momentum d_{t+1} = gamma d_t + ... (Eq. 12); 0 = Norm-Norm")  # FedNNNN
+    g.add_argument("--no-normalize", action="store_true",
+        help="use E/N = 1 (Momentum variant, Eq. 10; with --beta 1 --gamma 0: FedAvg)")  # FedNNNN
+    g.add_argument("--norm-scope", default="global", choices=["global", "layer"],
+        help="N, E over the whole flattened parameter vector (Eqs. 4-5), or one E/N per parameter tensor")  # FedNNNN
+    g.add_argument("--norm-eps", type=non_negative_float, default=1e-6,
+        help="N counts as (near) zero when N <= eps * E: then no normalization (Sec. 4.2)")  # FedNNNN
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=seed_int, default=0, help="seed of model init, client sampling and local shuffling")
-    g.add_argument("--device", type=device_flag, default=None, help="cpu, cuda, cuda:N or mps (default: cuda if available, else cpu)")
+    g.add_argument("--device", type=device_flag, default=None,
+        help="cpu, cuda, cuda:N or mps (default: cuda if available, else cpu)")
     g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
-    g.add_argument("--eval-every", type=positive_int, default=1, help="evaluate every this many rounds (and at the last)")
-    g.add_argument("--checkpoint-every", type=positive_int, default=None, help="write checkpoint.pt every this many rounds (default: at each evaluation)")
-    g.add_argument("--out", default=None, help="run folder (default runs/fednnnn__<dataset>__<seed>__<time>)")  # FedNNNN
-    g.add_argument("--overwrite", action="store_true", help="replace the run already in --out (without it, such an --out is refused)")
-    g.add_argument("--save-model", action="store_true", help="write the final evaluation model's state_dict (the FedAvg average) to OUT/model.pt")  # FedNNNN
-    g.add_argument("--resume", default=None, metavar="DIR", help="continue the run in DIR (its config.json is used); with a larger --rounds, extend it")
-    g.add_argument("--stop-after", type=positive_int, default=None, help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
+    g.add_argument("--eval-every", type=positive_int, default=1,
+        help="evaluate every this many rounds (and at the last)")
+    g.add_argument("--checkpoint-every", type=positive_int, default=None,
+        help="write checkpoint.pt every this many rounds (default: at each evaluation)")
+    g.add_argument("--out", default=None,
+        help="run folder (default runs/fednnnn__<dataset>__<seed>__<time>)")  # FedNNNN
+    g.add_argument("--overwrite", action="store_true",
+        help="replace the run already in --out (without it, such an --out is refused)")
+    g.add_argument("--save-model", action="store_true",
+        help="write the final evaluation model's state_dict (the FedAvg average) to OUT/model.pt")  # FedNNNN
+    g.add_argument("--resume", default=None, metavar="DIR",
+        help="continue the run in DIR (its config.json is used); with a larger --rounds, extend it")
+    g.add_argument("--stop-after", type=positive_int, default=None,
+        help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
     return finish_args(p, p.parse_args(), "fednnnn", default_partition=("shards", 2))
+# fmt: on
 
 
 def local_train(model, indices, data, args, lr, global_params):
@@ -112,8 +154,13 @@ def param_kinds(model):  # FedNNNN
     norms into convolutional and fully connected layers); batch-norm affine weights are 'other'."""
     kinds = {}
     for prefix, module in model.named_modules():
-        kind = ("conv" if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d))
-                else "fc" if isinstance(module, nn.Linear) else "other")
+        kind = (
+            "conv"
+            if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d))
+            else "fc"
+            if isinstance(module, nn.Linear)
+            else "other"
+        )
         for name, _ in module.named_parameters(recurse=False):
             kinds[f"{prefix}.{name}" if prefix else name] = kind
     return {name: kinds[name] for name, _ in model.named_parameters()}
@@ -173,10 +220,11 @@ if __name__ == "__main__":
     seed_everything(args.seed)
     data = load_data(args)
     partition = make_partition(args, data)  # uses its own generator seeded by --data-seed
-    run = Run(args, "fednnnn")  # FedNNNN
+    run = Run(args, "fednnnn")  # the run folder and the loop's control (bar, checkpoints, stop, resume)
     run.write_partition(partition, data)
     model = build_model(args.model, data).to(args.device)  # FedNNNN: the broadcast (normalized) model w_t
-    client = build_model(args.model, data).to(args.device)  # one client model, reloaded for every client; FedNNNN: also holds the evaluation model
+    # one client model, reloaded for every client; FedNNNN: also holds the evaluation model
+    client = build_model(args.model, data).to(args.device)
     run.announce(model, partition)  # start-up line: device, model, partition, run folder
     sampler = np.random.default_rng(args.seed)  # client sampling, independent of the partition
     sizes = [len(p) for p in partition.train]
@@ -206,14 +254,26 @@ if __name__ == "__main__":
             loss = local_train(client, partition.train[k], data, args, lr, [p.detach() for p in model.parameters()])
             return {"loss": loss, "state": client.state_dict()}
 
-        for k, w, out in each_client(clients, weights, train_client, args.seed, rnd):  # own seed per client; torchrun: split over ranks, summed in order
+        # own seed per client; torchrun: split over ranks, summed in order
+        for k, w, out in each_client(clients, weights, train_client, args.seed, rnd):
             train_loss += w * out["loss"]
             accumulate(total, out["state"], w)  # batch-norm running statistics are averaged like weights
             client_sq.append(sq_norms(out["state"], global_state, names))  # FedNNNN: Eq. 2
         client_sq = torch.stack(client_sq)  # FedNNNN: [m, T]
         w_t = {n: global_state[n] for n in names}  # FedNNNN
-        w_next, momentum = fednnnn_step(w_t, total, momentum, client_sq, weights, args.beta, args.gamma,  # FedNNNN: Eqs. 4-5, 12-13
-                                        not args.no_normalize, args.norm_scope, args.norm_eps)
+        # FedNNNN: Eqs. 4-5, 12-13
+        w_next, momentum = fednnnn_step(
+            w_t,
+            total,
+            momentum,
+            client_sq,
+            weights,
+            args.beta,
+            args.gamma,
+            not args.no_normalize,
+            args.norm_scope,
+            args.norm_eps,
+        )
         norms = norm_stats(w_t, w_next, total, client_sq, weights, kinds)  # FedNNNN: before w_t is overwritten
         load_average(model, {**total, **w_next})  # FedNNNN: broadcast w_{t+1}; BN running statistics: the plain average
         train_loss = run.check_loss(train_loss, rnd)  # NaN or inf: summary.json says diverged, exit
@@ -222,11 +282,19 @@ if __name__ == "__main__":
             load_average(client, total)  # FedNNNN: the evaluation model = FedAvg average (Sec. 4.1)
             client.eval()  # FedNNNN: evaluate the evaluation model, not the broadcast one
             acc, loss = evaluate(client, data.x_test, data.y_test, data, amp=args.amp)  # FedNNNN: the evaluation model
-            metrics = {"round": rnd + 1, "test_acc": acc, "test_loss": loss, "train_loss": train_loss, "lr": lr, **norms}  # FedNNNN: + norms
+            metrics = {
+                "round": rnd + 1,
+                "test_acc": acc,
+                "test_loss": loss,
+                "train_loss": train_loss,
+                "lr": lr,
+                **norms,
+            }  # FedNNNN: + norms
             if partition.test is not None:
-                accs = [evaluate(client, data.x_test[t], data.y_test[t], data, amp=args.amp)[0] for t in partition.test]  # FedNNNN: client
+                # FedNNNN: client
+                accs = [evaluate(client, data.x_test[t], data.y_test[t], data, amp=args.amp)[0] for t in partition.test]
                 metrics["client_test_acc_mean"] = float(np.mean(accs))
             run.log(metrics)
         else:  # FedNNNN
             run.log({"round": rnd + 1, "train_loss": train_loss, "lr": lr, **norms})  # FedNNNN: norms every round
-    run.finish(client)  # summary.json: the final round's metrics  # FedNNNN: --save-model writes the evaluation model
+    run.finish(client)  # FedNNNN: --save-model writes the evaluation model

@@ -1,4 +1,4 @@
-"""Collect the reproduction runs into markdown tables, one per claim (issue 8).
+"""Collect the reproduction runs into markdown tables, one per claim.
 
 Reads RUNS/<claim>-<scale>/<variant>/seed<k>/{summary.json, config.json, metrics.jsonl, command.txt}
 as written by benchmarks/reproduce/*.sh and prints, per claim and scale, one row per variant: mean
@@ -13,6 +13,7 @@ seed). Runs without summary.json (unfinished) are left out and listed; diverged 
 (summary.json "diverged": true) are counted apart and left out of the mean. Standard library and
 numpy only.
 """
+
 import argparse
 import glob
 import json
@@ -45,11 +46,20 @@ CLAIMS = {
         "metrics": [("final test acc", ("summary", "test_acc"), {"fedavg": "81.97", "fedfn": "83.80"})],
     },
     "fedbabu": {
-        "title": "Claim 2: FedBABU vs FedAvg personalization (fedbabu.md Tables 12-13, 4convNet, CIFAR-10, s=10, f=0.1, tau=10)",
+        "title": "Claim 2: FedBABU vs FedAvg personalization "
+        "(fedbabu.md Tables 12-13, 4convNet, CIFAR-10, s=10, f=0.1, tau=10)",
         "variants": ["fedavg", "fedbabu"],
         "metrics": [
-            ("personalized (5 ft epochs)", ("summary", "pers_acc_mean"), {"fedavg": "69.11 (T13)", "fedbabu": "76.25 (T13)"}),
-            ("initial (0 ft epochs)", ("summary", "init_acc_mean"), {"fedavg": "57.32 (T12)", "fedbabu": "62.68 (T12)"}),
+            (
+                "personalized (5 ft epochs)",
+                ("summary", "pers_acc_mean"),
+                {"fedavg": "69.11 (T13)", "fedbabu": "76.25 (T13)"},
+            ),
+            (
+                "initial (0 ft epochs)",
+                ("summary", "init_acc_mean"),
+                {"fedavg": "57.32 (T12)", "fedbabu": "62.68 (T12)"},
+            ),
             ("without head", ("summary", "nohead_acc_mean"), {"fedavg": "63.19 (T12)", "fedbabu": "67.58 (T12)"}),
             ("after 1 ft epoch", ("summary_by_epoch", "1"), None),
             ("after 2 ft epochs", ("summary_by_epoch", "2"), None),
@@ -57,37 +67,58 @@ CLAIMS = {
             ("global test acc", ("summary", "test_acc"), None),  # the final global model on the whole test set
         ],
         "note": "Accuracies are means over clients of per-client test accuracy (Algorithm 2); +- is over seeds, "
-                "the paper's +- (not shown) is over clients. Speed (Table 6) is only given for CIFAR-100/MobileNet "
-                "in the paper: FedAvg 14.40 / 27.43 / 48.63 / 62.67, FedBABU 18.50 / 63.29 / 66.05 / 66.32 after "
-                "0 / 1 / 2 / 5 fine-tuning epochs.",
+        "the paper's +- (not shown) is over clients. Speed (Table 6) is only given for CIFAR-100/MobileNet "
+        "in the paper: FedAvg 14.40 / 27.43 / 48.63 / 62.67, FedBABU 18.50 / 63.29 / 66.05 / 66.32 after "
+        "0 / 1 / 2 / 5 fine-tuning epochs.",
     },
     "fedln": {
         "title": "Claim 3: normalization with one class per client (fedln.md Table 10, CNN, E=10; Table 4)",
         "variants": ["ln", "fn", "vanilla", "bn", "gn"],
-        "metrics": [("final test acc", ("summary", "test_acc"),
-                     {"ln": "78.04 (T10), 77.71 (T4)", "fn": "77.14 (T10), 77.14 (T4)",
-                      "vanilla": "55.86 (T10), 56.82 (T4)", "bn": "9.63 (T4)", "gn": "77.15 (T4)"})],
+        "metrics": [
+            (
+                "final test acc",
+                ("summary", "test_acc"),
+                {
+                    "ln": "78.04 (T10), 77.71 (T4)",
+                    "fn": "77.14 (T10), 77.14 (T4)",
+                    "vanilla": "55.86 (T10), 56.82 (T4)",
+                    "bn": "9.63 (T4)",
+                    "gn": "77.15 (T4)",
+                },
+            )
+        ],
     },
     "fednnnn": {
         "title": "Claim 4: FedNNNN vs FedAvg / Norm-Norm / Momentum (fednnnn.md Table 2, CIFAR-10 non-IID-B; Fig. 7)",
         "variants": ["fedavg", "fedprox", "normnorm", "momentum", "fednnnn"],
-        "metrics": [("final test acc", ("summary", "test_acc"),
-                     {"fedavg": "72.6", "fedprox": "74.2", "normnorm": "76.7", "momentum": "74.3", "fednnnn": "76.7"}),
-                    ("test acc at 1/4 of the rounds", ("at_fraction", 0.25), None),
-                    ("test acc at 1/2 of the rounds", ("at_fraction", 0.5), None)],
+        "metrics": [
+            (
+                "final test acc",
+                ("summary", "test_acc"),
+                {"fedavg": "72.6", "fedprox": "74.2", "normnorm": "76.7", "momentum": "74.3", "fednnnn": "76.7"},
+            ),
+            ("test acc at 1/4 of the rounds", ("at_fraction", 0.25), None),
+            ("test acc at 1/2 of the rounds", ("at_fraction", 0.5), None),
+        ],
         "note": "Convergence speed: the paper shows it only as curves (Fig. 7); the 1/4 and 1/2 columns and "
-                "docs/fednnnn-<scale>.png are ours.",
+        "docs/fednnnn-<scale>.png are ours.",
     },
     "anfr": {
         "title": "Claim 5: ANFR vs BN/GN/SE/NF-ResNets, CIFAR-10 split-2, FedAvg (anfr.md Table 9, random init)",
         "variants": ["bn", "gn", "se", "nf", "anfr"],
-        "controls": ["bn-iid", "anfr-iid", "nf-gain1", "anfr-gain1"],  # ours (small scale), drawn dashed: IID clients; NF last gains from 1
-        "metrics": [("final test acc", ("summary", "test_acc"),
-                     {"bn": "80.89", "gn": "78.52", "se": "81.19", "nf": "81.66", "anfr": "83.20"})],
+        # ours (small scale), drawn dashed: IID clients; NF last gains from 1
+        "controls": ["bn-iid", "anfr-iid", "nf-gain1", "anfr-gain1"],
+        "metrics": [
+            (
+                "final test acc",
+                ("summary", "test_acc"),
+                {"bn": "80.89", "gn": "78.52", "se": "81.19", "nf": "81.66", "anfr": "83.20"},
+            )
+        ],
         "note": "Table 1 (ImageNet-pretrained, FedAvg): BN 91.71, GN 96.60, SE 94.07, NF 96.72, ANFR 97.42; "
-                "not comparable to runs from random init. The -iid and -gain1 rows (small scale only) are our "
-                "controls: the same runs on IID clients, and with the NF blocks' last gains starting at 1 "
-                "instead of timm's 0 (--last-gain-init 1).",
+        "not comparable to runs from random init. The -iid and -gain1 rows (small scale only) are our "
+        "controls: the same runs on IID clients, and with the NF blocks' last gains starting at 1 "
+        "instead of timm's 0 (--last-gain-init 1).",
     },
 }
 DEFAULT_CLAIM = {"title": None, "variants": [], "metrics": [("final test acc", ("summary", "test_acc"), None)]}
@@ -232,7 +263,9 @@ def gather(root):
             continue
         variant_dir = os.path.dirname(seed_dir)
         claim, scale = split_claim(os.path.basename(os.path.dirname(variant_dir)))
-        entry = found.setdefault((claim, scale), {}).setdefault(os.path.basename(variant_dir), {"runs": [], "unfinished": []})
+        entry = found.setdefault((claim, scale), {}).setdefault(
+            os.path.basename(variant_dir), {"runs": [], "unfinished": []}
+        )
         run = load_run(seed_dir)
         if run is None:
             entry["unfinished"].append(seed_dir)
@@ -298,7 +331,9 @@ def table(claim, scale, variants):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("root", nargs="?", default=os.path.join("runs", "reproduce"), help="the RUNS_DIR of the reproduce scripts")
+    p.add_argument(
+        "root", nargs="?", default=os.path.join("runs", "reproduce"), help="the RUNS_DIR of the reproduce scripts"
+    )
     p.add_argument("--claim", default=None, help="only this claim (e.g. fedln, fedfn-s2)")
     p.add_argument("--scale", default=None, choices=SCALES, help="only this scale")
     a = p.parse_args(argv)

@@ -15,6 +15,7 @@ wall time: on a shared machine wall time depends on the load; on an idle core th
     DATA_DIR=/path/to/cifar10 python benchmarks/estimate_cpu.py all small       # all five
 Runs go to a temporary folder and are deleted. Standard library only (the runs need torch).
 """
+
 import importlib
 import json
 import os
@@ -33,7 +34,8 @@ CHILD = r"""
 import json, os, runpy, sys, time
 import common, tqdm as tqdm_mod
 clock = time.process_time
-T = {"load_data": 0.0, "eval": 0.0, "eval_calls": 0, "personalize": 0.0, "loop_start": None, "loop_end": None, "iters": []}
+T = {"load_data": 0.0, "eval": 0.0, "eval_calls": 0, "personalize": 0.0,
+     "loop_start": None, "loop_end": None, "iters": []}
 depth = {"personalize": 0}
 def timed(fn, key):
     def wrapper(*a, **k):
@@ -82,8 +84,13 @@ finally:
 
 def dry_run(claim, scale):
     env = {**os.environ, "DRY_RUN": "1", "SEEDS": "0"}
-    res = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "reproduce", f"{claim}.sh"), scale],
-                         env=env, capture_output=True, text=True, check=True)
+    res = subprocess.run(
+        ["bash", os.path.join(ROOT, "benchmarks", "reproduce", f"{claim}.sh"), scale],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return [shlex.split(line) for line in res.stdout.splitlines() if line.startswith("python ")]
 
 
@@ -112,8 +119,19 @@ def time_one(argv, data_dir):
     rounds, every = args.rounds, args.eval_every
     with tempfile.TemporaryDirectory() as tmp:
         stats = os.path.join(tmp, "stats.json")
-        cmd = [sys.executable, "-c", CHILD, stats, *argv[1:], "--rounds", "2", "--eval-every", "2",
-               "--out", os.path.join(tmp, "run")]
+        cmd = [
+            sys.executable,
+            "-c",
+            CHILD,
+            stats,
+            *argv[1:],
+            "--rounds",
+            "2",
+            "--eval-every",
+            "2",
+            "--out",
+            os.path.join(tmp, "run"),
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         t = time.perf_counter()
         subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -127,8 +145,17 @@ def time_one(argv, data_dir):
     after = T["total"] - T["loop_end"]
     evals = rounds // every + (1 if rounds % every else 0)
     estimate = before + round1 + (rounds - 1) * round2 + evals * in_loop_eval + after
-    return {"rounds": rounds, "evals": evals, "before": before, "round1": round1, "round": round2, "eval": in_loop_eval,
-            "after": after, "estimate": estimate, "wall_run": wall}
+    return {
+        "rounds": rounds,
+        "evals": evals,
+        "before": before,
+        "round1": round1,
+        "round": round2,
+        "eval": in_loop_eval,
+        "after": after,
+        "estimate": estimate,
+        "wall_run": wall,
+    }
 
 
 def main():
@@ -143,14 +170,21 @@ def main():
     except OSError:
         load = float("nan")
     print(f"one thread per run; {os.cpu_count()} CPUs, load average {load:.1f} at start; seconds of CPU time\n")
-    print("| claim | variant | R | evals | before loop | round 1 | round 2 | 1 eval | after loop | estimate (min) | wall of the 2-round run (s) |")
+    print(
+        "| claim | variant | R | evals | before loop | round 1 | round 2 | 1 eval | after loop | estimate (min) "
+        "| wall of the 2-round run (s) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for claim in claims:
         for argv in dry_run(claim, scale):
             c, v = variant_of(argv)
             r = time_one(argv, data_dir)
-            print(f"| {c} | {v} | {r['rounds']} | {r['evals']} | {r['before']:.1f} | {r['round1']:.2f} | {r['round']:.2f} | "
-                  f"{r['eval']:.2f} | {r['after']:.1f} | {r['estimate'] / 60:.1f} | {r['wall_run']:.0f} |", flush=True)
+            print(
+                f"| {c} | {v} | {r['rounds']} | {r['evals']} | {r['before']:.1f} | {r['round1']:.2f} "
+                f"| {r['round']:.2f} | "
+                f"{r['eval']:.2f} | {r['after']:.1f} | {r['estimate'] / 60:.1f} | {r['wall_run']:.0f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 24: everything one call on a lent GPU machine runs (about 9 minutes; benchmarks/gpu_call.md).
+# Everything one call on a lent GPU machine runs (about 9 minutes; benchmarks/gpu_call.md).
 #
 #   bash benchmarks/gpu.sh                         # MODE=full: the GPU call
 #   MODE=dry bash benchmarks/gpu.sh                # print every command, run none

@@ -1,4 +1,4 @@
-"""Seconds per round of each claim's paper configuration, and the minutes a full run would take (issue 24).
+"""Seconds per round of each claim's paper configuration, and the minutes a full run would take.
 
 Run by benchmarks/gpu.sh (stage `times`). One markdown table, one row per script and configuration,
 printed as each run ends, one run at a time:
@@ -14,7 +14,7 @@ printed as each run ends, one run at a time:
               elapsed_s (FedBABU's per-client fine-tuning; about 0 for the others).
               projected minutes = (R * s/round + after loop) / 60, R the paper's --rounds; the set-up
               before the loop (imports, data from the cache, models: 10-20 s) is not counted.
-  fedavg.py   last: benchmarks/round_time.py (issue 8's target setting: N=100, f=0.1, E=5, B=50), one row
+  fedavg.py   last: benchmarks/round_time.py (the speed target setting: N=100, f=0.1, E=5, B=50), one row
               per model and precision; projected for fedavg.py's default 200 rounds, evaluated each round
 
     python benchmarks/gpu_times.py --data-dir data/cifar10 --device cuda
@@ -23,6 +23,7 @@ printed as each run ends, one run at a time:
     python benchmarks/gpu_times.py --dry                                      # print the commands only
 A failed run gets a row saying so, the next one still runs, and the exit status is 1.
 """
+
 import argparse
 import importlib
 import json
@@ -40,25 +41,60 @@ TIMED = {"fedln": 20}  # timed rounds per claim where a round is very short (def
 FEDAVG_ROUNDS = 200  # fedavg.py's default --rounds (evaluated every round)
 # --tiny (CI, CPU): appended to the paper flags (argparse: the last value wins), so the real code paths
 # run on toy models with a few local steps.
-TINY = {"fedfn": ["--model", "convnet4-tiny", "--local-steps", "2"],
-        "fedbabu": ["--model", "convnet4-tiny", "--local-steps", "2", "--ft-epochs", "1", "--ft-eval-epochs", "0", "1"],
-        "fedln": ["--width", "8", "--local-steps", "2"],
-        "fednnnn": ["--model", "cnn6-narrow", "--local-steps", "1"],
-        "anfr": ["--depth", "18", "--width", "8", "--image-size", "16", "--local-steps", "2"]}
-TINY_ROUND_TIME = ["--models", "cnn", "--precisions", "fp32", "--dataset", "synthetic", "--num-clients", "30",
-                   "--frac", "0.1", "--local-epochs", "1", "--rounds", "2"]
+TINY = {
+    "fedfn": ["--model", "convnet4-tiny", "--local-steps", "2"],
+    "fedbabu": ["--model", "convnet4-tiny", "--local-steps", "2", "--ft-epochs", "1", "--ft-eval-epochs", "0", "1"],
+    "fedln": ["--width", "8", "--local-steps", "2"],
+    "fednnnn": ["--model", "cnn6-narrow", "--local-steps", "1"],
+    "anfr": ["--depth", "18", "--width", "8", "--image-size", "16", "--local-steps", "2"],
+}
+TINY_ROUND_TIME = [
+    "--models",
+    "cnn",
+    "--precisions",
+    "fp32",
+    "--dataset",
+    "synthetic",
+    "--num-clients",
+    "30",
+    "--frac",
+    "0.1",
+    "--local-epochs",
+    "1",
+    "--rounds",
+    "2",
+]
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--claims", nargs="+", default=CLAIMS, choices=CLAIMS, help="claim scripts of benchmarks/reproduce to time")
-    p.add_argument("--variants", default="own", choices=["own", "all"], help="own: the method's own variant per claim; all: every paper variant")
+    p.add_argument(
+        "--claims", nargs="+", default=CLAIMS, choices=CLAIMS, help="claim scripts of benchmarks/reproduce to time"
+    )
+    p.add_argument(
+        "--variants",
+        default="own",
+        choices=["own", "all"],
+        help="own: the method's own variant per claim; all: every paper variant",
+    )
     p.add_argument("--data-dir", default="data/cifar10", help="unpacked CIFAR-10 image folder (--dataset folder)")
     p.add_argument("--device", default="cuda", help="cpu or cuda")
-    p.add_argument("--timed-rounds", type=int, default=None, help="T: timed rounds after the warm-up (default 1; FedLN 20; --tiny 1)")
-    p.add_argument("--fedavg", action=argparse.BooleanOptionalAction, default=True, help="also run benchmarks/round_time.py (fedavg.py)")
+    p.add_argument(
+        "--timed-rounds",
+        type=int,
+        default=None,
+        help="T: timed rounds after the warm-up (default 1; FedLN 20; --tiny 1)",
+    )
+    p.add_argument(
+        "--fedavg",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run benchmarks/round_time.py (fedavg.py)",
+    )
     p.add_argument("--fedavg-models", nargs="+", default=["vgg11", "resnet18", "cnn"], help="round_time.py --models")
-    p.add_argument("--fedavg-precisions", nargs="+", default=["fp32"], choices=["fp32", "amp"], help="round_time.py --precisions")
+    p.add_argument(
+        "--fedavg-precisions", nargs="+", default=["fp32"], choices=["fp32", "amp"], help="round_time.py --precisions"
+    )
     p.add_argument("--out", default=None, help="keep the run folders here (default: a temporary folder)")
     p.add_argument("--tiny", action="store_true", help="toy models and few steps (the flags of TINY), for CI on a CPU")
     p.add_argument("--dry", action="store_true", help="print the commands, run nothing")
@@ -71,8 +107,13 @@ def parse_args():
 def paper_commands(claim):
     """argv lists of `DRY_RUN=1 SEEDS=0 bash benchmarks/reproduce/<claim>.sh paper` ("$DATA_DIR" literal)."""
     env = {**os.environ, "DRY_RUN": "1", "SEEDS": "0", "VARIANTS": ""}
-    res = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "reproduce", f"{claim}.sh"), "paper"],
-                         env=env, capture_output=True, text=True, check=True)
+    res = subprocess.run(
+        ["bash", os.path.join(ROOT, "benchmarks", "reproduce", f"{claim}.sh"), "paper"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return [shlex.split(line) for line in res.stdout.splitlines() if line.startswith("python ")]
 
 
@@ -98,8 +139,10 @@ def paper_setting(argv):
     flags = set_flag(flags, "--dataset", "synthetic")
     if "--data-dir" in flags:
         i = flags.index("--data-dir")
-        del flags[i:i + 2]
-    flags = set_flag(set_flag(flags, "--device", "cpu"), "--out", os.path.join(tempfile.gettempdir(), "gpu_times-parse"))
+        del flags[i : i + 2]
+    flags = set_flag(
+        set_flag(flags, "--device", "cpu"), "--out", os.path.join(tempfile.gettempdir(), "gpu_times-parse")
+    )
     sys.path.insert(0, ROOT)
     module = importlib.import_module(os.path.splitext(script)[0])
     saved = sys.argv
@@ -120,10 +163,10 @@ def timing_command(argv, args, out):
     cmd = [sys.executable, *argv[1:]]
     cmd = set_flag(cmd, "--data-dir", args.data_dir)
     cmd = set_flag(cmd, "--device", args.device)
-    for name, value in [("--rounds", K + T), ("--eval-every", K), ("--checkpoint-every", 10 ** 9), ("--out", out)]:
+    for name, value in [("--rounds", K + T), ("--eval-every", K), ("--checkpoint-every", 10**9), ("--out", out)]:
         cmd = set_flag(cmd, name, value)
     if args.tiny:
-        cmd = cmd[:cmd.index("--out")] + TINY[claim] + cmd[cmd.index("--out"):]
+        cmd = cmd[: cmd.index("--out")] + TINY[claim] + cmd[cmd.index("--out") :]
     return cmd, (K, T, rounds)
 
 
@@ -148,7 +191,9 @@ def measure(cmd, out, K, T):
     with open(out + ".log", "w") as f:  # beside the run folder, which the script alone creates
         f.write(shlex.join(str(a) for a in cmd) + "\n" + res.stdout + res.stderr)
     if res.returncode != 0:
-        raise RuntimeError(f"exit {res.returncode}: {res.stderr.strip().splitlines()[-1] if res.stderr.strip() else ''}")
+        raise RuntimeError(
+            f"exit {res.returncode}: {res.stderr.strip().splitlines()[-1] if res.stderr.strip() else ''}"
+        )
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     rows = [r for r in rows if "test_acc" in r]  # evaluation rows (fednnnn.py also logs norm rows)
@@ -163,8 +208,22 @@ def measure(cmd, out, K, T):
 
 def round_time_rows(args):
     """fedavg.py rows from benchmarks/round_time.py (its own table, converted)."""
-    flags = TINY_ROUND_TIME if args.tiny else ["--models", *args.fedavg_models, "--precisions", *args.fedavg_precisions,
-                                               "--dataset", "folder", "--data-dir", args.data_dir, "--rounds", "2"]
+    flags = (
+        TINY_ROUND_TIME
+        if args.tiny
+        else [
+            "--models",
+            *args.fedavg_models,
+            "--precisions",
+            *args.fedavg_precisions,
+            "--dataset",
+            "folder",
+            "--data-dir",
+            args.data_dir,
+            "--rounds",
+            "2",
+        ]
+    )
     cmd = [sys.executable, os.path.join("benchmarks", "round_time.py"), *flags, "--device", args.device]
     if args.dry:
         print(shlex.join(cmd))
@@ -176,13 +235,19 @@ def round_time_rows(args):
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 4 and cells[1] in ("fp32", "amp"):
             model, precision, per_round, per_eval = cells[0], cells[1], float(cells[2]), float(cells[3])
-            setting = "issue 8: N=100 f=0.1 E=5 B=50" if not args.tiny else "toy (round_time.py on synthetic data)"
+            setting = "N=100 f=0.1 E=5 B=50" if not args.tiny else "toy (round_time.py on synthetic data)"
             minutes = FEDAVG_ROUNDS * (per_round + per_eval) / 60
-            print(f"| fedavg.py | `--model {model}`{' `--amp`' if precision == 'amp' else ''} ({setting}; "
-                  f"round_time.py) | {per_round:.3f} | {per_eval:.3f} | 0 | {FEDAVG_ROUNDS} | {minutes:.1f} |", flush=True)
+            print(
+                f"| fedavg.py | `--model {model}`{' `--amp`' if precision == 'amp' else ''} ({setting}; "
+                f"round_time.py) | {per_round:.3f} | {per_eval:.3f} | 0 | {FEDAVG_ROUNDS} | {minutes:.1f} |",
+                flush=True,
+            )
     if res.returncode != 0:
-        print(f"| fedavg.py | round_time.py failed (exit {res.returncode}): "
-              f"{(res.stderr.strip().splitlines() or [''])[-1][:200].replace('|', '/')} | - | - | - | - | - |", flush=True)
+        print(
+            f"| fedavg.py | round_time.py failed (exit {res.returncode}): "
+            f"{(res.stderr.strip().splitlines() or [''])[-1][:200].replace('|', '/')} | - | - | - | - | - |",
+            flush=True,
+        )
         print(res.stderr[-3000:], file=sys.stderr)
         return False
     return True
@@ -192,8 +257,10 @@ def main():
     args = parse_args()
     ok = True
     if not args.dry:
-        print(f"device {args.device}, data {args.data_dir}{', TINY toy flags' if args.tiny else ''}; "
-              f"s/round after a warm-up, projected = (R x s/round + after loop) / 60\n")
+        print(
+            f"device {args.device}, data {args.data_dir}{', TINY toy flags' if args.tiny else ''}; "
+            f"s/round after a warm-up, projected = (R x s/round + after loop) / 60\n"
+        )
         print("| script | configuration | s / round | s / evaluation | after loop (s) | R | projected min |")
         print("| --- | --- | --- | --- | --- | --- | --- |", flush=True)
     tmp = None
@@ -225,7 +292,10 @@ def main():
             minutes = (R * per_round + after) / 60
             evals = "in s / round" if K == 1 else f"1 per {K} rounds, in s / round"
             print(f"| {name} | {config} | {per_round:.3f} | {evals} | {after:.1f} | {R} | {minutes:.1f} |", flush=True)
-            print(f"    {claim_scale}/{variant}: {K} warm-up + {T} timed rounds, process wall {wall:.1f} s", file=sys.stderr)
+            print(
+                f"    {claim_scale}/{variant}: {K} warm-up + {T} timed rounds, process wall {wall:.1f} s",
+                file=sys.stderr,
+            )
     if args.fedavg:  # last: the claims' paper configurations matter more if a time limit cuts this short
         ok = round_time_rows(args) and ok
     if tmp:

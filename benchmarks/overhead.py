@@ -16,6 +16,7 @@ ratio slightly towards 1 (on the synthetic data's 1,000 test images it is a smal
     python benchmarks/overhead.py --dataset folder --data-dir /path/to/cifar10 --device cpu
     python benchmarks/overhead.py --dataset folder --data-dir /path/to/cifar10 --device cuda --scripts fedavg fedfn
 """
+
 import argparse
 import json
 import os
@@ -55,7 +56,9 @@ def parse_args():
     p.add_argument("--repeats", type=int, default=3, help="FL and centralized timings, alternated, this many times")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     p.add_argument("--amp", action="store_true", help="bfloat16 autocast in both runs")
-    p.add_argument("--model-flags", default=None, help="replace the per-script model flags of SCRIPTS, e.g. \"--model vgg11\"")
+    p.add_argument(
+        "--model-flags", default=None, help='replace the per-script model flags of SCRIPTS, e.g. "--model vgg11"'
+    )
     args = p.parse_args()
     if args.rounds < 1 or args.repeats < 1 or args.local_steps < 1:
         p.error("--rounds, --repeats and --local-steps must be at least 1")
@@ -64,7 +67,10 @@ def parse_args():
 
 def between_evaluations(script, flags, out):
     """Run `script` with `flags`; seconds between its first and last evaluation rows of metrics.jsonl."""
-    cmd = [str(a) for a in [sys.executable, os.path.join(ROOT, f"{script}.py"), *flags, "--checkpoint-every", 10 ** 9, "--out", out]]
+    cmd = [
+        str(a)
+        for a in [sys.executable, os.path.join(ROOT, f"{script}.py"), *flags, "--checkpoint-every", 10**9, "--out", out]
+    ]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if res.returncode != 0:
         sys.exit(f"{script}.py failed ({res.returncode}):\n{' '.join(cmd)}\n{res.stderr[-3000:]}")
@@ -82,11 +88,34 @@ def seconds_between_evaluations(rows):
 def run_flags(script, args):
     """(FL flags, centralized flags, SGD steps per timing) of `script`: the same work on both sides."""
     steps = args.rounds * max(int(args.frac * args.num_clients), 1) * args.local_steps  # R * m * K
-    base = ["--dataset", args.dataset, "--data-dir", args.data_dir, "--device", args.device, "--iid",
-            "--batch-size", args.batch_size, "--seed", 0, *(["--amp"] if args.amp else []),
-            *(args.model_flags.split() if args.model_flags else SCRIPTS[script])]
-    fl_flags = [*base, "--num-clients", args.num_clients, "--frac", args.frac, "--local-steps", args.local_steps,
-                "--rounds", 2 * args.rounds, "--eval-every", args.rounds]
+    base = [
+        "--dataset",
+        args.dataset,
+        "--data-dir",
+        args.data_dir,
+        "--device",
+        args.device,
+        "--iid",
+        "--batch-size",
+        args.batch_size,
+        "--seed",
+        0,
+        *(["--amp"] if args.amp else []),
+        *(args.model_flags.split() if args.model_flags else SCRIPTS[script]),
+    ]
+    fl_flags = [
+        *base,
+        "--num-clients",
+        args.num_clients,
+        "--frac",
+        args.frac,
+        "--local-steps",
+        args.local_steps,
+        "--rounds",
+        2 * args.rounds,
+        "--eval-every",
+        args.rounds,
+    ]
     central_flags = [*base, "--num-clients", 1, "--frac", 1, "--local-steps", steps, "--rounds", 2, "--eval-every", 1]
     return fl_flags, central_flags, steps
 
@@ -104,8 +133,10 @@ def time_script(script, args, tmp):
 if __name__ == "__main__":
     args = parse_args()
     m = max(int(args.frac * args.num_clients), 1)
-    print(f"device {device_name(args.device)}, torch {torch.__version__}, {args.dataset}, B={args.batch_size}, "
-          f"{args.rounds} rounds x {m} clients x {args.local_steps} steps per timing, {args.repeats} repeats")
+    print(
+        f"device {device_name(args.device)}, torch {torch.__version__}, {args.dataset}, B={args.batch_size}, "
+        f"{args.rounds} rounds x {m} clients x {args.local_steps} steps per timing, {args.repeats} repeats"
+    )
     print("| script | model flags | SGD steps per timing | FL (s) | centralized (s) | FL / centralized, median (all) |")
     print("| --- | --- | --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory() as tmp:
@@ -113,5 +144,8 @@ if __name__ == "__main__":
             fl, central, steps = time_script(script, args, tmp)
             ratios = [a / b for a, b in zip(fl, central)]
             flags = args.model_flags or " ".join(SCRIPTS[script])
-            print(f"| {script}.py | `{flags}` | {steps} | {np.median(fl):.2f} | {np.median(central):.2f} | "
-                  f"**{np.median(ratios):.2f}** ({', '.join(f'{r:.2f}' for r in ratios)}) |", flush=True)
+            print(
+                f"| {script}.py | `{flags}` | {steps} | {np.median(fl):.2f} | {np.median(central):.2f} | "
+                f"**{np.median(ratios):.2f}** ({', '.join(f'{r:.2f}' for r in ratios)}) |",
+                flush=True,
+            )

@@ -22,6 +22,7 @@ Three modes, one subcommand each:
 The old form `python benchmarks/plot.py [RUNS_DIR] [--out DIR] [--claim X]` (no subcommand) is the
 claims mode. A RUNS_DIR literally named claims, runs or partition needs the subcommand: `claims runs`.
 """
+
 import argparse
 import glob
 import json
@@ -86,8 +87,13 @@ def plot_claims(a, plt):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         for variant in variant_order(spec, data):
             rounds, mean, std, n = data[variant]
-            ax.plot(rounds, mean, marker="." if len(rounds) < 40 else None, label=f"{variant} ({n} seed{'s' if n != 1 else ''})",
-                    linestyle="--" if variant in spec.get("controls", []) else "-")
+            ax.plot(
+                rounds,
+                mean,
+                marker="." if len(rounds) < 40 else None,
+                label=f"{variant} ({n} seed{'s' if n != 1 else ''})",
+                linestyle="--" if variant in spec.get("controls", []) else "-",
+            )
             if np.any(std > 0):
                 ax.fill_between(rounds, mean - std, mean + std, alpha=0.2)
         ax.set_xlabel("communication round")
@@ -155,8 +161,12 @@ def load_run(run_dir):
     if os.path.isfile(path):
         with open(path) as f:
             config = json.load(f)
-    return {"dir": run_dir, "config": config, "script": script_of(run_dir, config),
-            "metrics": read_metrics(os.path.join(run_dir, "metrics.jsonl"))}
+    return {
+        "dir": run_dir,
+        "config": config,
+        "script": script_of(run_dir, config),
+        "metrics": read_metrics(os.path.join(run_dir, "metrics.jsonl")),
+    }
 
 
 def flag_words(key, value, config, script=None):
@@ -193,7 +203,18 @@ def labels(runs, ignore=(), disambiguate=True):
 def shared_settings(runs):
     """A short line of the settings all runs share (dataset, model, partition, clients, rounds)."""
     words = []
-    for key in ("dataset", "model", "iid", "shards", "classes_per_client", "alpha", "split2", "num_clients", "frac", "rounds"):
+    for key in (
+        "dataset",
+        "model",
+        "iid",
+        "shards",
+        "classes_per_client",
+        "alpha",
+        "split2",
+        "num_clients",
+        "frac",
+        "rounds",
+    ):
         values = {json.dumps(r["config"].get(key), default=str) for r in runs}
         if len(values) == 1:
             w = flag_words(key, runs[0]["config"].get(key), runs[0]["config"], runs[0]["script"])
@@ -307,7 +328,9 @@ def plot_partition(a, plt):
     n, c = counts.shape
     fig, ax = plt.subplots(figsize=(min(12.0, max(4.5, 0.09 * n + 3.0)), max(2.6, 0.25 * c + 1.2)))
     masked = np.ma.masked_equal(counts.T, 0)  # empty cells stay white
-    image = ax.imshow(masked, aspect="auto", cmap="viridis", interpolation="nearest", vmin=0, vmax=max(int(counts.max()), 1))
+    image = ax.imshow(
+        masked, aspect="auto", cmap="viridis", interpolation="nearest", vmin=0, vmax=max(int(counts.max()), 1)
+    )
     fig.colorbar(image, ax=ax, label="samples", pad=0.01)
     if n * c <= 200:  # few cells: write the counts in them
         for k in range(n):
@@ -321,9 +344,13 @@ def plot_partition(a, plt):
     if n <= 20:
         ax.set_xticks(range(n))
     sizes = counts.sum(1)
-    ax.set_title(a.title or f"{scheme}: {n} clients x {c} classes, {counts.sum()} {a.split} samples\n"
-                            f"(client sizes {sizes.min()}-{sizes.max()}, classes per client "
-                            f"{(counts > 0).sum(1).min()}-{(counts > 0).sum(1).max()})", fontsize=8)
+    ax.set_title(
+        a.title
+        or f"{scheme}: {n} clients x {c} classes, {counts.sum()} {a.split} samples\n"
+        f"(client sizes {sizes.min()}-{sizes.max()}, classes per client "
+        f"{(counts > 0).sum(1).min()}-{(counts > 0).sum(1).max()})",
+        fontsize=8,
+    )
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     fig.savefig(a.out, dpi=110)
@@ -336,24 +363,45 @@ def plot_partition(a, plt):
 # command line
 # ---------------------------------------------------------------------------------------------
 def parser():
-    p = argparse.ArgumentParser(prog="benchmarks/plot.py", description=__doc__.split("\n\n")[0],
-                                epilog="Without a subcommand the arguments are the claims mode's (the old form).")
+    p = argparse.ArgumentParser(
+        prog="benchmarks/plot.py",
+        description=__doc__.split("\n\n")[0],
+        epilog="Without a subcommand the arguments are the claims mode's (the old form).",
+    )
     sub = p.add_subparsers(dest="command", metavar="{claims,runs,partition}")
     c = sub.add_parser("claims", help="one PNG per reproduced claim: RUNS_DIR/<claim>-<scale>/<variant>/seed<k>")
-    c.add_argument("root", nargs="?", default=os.path.join("runs", "reproduce"), metavar="RUNS_DIR",
-                   help="the RUNS_DIR of benchmarks/reproduce/*.sh (e.g. benchmarks/results)")
+    c.add_argument(
+        "root",
+        nargs="?",
+        default=os.path.join("runs", "reproduce"),
+        metavar="RUNS_DIR",
+        help="the RUNS_DIR of benchmarks/reproduce/*.sh (e.g. benchmarks/results)",
+    )
     c.add_argument("--out", default="docs", help="folder for the PNGs (<claim>-<scale>.png)")
     c.add_argument("--claim", default=None, help="only this claim (e.g. fedln, fedfn-s2)")
     r = sub.add_parser("runs", help="any run folders in one PNG: test accuracy and train loss per round")
-    r.add_argument("folders", nargs="+", metavar="RUN",
-                   help="run folders (with config.json); a folder without one stands for every run folder below it")
+    r.add_argument(
+        "folders",
+        nargs="+",
+        metavar="RUN",
+        help="run folders (with config.json); a folder without one stands for every run folder below it",
+    )
     r.add_argument("--out", default="runs.png", help="the PNG to write")
-    r.add_argument("--mean-seeds", action="store_true", help="one line per configuration: mean and +- std over runs that differ only in --seed")
+    r.add_argument(
+        "--mean-seeds",
+        action="store_true",
+        help="one line per configuration: mean and +- std over runs that differ only in --seed",
+    )
     r.add_argument("--title", default=None, help="figure title (default: the settings all runs share)")
     t = sub.add_parser("partition", help="a run's partition.json as a clients x classes heatmap of label counts")
     t.add_argument("path", metavar="RUN", help="a run folder, or its partition.json")
     t.add_argument("--out", default="partition.png", help="the PNG to write")
-    t.add_argument("--split", default="train", choices=["train", "test"], help="training counts, or the per-client test sets' (--client-test)")
+    t.add_argument(
+        "--split",
+        default="train",
+        choices=["train", "test"],
+        help="training counts, or the per-client test sets' (--client-test)",
+    )
     t.add_argument("--title", default=None, help="figure title (default: scheme, clients, classes, sizes)")
     return p
 
@@ -370,11 +418,15 @@ def main(argv=None):
     a = parse(sys.argv[1:] if argv is None else argv)
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("benchmarks/plot.py needs matplotlib, an optional benchmark-only dependency:\n"
-              "    pip install -r benchmarks/requirements.txt", file=sys.stderr)
+        print(
+            "benchmarks/plot.py needs matplotlib, an optional benchmark-only dependency:\n"
+            "    pip install -r benchmarks/requirements.txt",
+            file=sys.stderr,
+        )
         return 1
     return {"claims": plot_claims, "runs": plot_runs, "partition": plot_partition}[a.command](a, plt)
 

@@ -1,15 +1,16 @@
 """Seconds per FedAvg round and per full test-set evaluation, for several models, with and without --amp.
 
-Issue 8's GPU target setting: CIFAR-10, N=100 clients, f=0.1, E=5, B=50 (fedavg.py's defaults
+The GPU speed target setting: CIFAR-10, N=100 clients, f=0.1, E=5, B=50 (fedavg.py's defaults
 otherwise). For each model and precision fedavg.py runs twice:
   run A: 2R rounds, evaluated at rounds R and 2R  -> the time between the rows is R rounds + 1 evaluation
   run B: 2 rounds, evaluated at rounds 1 and 2    -> 1 round + 1 evaluation
 so a round takes (A - B) / (R - 1) and an evaluation B - round (rounds before the first row are the
-warm-up). Targets on an H100 (issue 8): VGG11 1.5 s, ResNet-18 3 s, CNN 0.5 s per round.
+warm-up). Targets on an H100: VGG11 1.5 s, ResNet-18 3 s, CNN 0.5 s per round.
 
     python benchmarks/round_time.py --dataset folder --data-dir /path/to/cifar10 --device cuda
     python benchmarks/round_time.py --models cnn --device cpu --local-epochs 1     # a CPU smoke run
 """
+
 import argparse
 import os
 import sys
@@ -25,7 +26,13 @@ from common import device_name  # noqa: E402
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["vgg11", "resnet18", "cnn"], help="fedavg.py --model values")
-    p.add_argument("--precisions", nargs="+", default=["fp32", "amp"], choices=["fp32", "amp"], help="amp = --amp (bfloat16 autocast)")
+    p.add_argument(
+        "--precisions",
+        nargs="+",
+        default=["fp32", "amp"],
+        choices=["fp32", "amp"],
+        help="amp = --amp (bfloat16 autocast)",
+    )
     p.add_argument("--dataset", default="folder", help="as in fedavg.py")
     p.add_argument("--data-dir", default="./data", help="as in fedavg.py")
     p.add_argument("--num-clients", type=int, default=100, help="N")
@@ -42,20 +49,44 @@ def parse_args():
 
 if __name__ == "__main__":
     args = parse_args()
-    print(f"device {device_name(args.device)}, torch {torch.__version__}, {args.dataset}, N={args.num_clients}, f={args.frac}, "
-          f"E={args.local_epochs}, B={args.batch_size}")
+    print(
+        f"device {device_name(args.device)}, torch {torch.__version__}, {args.dataset}, "
+        f"N={args.num_clients}, f={args.frac}, "
+        f"E={args.local_epochs}, B={args.batch_size}"
+    )
     print("| model | precision | s / round | s / evaluation |")
     print("| --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models:
             for precision in args.precisions:
-                base = ["--dataset", args.dataset, "--data-dir", args.data_dir, "--device", args.device,
-                        "--model", model, "--num-clients", args.num_clients, "--frac", args.frac,
-                        "--local-epochs", args.local_epochs, "--batch-size", args.batch_size, "--seed", 0,
-                        *(["--amp"] if precision == "amp" else [])]
-                a = between_evaluations("fedavg", [*base, "--rounds", 2 * args.rounds, "--eval-every", args.rounds],
-                                        os.path.join(tmp, f"{model}-{precision}-a"))
-                b = between_evaluations("fedavg", [*base, "--rounds", 2, "--eval-every", 1],
-                                        os.path.join(tmp, f"{model}-{precision}-b"))
+                base = [
+                    "--dataset",
+                    args.dataset,
+                    "--data-dir",
+                    args.data_dir,
+                    "--device",
+                    args.device,
+                    "--model",
+                    model,
+                    "--num-clients",
+                    args.num_clients,
+                    "--frac",
+                    args.frac,
+                    "--local-epochs",
+                    args.local_epochs,
+                    "--batch-size",
+                    args.batch_size,
+                    "--seed",
+                    0,
+                    *(["--amp"] if precision == "amp" else []),
+                ]
+                a = between_evaluations(
+                    "fedavg",
+                    [*base, "--rounds", 2 * args.rounds, "--eval-every", args.rounds],
+                    os.path.join(tmp, f"{model}-{precision}-a"),
+                )
+                b = between_evaluations(
+                    "fedavg", [*base, "--rounds", 2, "--eval-every", 1], os.path.join(tmp, f"{model}-{precision}-b")
+                )
                 per_round = (a - b) / (args.rounds - 1)
                 print(f"| {model} | {precision} | {per_round:.3f} | {b - per_round:.3f} |", flush=True)

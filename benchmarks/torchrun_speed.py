@@ -12,6 +12,7 @@ end with the same test accuracy (they are the same run).
 
     python benchmarks/torchrun_speed.py --data-dir /path/to/cifar10 --device cpu --nproc 2 --threads 2
 """
+
 import argparse
 import json
 import os
@@ -30,8 +31,12 @@ def parse_args():
     p.add_argument("--nproc", type=int, default=2, help="K: processes under torchrun")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads of the one-process baseline")
     p.add_argument("--rounds", type=int, default=3, help="R: rounds timed (after R warm-up rounds)")
-    p.add_argument("--flags", nargs=argparse.REMAINDER, default=["--model", "cnn", "--num-clients", "100", "--frac", "0.1",
-                   "--local-epochs", "1", "--shards", "2"], help="the script's flags (default: fedavg's CNN setting)")
+    p.add_argument(
+        "--flags",
+        nargs=argparse.REMAINDER,
+        default=["--model", "cnn", "--num-clients", "100", "--frac", "0.1", "--local-epochs", "1", "--shards", "2"],
+        help="the script's flags (default: fedavg's CNN setting)",
+    )
     return p.parse_args()
 
 
@@ -47,12 +52,26 @@ def timed_run(cmd, threads, out):
 
 if __name__ == "__main__":
     args = parse_args()
-    run = [f"{args.script}.py", "--dataset", "folder", "--data-dir", args.data_dir, "--device", args.device,
-           *args.flags, "--rounds", str(2 * args.rounds), "--eval-every", str(args.rounds)]
+    run = [
+        f"{args.script}.py",
+        "--dataset",
+        "folder",
+        "--data-dir",
+        args.data_dir,
+        "--device",
+        args.device,
+        *args.flags,
+        "--rounds",
+        str(2 * args.rounds),
+        "--eval-every",
+        str(args.rounds),
+    ]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc)]
-    ways = [(f"alone, {args.threads} threads", [sys.executable, *run], args.threads),
-            ("alone, 1 thread", [sys.executable, *run], 1),
-            (f"torchrun, {args.nproc} processes x 1 thread", [*torchrun, *run], 1)]
+    ways = [
+        (f"alone, {args.threads} threads", [sys.executable, *run], args.threads),
+        ("alone, 1 thread", [sys.executable, *run], 1),
+        (f"torchrun, {args.nproc} processes x 1 thread", [*torchrun, *run], 1),
+    ]
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, cmd, threads) in enumerate(ways):
@@ -60,7 +79,10 @@ if __name__ == "__main__":
             per_round = (rows[-1]["elapsed_s"] - rows[0]["elapsed_s"]) / args.rounds
             results.append((name, per_round, rows[-1]["test_acc"]))
     base = results[0][1]
-    print(f"{args.script}.py {' '.join(args.flags)} (device {args.device}; {2 * args.rounds} rounds, the last {args.rounds} timed)")
+    print(
+        f"{args.script}.py {' '.join(args.flags)} "
+        f"(device {args.device}; {2 * args.rounds} rounds, the last {args.rounds} timed)"
+    )
     print("| way | s / round | speed-up vs the first row | final test acc |")
     print("|---|---|---|---|")
     for name, per_round, acc in results:

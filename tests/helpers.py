@@ -1,4 +1,5 @@
 """Helpers for end-to-end tests: run a script in a subprocess and read its run folder."""
+
 import json
 import os
 import subprocess
@@ -7,18 +8,40 @@ import sys
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--dataset", "synthetic", "--device", "cpu", "--model", "mlp", "--num-clients", "4", "--frac", "0.5",
-        "--local-steps", "3", "--batch-size", "16", "--rounds", "4"]
+TINY = [
+    "--dataset",
+    "synthetic",
+    "--device",
+    "cpu",
+    "--model",
+    "mlp",
+    "--num-clients",
+    "4",
+    "--frac",
+    "0.5",
+    "--local-steps",
+    "3",
+    "--batch-size",
+    "16",
+    "--rounds",
+    "4",
+]
 
 
 def run_script(script, *flags, check=True, env=None):
     """python <script> <flags> in the repo root with one thread; returns the CompletedProcess."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run([sys.executable, script, *map(str, flags)], cwd=ROOT, env=env,
-                          capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, script, *map(str, flags)], cwd=ROOT, env=env, capture_output=True, text=True)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     return proc
+
+
+def start_script(script, *flags):
+    """python <script> <flags> started in the background (one thread, output piped): for Ctrl-C tests."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, script, *map(str, flags)]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def metrics(run_dir):
@@ -59,6 +82,7 @@ def set_state(net, scale, batches):
 def run_parallel(*commands, workers=2):
     """Run several (script, *flags) commands, `workers` at a time (the CI machine has 2 cores)."""
     from concurrent.futures import ThreadPoolExecutor
+
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return [f.result() for f in [pool.submit(run_script, *c) for c in commands]]
 
@@ -72,9 +96,17 @@ def run_batches(*batches):
     seeds everything it uses, so sharing a process does not change its results (tested against
     separate processes in test_fedavg.py). Fails on a non-zero exit."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, RUN_BATCH, json.dumps([[str(a) for a in c] for c in batch])],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for batch in batches]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, RUN_BATCH, json.dumps([[str(a) for a in c] for c in batch])],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for batch in batches
+    ]
     for p in procs:
         _, err = p.communicate()
         assert p.returncode == 0, err[-3000:]
@@ -87,6 +119,7 @@ def stand_in_folder(root, classes=CIFAR10_CLASSES):
     """A CIFAR-10-shaped image folder with one 2x2 image per class and split: enough for finish_args,
     which looks at the class folders and requires an image in each."""
     from PIL import Image
+
     for split in ("train", "test"):
         for c in classes:
             os.makedirs(os.path.join(root, split, c))

@@ -1,6 +1,7 @@
 """Run several script invocations one after another in this one process (helpers.run_batches; also
 started by torchrun, one such process per rank): most of a tiny run's CPU is importing torch.
 Usage: python tests/run_batch.py '[["fedavg.py", "--flag", ...], ...]' (from the repository root)."""
+
 import json
 import os
 import runpy

@@ -4,6 +4,7 @@ accountant (against Opacus), CSI by hand, and end-to-end runs (every --arch and 
 bitwise; FedPer/FedBN keep each client's parts; DP epsilon is logged).
 
 The end-to-end runs are launched once for the module, in two processes at a time."""
+
 import json
 import math
 import os
@@ -23,8 +24,30 @@ import anfr
 import common
 from helpers import ROOT, assert_same_model, metrics, run_batches, summary
 
-TINY = ["--dataset", "synthetic", "--device", "cpu", "--depth", "18", "--width", "8", "--image-size", "16",
-        "--num-clients", "3", "--alpha", "1.0", "--rounds", "3", "--local-steps", "5", "--batch-size", "16", "--lr", "0.03"]
+TINY = [
+    "--dataset",
+    "synthetic",
+    "--device",
+    "cpu",
+    "--depth",
+    "18",
+    "--width",
+    "8",
+    "--image-size",
+    "16",
+    "--num-clients",
+    "3",
+    "--alpha",
+    "1.0",
+    "--rounds",
+    "3",
+    "--local-steps",
+    "5",
+    "--batch-size",
+    "16",
+    "--lr",
+    "0.03",
+]
 CHANCE = 0.1
 
 
@@ -45,7 +68,9 @@ def test_scaled_weight_standardization_eq5():
     w_hat = conv.gain * common.RELU_GAMMA / math.sqrt(5 * 3 * 3) * (W - mu) / torch.sqrt(var + 1e-5)  # Eq. 5 by hand
     assert torch.allclose(conv(x), F.conv2d(x, w_hat, conv.bias, padding=1), atol=1e-5)
     # gamma = 1/std(relu(z)): timm's (DeepMind's) measured constant, within 1e-3 of the closed form
-    assert common.RELU_GAMMA == 1.7139588594436646 and abs(common.RELU_GAMMA - math.sqrt(2 / (1 - 1 / math.pi))) < 1.2e-3
+    assert (
+        common.RELU_GAMMA == 1.7139588594436646 and abs(common.RELU_GAMMA - math.sqrt(2 / (1 - 1 / math.pi))) < 1.2e-3
+    )
 
 
 @pytest.mark.parametrize("depth", [18, 26, 50])
@@ -60,14 +85,14 @@ def test_nf_signal_propagation_at_init(depth):
     fresh = common.resnet(3, 10, 32, depth=depth, width=16, norm="nf", attention="se")  # timm's zero last gains
     var, betas = 1.0, []
     for b in model.body.stages:  # the expected variance: Var += alpha^2, reset to 1 by a transition's shortcut
-        betas.append(var ** -0.5)
-        var = (1.0 if b.transition else var) + 0.2 ** 2
+        betas.append(var**-0.5)
+        var = (1.0 if b.transition else var) + 0.2**2
     assert [b.beta for b in model.body.stages] == pytest.approx(betas, abs=1e-12)
     assert model.body.stages[0].transition == (depth != 18)  # a basic block keeps 16 channels at stride 1
     with torch.no_grad():
         for b, b0 in zip(model.body.stages, fresh.body.stages):
-            var_in = b.beta ** -2
-            x = F.interpolate(torch.randn(4, b.conv1.in_channels, 16, 16), scale_factor=2) * var_in ** 0.5
+            var_in = b.beta**-2
+            x = F.interpolate(torch.randn(4, b.conv1.in_channels, 16, 16), scale_factor=2) * var_in**0.5
             skip = b.shortcut(F.relu(x) * b.beta) if b.transition else x
             out = b(x)
             branch = (out - skip) / 0.2
@@ -78,8 +103,15 @@ def test_nf_signal_propagation_at_init(depth):
             assert torch.equal(b0(x), (b0.shortcut(F.relu(x) * b0.beta) if b0.transition else x))  # zero gain: shut
 
 
-TABLE6 = [("bn", None, 25.56), ("gn", None, 25.56), ("bn", "se", 28.09), ("nf", None, 25.56),
-          ("nf", "se", 28.09), ("nf", "eca", 25.56), ("nf", "cbam", 28.07)]
+TABLE6 = [
+    ("bn", None, 25.56),
+    ("gn", None, 25.56),
+    ("bn", "se", 28.09),
+    ("nf", None, 25.56),
+    ("nf", "se", 28.09),
+    ("nf", "eca", 25.56),
+    ("nf", "cbam", 28.07),
+]
 
 
 @pytest.mark.parametrize("norm,attention,millions", TABLE6)
@@ -92,14 +124,22 @@ def test_parameter_counts_table6(norm, attention, millions):
 
 
 # timm models (the paper's) -> anfr.py flags: --arch, --attention; all with --depth 50 --stem imagenet
-TIMM = {"resnet50": ("bn", "se"), "resnet50_gn": ("gn", "se"), "seresnet50": ("se", "se"),
-        "nf_resnet50": ("nf", "se"), "nf_seresnet50": ("anfr", "se"), "nf_ecaresnet50": ("anfr", "eca")}
+TIMM = {
+    "resnet50": ("bn", "se"),
+    "resnet50_gn": ("gn", "se"),
+    "seresnet50": ("se", "se"),
+    "nf_resnet50": ("nf", "se"),
+    "nf_seresnet50": ("anfr", "se"),
+    "nf_ecaresnet50": ("anfr", "eca"),
+}
 NARROW = {"channels": (32, 64, 128, 256), "stem_chs": 8}  # timm NF-ResNet-50 kwargs for our --width 8
 
 
 def ours_for(name, width=64, last_gain_init=0.0):
     arch, attention = TIMM[name]
-    args = SimpleNamespace(arch=arch, attention=attention, depth=50, width=width, stem="imagenet", last_gain_init=last_gain_init)
+    args = SimpleNamespace(
+        arch=arch, attention=attention, depth=50, width=width, stem="imagenet", last_gain_init=last_gain_init
+    )
     return anfr.build(args, SimpleNamespace(in_channels=3, num_classes=1000, image_size=40))
 
 
@@ -114,7 +154,9 @@ def test_timm_logits_through_the_init_from_name_map(name, width):
     ref = timm.create_model(name, **(NARROW if width == 8 else {})).eval()
     with torch.no_grad():
         for k, v in ref.state_dict().items():
-            if v.is_floating_point() and (k.endswith(("gain", "running_var")) or (v.dim() == 1 and k.endswith("weight"))):
+            if v.is_floating_point() and (
+                k.endswith(("gain", "running_var")) or (v.dim() == 1 and k.endswith("weight"))
+            ):
                 v.uniform_(0.5, 1.5)
             elif v.is_floating_point() and k.endswith(("bias", "running_mean")):
                 v.uniform_(-0.2, 0.2)
@@ -135,13 +177,17 @@ def test_fresh_nf_gains_start_as_timm(name):
     gains = {anfr.timm_name(k, common.RESNET_LAYOUT[50][1]): v for k, v in ref.items() if k.endswith(".gain")}
     assert gains.keys() == {k for k in ours if k.endswith(".gain")}
     assert all(torch.equal(ours[k], v) for k, v in gains.items())
-    assert sum(not v.any() for v in gains.values()) == 16 and all(not ours[f"body.stages.{i}.conv3.gain"].any() for i in range(16))
+    assert sum(not v.any() for v in gains.values()) == 16 and all(
+        not ours[f"body.stages.{i}.conv3.gain"].any() for i in range(16)
+    )
 
 
 def test_attention_widths_as_timm():
     timm = pytest.importorskip("timm")
     from timm.layers.cbam import CbamModule
-    for c in (4, 8, 20, 32, 40, 64, 72, 136, 256, 2048):  # SE: C/16 to the nearest multiple of 8, >= 8; CBAM: nearest, >= 1
+
+    # SE: C/16 to the nearest multiple of 8, >= 8; CBAM: nearest, >= 1
+    for c in (4, 8, 20, 32, 40, 64, 72, 136, 256, 2048):
         assert common.SqueezeExcite(c).fc1.out_channels == timm.layers.SEModule(c).fc1.out_channels, c
         assert common.CBAM(c).fc1.out_channels == CbamModule(c).channel.fc1.out_channels, c
         assert common.EfficientChannelAttention(c).conv.kernel_size == timm.layers.EcaModule(c).conv.kernel_size, c
@@ -149,11 +195,19 @@ def test_attention_widths_as_timm():
 
 def test_timm_names_map_onto_ours():
     layout = common.RESNET_LAYOUT[50][1]
-    cases = {"conv1.weight": "body.stem.0.weight", "bn1.running_var": "body.stem.1.running_var", "fc.bias": "head.bias",
-             "layer1.0.downsample.1.weight": "body.stages.0.shortcut.1.weight", "layer2.3.bn3.bias": "body.stages.6.n3.bias",
-             "layer4.2.se.fc2.weight": "body.stages.15.attn.fc2.weight", "stem.conv.gain": "body.stem.0.gain",
-             "stages.3.0.downsample.conv.gain": "body.stages.13.shortcut.conv.gain", "stages.2.5.conv3.bias": "body.stages.12.conv3.bias",
-             "stages.0.1.attn_last.conv.weight": "body.stages.1.attn.conv.weight", "head.fc.weight": "head.weight"}
+    cases = {
+        "conv1.weight": "body.stem.0.weight",
+        "bn1.running_var": "body.stem.1.running_var",
+        "fc.bias": "head.bias",
+        "layer1.0.downsample.1.weight": "body.stages.0.shortcut.1.weight",
+        "layer2.3.bn3.bias": "body.stages.6.n3.bias",
+        "layer4.2.se.fc2.weight": "body.stages.15.attn.fc2.weight",
+        "stem.conv.gain": "body.stem.0.gain",
+        "stages.3.0.downsample.conv.gain": "body.stages.13.shortcut.conv.gain",
+        "stages.2.5.conv3.bias": "body.stages.12.conv3.bias",
+        "stages.0.1.attn_last.conv.weight": "body.stages.1.attn.conv.weight",
+        "head.fc.weight": "head.weight",
+    }
     assert {k: anfr.timm_name(k, layout) for k in cases} == cases
     ours = ours_for("nf_seresnet50", width=8).state_dict()
     assert all(anfr.timm_name(k, layout) == k for k in ours)  # our own names pass unchanged
@@ -163,10 +217,20 @@ def test_timm_names_map_onto_ours():
 @pytest.mark.parametrize("attention", ["se", "eca", "cbam"])
 def test_every_arch_runs_on_1_and_3_channels(arch, attention):
     for channels, size in ((1, 12), (3, 16)):
-        model = common.resnet(channels, 7, size, depth=18, width=4, norm=anfr.ARCHS[arch][0],
-                              attention=attention if anfr.ARCHS[arch][1] else None)
+        model = common.resnet(
+            channels,
+            7,
+            size,
+            depth=18,
+            width=4,
+            norm=anfr.ARCHS[arch][0],
+            attention=attention if anfr.ARCHS[arch][1] else None,
+        )
         assert model(torch.randn(2, channels, size, size)).shape == (2, 7)
-        assert isinstance(model.head, torch.nn.Linear) and model.body(torch.randn(2, channels, size, size)).shape == (2, 8 * 4)
+        assert isinstance(model.head, torch.nn.Linear) and model.body(torch.randn(2, channels, size, size)).shape == (
+            2,
+            8 * 4,
+        )
 
 
 def test_personal_keys():
@@ -174,7 +238,9 @@ def test_personal_keys():
     nf = common.resnet(3, 10, 32, depth=18, width=4, norm="nf", attention="se")
     assert anfr.personal_keys(se, "fedper") == {"head.weight", "head.bias"}
     bn = anfr.personal_keys(se, "fedbn")
-    assert "body.stem.1.running_var" in bn and "body.stages.0.n1.weight" in bn and "body.stages.0.conv1.weight" not in bn
+    assert (
+        "body.stem.1.running_var" in bn and "body.stages.0.n1.weight" in bn and "body.stages.0.conv1.weight" not in bn
+    )
     assert len(bn) == 5 * sum(isinstance(m, torch.nn.BatchNorm2d) for m in se.modules())
     assert anfr.personal_keys(nf, "fedbn") == set() and anfr.personal_keys(se, "none") == set()
 
@@ -223,7 +289,12 @@ def test_cosine_one_step_run_and_dp_steps_per_round():
     plain = SimpleNamespace(local_steps=None, local_epochs=2, batch_size=32, dp_noise_multiplier=None)
     assert anfr.steps_per_round(1, plain) == 2  # a one-sample client keeps its lone batch
     assert len(list(common.client_batches(torch.arange(1), 32, epochs=2))) == 2
-    assert anfr.steps_per_round(1000, SimpleNamespace(local_steps=7, local_epochs=2, batch_size=32, dp_noise_multiplier=1.0)) == 7
+    assert (
+        anfr.steps_per_round(
+            1000, SimpleNamespace(local_steps=7, local_epochs=2, batch_size=32, dp_noise_multiplier=1.0)
+        )
+        == 7
+    )
 
 
 def test_class_selectivity_index():
@@ -238,8 +309,13 @@ def test_analyze_by_hand():
     torch.manual_seed(0)
     model = common.resnet(3, 3, 8, depth=18, width=4, norm="nf", attention="se", last_gain_init=1.0)
     y = torch.tensor([0, 1, 2, 0, 1, 2, 2, 2, 0, 1, 2, 0])  # classes of 4, 3 and 5 images
-    data = SimpleNamespace(x_test=torch.randint(0, 256, (12, 3, 8, 8), dtype=torch.uint8), y_test=y, num_classes=3,
-                           mean=torch.full((1, 3, 1, 1), 0.5), std=torch.full((1, 3, 1, 1), 0.25))
+    data = SimpleNamespace(
+        x_test=torch.randint(0, 256, (12, 3, 8, 8), dtype=torch.uint8),
+        y_test=y,
+        num_classes=3,
+        mean=torch.full((1, 3, 1, 1), 0.5),
+        std=torch.full((1, 3, 1, 1), 0.25),
+    )
     got = anfr.analyze(model, data, None, batch_size=5)
     x = (data.x_test.float() / 255 - 0.5) / 0.25
     se, seen = model.body.stages[-1].attn, []
@@ -248,7 +324,9 @@ def test_analyze_by_hand():
         feats = model.body(x)  # [12, 32]
         hook.remove()
         z = seen[0].mean((2, 3))
-        w = torch.sigmoid(F.linear(F.relu(F.linear(z, se.fc1.weight.flatten(1), se.fc1.bias)), se.fc2.weight.flatten(1), se.fc2.bias))
+        w = torch.sigmoid(
+            F.linear(F.relu(F.linear(z, se.fc1.weight.flatten(1), se.fc1.bias)), se.fc2.weight.flatten(1), se.fc2.bias)
+        )
     csi = []
     for c in range(feats.shape[1]):
         mu = [feats[y == k, c].mean().item() for k in range(3)]
@@ -264,7 +342,9 @@ def test_analyze_by_hand():
     assert got["attn_weight_mean"] == pytest.approx(wk.mean().item(), rel=1e-5)
     assert got["attn_std_over_channels"] == pytest.approx(wk.std(1).mean().item(), rel=1e-5)
     assert got["attn_std_over_classes"] == pytest.approx(wk.std(0).mean().item(), rel=1e-5)
-    assert (got["attn_weight_min"], got["attn_weight_max"]) == pytest.approx((wk.min().item(), wk.max().item()), rel=1e-5)
+    assert (got["attn_weight_min"], got["attn_weight_max"]) == pytest.approx(
+        (wk.min().item(), wk.max().item()), rel=1e-5
+    )
 
 
 # ---------------------------------------------------------------------------------------------- differential privacy
@@ -279,8 +359,10 @@ def test_per_sample_clipping_bounds_each_norm():
 def test_per_sample_clipping_factor_as_opacus_at_tiny_norms():
     """Opacus's factor min(1, C / (||g_i|| + 1e-6)), visible at norms near 1e-6: norms 5e-6 and 5e-7, C = 1e-6
     -> factors 1e-6 / 6e-6 = 1/6 and 1e-6 / 1.5e-6 = 2/3 (the second sample is scaled although ||g|| < C)."""
-    grads = {"a": torch.tensor([[3e-6, 0.0], [3e-7, 0.0]], dtype=torch.float64),
-             "b": torch.tensor([[4e-6], [4e-7]], dtype=torch.float64)}
+    grads = {
+        "a": torch.tensor([[3e-6, 0.0], [3e-7, 0.0]], dtype=torch.float64),
+        "b": torch.tensor([[4e-6], [4e-7]], dtype=torch.float64),
+    }
     out = anfr.clip_per_sample(grads, max_norm=1e-6)
     factor = torch.tensor([1 / 6, 2 / 3], dtype=torch.float64)
     for n in grads:
@@ -289,8 +371,9 @@ def test_per_sample_clipping_factor_as_opacus_at_tiny_norms():
     params = {n: torch.nn.Parameter(torch.zeros(g.shape[1:], dtype=torch.float64)) for n, g in grads.items()}
     for n, p in params.items():
         p.grad_sample = grads[n]
-    opt = optimizers.DPOptimizer(torch.optim.SGD(list(params.values()), lr=1.0), noise_multiplier=0.0,
-                                 max_grad_norm=1e-6, expected_batch_size=2)
+    opt = optimizers.DPOptimizer(
+        torch.optim.SGD(list(params.values()), lr=1.0), noise_multiplier=0.0, max_grad_norm=1e-6, expected_batch_size=2
+    )
     opt.clip_and_accumulate()  # Opacus's own clipping, summed over the batch
     for n, p in params.items():
         assert torch.allclose(out[n].sum(0), p.summed_grad, rtol=1e-12, atol=0), n
@@ -312,7 +395,8 @@ def test_dp_gradients_one_sample_and_empty_batch_by_hand():
     assert loss.item() == pytest.approx(F.cross_entropy(model(x), y).item(), rel=1e-12)
     for n, p in model.named_parameters():
         assert torch.allclose(p.grad, g[n] / 4, rtol=1e-10, atol=0), n
-    torch.manual_seed(7)  # clipped to C = 0.1, plus the noise sigma C z / B, z from torch's generator in parameter order
+    # clipped to C = 0.1, plus the noise sigma C z / B, z from torch's generator in parameter order
+    torch.manual_seed(7)
     anfr.dp_gradients(model, x, y, sigma=0.5, max_norm=0.1, expected_batch=4)
     torch.manual_seed(7)
     z = {n: torch.randn_like(p) for n, p in model.named_parameters()}
@@ -334,7 +418,7 @@ def test_dp_gradients_match_per_sample_loop():
     ref = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
     for i in range(5):  # one sample at a time, clipped to 0.5 by hand
         model.zero_grad()
-        F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]).backward()
+        F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
         norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters()))
         for n, p in model.named_parameters():
             ref[n] += p.grad * min(1.0, 0.5 / (norm.item() + 1e-6))
@@ -350,7 +434,8 @@ def test_dp_gradients_match_per_sample_loop():
 def test_rdp_log_erfc_and_log_sub():
     for x in (0.1, 1.0, 5.0, 20.0, 26.0):
         assert anfr._log_erfc(x) == pytest.approx(math.log(math.erfc(x)), rel=1e-12)
-    # erfc underflows past x ~ 27.2; the asymptotic series erfc x = e^{-x^2} / (x sqrt(pi)) sum_n (-1)^n (2n-1)!! / (2x^2)^n,
+    # erfc underflows past x ~ 27.2; the asymptotic series
+    # erfc x = e^{-x^2} / (x sqrt(pi)) sum_n (-1)^n (2n-1)!! / (2x^2)^n,
     # 8 terms (error < 1e-15 here), checked against math.erfc at x = 26 where both exist
     for x in (26.0, 28.0, 40.0, 1e3):
         series = sum((-1) ** n * math.prod(range(1, 2 * n, 2)) / (2 * x * x) ** n for n in range(8))
@@ -374,11 +459,17 @@ def test_rdp_accountant():
     assert rdp == pytest.approx([0.00065, 0.001085, 0.00218075, 0.023846, 167.416307], rel=1e-3)
     # by hand, alpha = 2: A_2 = (1-q)^2 + 2q(1-q) + q^2 e^{1/sigma^2}
     q, s = 0.05, 1.1
-    assert anfr.rdp_subsampled_gaussian(q, s, 2) == pytest.approx(math.log(1 + q * q * (math.exp(1 / s ** 2) - 1)), rel=1e-12)
-    assert anfr.rdp_subsampled_gaussian(q, s, 3.0000001) == pytest.approx(anfr.rdp_subsampled_gaussian(q, s, 3), rel=1e-5)
+    assert anfr.rdp_subsampled_gaussian(q, s, 2) == pytest.approx(
+        math.log(1 + q * q * (math.exp(1 / s**2) - 1)), rel=1e-12
+    )
+    assert anfr.rdp_subsampled_gaussian(q, s, 3.0000001) == pytest.approx(
+        anfr.rdp_subsampled_gaussian(q, s, 3), rel=1e-5
+    )
     # by hand, no subsampling: R(a) = T a / (2 sigma^2), eps = min_a R - (log d + log a)/(a-1) + log((a-1)/a)
     T, d = 10, 1e-5
-    hand = min(T * a / (2 * s * s) - (math.log(d) + math.log(a)) / (a - 1) + math.log((a - 1) / a) for a in anfr.DP_ORDERS)
+    hand = min(
+        T * a / (2 * s * s) - (math.log(d) + math.log(a)) / (a - 1) + math.log((a - 1) / a) for a in anfr.DP_ORDERS
+    )
     assert anfr.dp_epsilon(1.0, s, T, d) == pytest.approx(hand, rel=1e-9)
     e = [anfr.dp_epsilon(0.05, s, t, d) for t in (10, 100, 1000)]
     assert 0 < e[0] < e[1] < e[2]  # grows with steps
@@ -386,8 +477,17 @@ def test_rdp_accountant():
     assert anfr.dp_epsilon(0.05, s, 0, d) == 0.0
 
 
-@pytest.mark.parametrize("q,sigma,steps,delta", [(0.01, 1.1, 1000, 1e-5), (0.05, 0.8, 50, 1e-4), (0.2, 2.0, 300, 1e-6),
-                                                 (0.5, 0.7, 10, 1e-5), (0.004, 4.0, 10000, 1e-5), (0.1, 5.0, 5, 1e-3)])
+@pytest.mark.parametrize(
+    "q,sigma,steps,delta",
+    [
+        (0.01, 1.1, 1000, 1e-5),
+        (0.05, 0.8, 50, 1e-4),
+        (0.2, 2.0, 300, 1e-6),
+        (0.5, 0.7, 10, 1e-5),
+        (0.004, 4.0, 10000, 1e-5),
+        (0.1, 5.0, 5, 1e-3),
+    ],
+)
 def test_dp_epsilon_matches_opacus(q, sigma, steps, delta):
     """Opacus's RDP accountant (its own orders, which are ours); the best orders here are 9.6, 3.4, 3.4, 2.1,
     40 and 46, so both the fractional and the integer formulas count."""
@@ -424,28 +524,47 @@ def _run_here(*argv):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Every end-to-end run of this file, in two processes at a time: this one and one of
-    helpers.run_batches (most of a tiny run's CPU is importing torch). X_a: uninterrupted; X_b: --stop-after 1, then --resume (fedbn_b: not resumed); X_t: a
+    helpers.run_batches (most of a tiny run's CPU is importing torch). X_a: uninterrupted; X_b: --stop-after 1,
+    then --resume (fedbn_b: not resumed); X_t: a
     copy of X_b after round 1 with client 0's FedPer/FedBN parts shifted by 0.5, then --resume."""
     tmp = tmp_path_factory.mktemp("anfr")
     cmd = lambda out, *flags: ["anfr.py", *TINY, *flags, "--out", str(tmp / out)]
-    arch = [cmd(f"arch_{a}", "--arch", a, "--eval-every", "3", *(["--analyze", "--save-model"] if a == "se" else []),
-                *(["--lr", "0.01"] if a == "gn" else []),  # GN wants a smaller lr
-                *(["--local-steps", "10"] if a in ("bn", "gn") else []))  # 15 steps are too few for these two (0.16-0.26 at some seeds)
-            for a in ("bn", "gn", "se", "nf", "anfr")]
-    groups = {"scaffold": ["--agg", "scaffold", "--attention", "cbam", "--rounds", "2"],  # _a is also a learning run
-              # FedAvg with FedPer and DP-SGD: resume, local heads, accountant
-              "fedper": ["--pfl", "fedper", "--attention", "eca", "--rounds", "2", "--dp-noise-multiplier", "0.8"],
-              "fedbn": ["--arch", "se", "--pfl", "fedbn", "--rounds", "2", "--local-steps", "10", "--eval-every", "2"]}
-    pairs = [x for g, f in groups.items() for x in (cmd(f"{g}_a", *f, "--save-model"),
-                                                     cmd(f"{g}_b", *f, "--save-model", "--stop-after", "1"))]
+    arch = [
+        cmd(
+            f"arch_{a}",
+            "--arch",
+            a,
+            "--eval-every",
+            "3",
+            *(["--analyze", "--save-model"] if a == "se" else []),
+            *(["--lr", "0.01"] if a == "gn" else []),  # GN wants a smaller lr
+            # 15 steps are too few for these two (0.16-0.26 at some seeds)
+            *(["--local-steps", "10"] if a in ("bn", "gn") else []),
+        )
+        for a in ("bn", "gn", "se", "nf", "anfr")
+    ]
+    groups = {
+        "scaffold": ["--agg", "scaffold", "--attention", "cbam", "--rounds", "2"],  # _a is also a learning run
+        # FedAvg with FedPer and DP-SGD: resume, local heads, accountant
+        "fedper": ["--pfl", "fedper", "--attention", "eca", "--rounds", "2", "--dp-noise-multiplier", "0.8"],
+        "fedbn": ["--arch", "se", "--pfl", "fedbn", "--rounds", "2", "--local-steps", "10", "--eval-every", "2"],
+    }
+    pairs = [
+        x
+        for g, f in groups.items()
+        for x in (cmd(f"{g}_a", *f, "--save-model"), cmd(f"{g}_b", *f, "--save-model", "--stop-after", "1"))
+    ]
     resume = lambda g: ["anfr.py", "--resume", str(tmp / g)]
     with ThreadPoolExecutor(1) as pool:  # one process for the pairs, while this one (torch imported) does the rest
         pending = pool.submit(run_batches, pairs + [resume("scaffold_b")])
-        for c in arch + [cmd("agg_fedprox", "--agg", "fedprox", "--eval-every", "3"),
-                         cmd("agg_fedadam", "--agg", "fedadam", "--server-lr", "0.1", "--eval-every", "3")]:
+        for c in arch + [
+            cmd("agg_fedprox", "--agg", "fedprox", "--eval-every", "3"),
+            cmd("agg_fedadam", "--agg", "fedadam", "--server-lr", "0.1", "--eval-every", "3"),
+        ]:
             _run_here(*c)
         pending.result()
-    ckpt1 = {g: torch.load(tmp / f"{g}_b" / "checkpoint.pt", weights_only=False) for g in ("fedper", "fedbn")}  # after round 1
+    # after round 1
+    ckpt1 = {g: torch.load(tmp / f"{g}_b" / "checkpoint.pt", weights_only=False) for g in ("fedper", "fedbn")}
     for g in ("fedper", "fedbn"):
         shutil.copytree(tmp / f"{g}_b", tmp / f"{g}_t")
         _tamper(tmp / f"{g}_t", 0)
@@ -456,8 +575,9 @@ def runs(tmp_path_factory):
     return tmp, ckpt1
 
 
-@pytest.mark.parametrize("run", ["arch_bn", "arch_gn", "arch_se", "arch_nf", "arch_anfr",
-                                 "agg_fedprox", "scaffold_a", "agg_fedadam"])
+@pytest.mark.parametrize(
+    "run", ["arch_bn", "arch_gn", "arch_se", "arch_nf", "arch_anfr", "agg_fedprox", "scaffold_a", "agg_fedadam"]
+)
 def test_every_arch_and_agg_learns(runs, run):
     tmp, _ = runs  # --arch runs use FedAvg; --agg runs use ANFR
     acc = summary(tmp / run)["test_acc"]
@@ -484,13 +604,17 @@ def test_resume_equals_uninterrupted(runs, name):
     cb = torch.load(tmp / b / "checkpoint.pt", weights_only=False)
     rounds = json.load(open(tmp / a / "config.json"))["rounds"]
     assert ca["client_steps"] == cb["client_steps"] == [rounds * 5] * 3  # each client's scheduler position
-    assert ca["local"] == [None] * 3 or all(torch.equal(x[k], y[k]) for x, y in zip(ca["local"], cb["local"]) for k in x)
+    assert ca["local"] == [None] * 3 or all(
+        torch.equal(x[k], y[k]) for x, y in zip(ca["local"], cb["local"]) for k in x
+    )
     assert (ca["c"] is None) == (name == "fedper")
     if ca["c"] is not None:  # SCAFFOLD server and client controls
         assert all(torch.equal(ca["c"][n], cb["c"][n]) and ca["c"][n].abs().sum() > 0 for n in ca["c"])
         assert all(torch.equal(x[n], y[n]) for x, y in zip(ca["c_i"], cb["c_i"]) for n in x)
     for sa, sb in zip(ca["opts"], cb["opts"]):  # each client's AdamW state
-        assert sa["state"] and all(torch.equal(sa["state"][i]["exp_avg_sq"], sb["state"][i]["exp_avg_sq"]) for i in sa["state"])
+        assert sa["state"] and all(
+            torch.equal(sa["state"][i]["exp_avg_sq"], sb["state"][i]["exp_avg_sq"]) for i in sa["state"]
+        )
 
 
 @pytest.mark.parametrize("name,kind", [("fedper", "head"), ("fedbn", "bn")])
@@ -498,7 +622,8 @@ def test_pfl_keeps_local_parts_per_client(runs, name, kind):
     tmp, ckpt1 = runs
     ckpt1 = ckpt1[name]  # after round 1
     a = torch.load(tmp / f"{name}_a" / "checkpoint.pt", weights_only=False)  # after round 2 (the last)
-    t = torch.load(tmp / f"{name}_t" / "checkpoint.pt", weights_only=False)  # same, client 0's parts shifted after round 1
+    # same, client 0's parts shifted after round 1
+    t = torch.load(tmp / f"{name}_t" / "checkpoint.pt", weights_only=False)
     keys = sorted(a["local"][0])
     assert keys and all(k.startswith("head.") for k in keys) == (kind == "head")
     assert any("running_mean" in k for k in keys) == (kind == "bn")
@@ -527,9 +652,11 @@ def test_dp_epsilon_per_client(runs):
 
 
 def test_bad_flags_name_the_flag(tmp_path, monkeypatch, capsys):  # parse_args in this process: no torch import
-    for flags, words in ((["--arch", "anfr", "--pfl", "fedbn"], ("--pfl fedbn", "no batch norm")),
-                         (["--arch", "se", "--dp-noise-multiplier", "1.0"], ("--dp-noise-multiplier", "batch norm")),
-                         (["--arch", "gn", "--last-gain-init", "1"], ("--last-gain-init", "--arch nf or anfr"))):
+    for flags, words in (
+        (["--arch", "anfr", "--pfl", "fedbn"], ("--pfl fedbn", "no batch norm")),
+        (["--arch", "se", "--dp-noise-multiplier", "1.0"], ("--dp-noise-multiplier", "batch norm")),
+        (["--arch", "gn", "--last-gain-init", "1"], ("--last-gain-init", "--arch nf or anfr")),
+    ):
         monkeypatch.setattr("sys.argv", ["anfr.py", *TINY, *flags, "--out", str(tmp_path / "x")])
         with pytest.raises(SystemExit) as e:
             anfr.parse_args()
@@ -562,12 +689,18 @@ def test_init_from_refuses_a_file_that_leaves_entries_unloaded(tmp_path, monkeyp
     nf = common.resnet(3, 10, 16, depth=18, width=8, norm="nf").state_dict()
     missing = [k for k in nf if not k.startswith("head.") and not (k in bn and bn[k].shape == nf[k].shape)]
     torch.save(bn, tmp_path / "bn.pt")
-    monkeypatch.setattr("sys.argv", ["anfr.py", *TINY, "--arch", "nf", "--init-from", str(tmp_path / "bn.pt"), "--out", str(tmp_path / "run")])
+    monkeypatch.setattr(
+        "sys.argv",
+        ["anfr.py", *TINY, "--arch", "nf", "--init-from", str(tmp_path / "bn.pt"), "--out", str(tmp_path / "run")],
+    )
     with pytest.raises(SystemExit) as e:
         runpy.run_path(os.path.join(ROOT, "anfr.py"), run_name="__main__")
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and not (tmp_path / "run").exists()
-    assert f"--init-from {tmp_path / 'bn.pt'}: {len(missing)} entries of ours" in err[0] and ", ".join(missing[:3]) + ", ..." in err[0]
+    assert (
+        f"--init-from {tmp_path / 'bn.pt'}: {len(missing)} entries of ours" in err[0]
+        and ", ".join(missing[:3]) + ", ..." in err[0]
+    )
     model = common.resnet(3, 10, 16, depth=18, width=8, norm="bn")  # no SE: the file's SE entries would be dropped
     with pytest.raises(ValueError, match="32 entries of it fitting none of ours: body.stages.0.attn.fc1.weight"):
         anfr.load_pretrained(model, bn, [2, 2, 2, 2])

@@ -1,6 +1,7 @@
 """Fast tests of the reproduction tooling (issue 8): benchmarks/collect.py on hand-made run folders,
 and benchmarks/reproduce/*.sh (bash -n, and every command's flags accepted by its script's parser,
 called in-process on a tiny fake image folder). Seconds, no training."""
+
 import importlib
 import json
 import os
@@ -23,8 +24,9 @@ CLAIM_SCRIPTS = ["fedfn", "fedbabu", "fedln", "fednnnn", "anfr"]
 # ---------------------------------------------------------------------------------------------
 # collect.py on hand-made run folders
 # ---------------------------------------------------------------------------------------------
-def make_run(root, claim, variant, seed, accs, summary_extra=None, config=None, command=True, finished=True,
-             script="fedln"):
+def make_run(
+    root, claim, variant, seed, accs, summary_extra=None, config=None, command=True, finished=True, script="fedln"
+):
     """root/claim/variant/seed<k> with metrics.jsonl (one row per accuracy in accs, rounds 1..n),
     summary.json (final row's test_acc) and config.json."""
     d = os.path.join(root, claim, variant, f"seed{seed}")
@@ -32,16 +34,35 @@ def make_run(root, claim, variant, seed, accs, summary_extra=None, config=None, 
     with open(os.path.join(d, "metrics.jsonl"), "w") as f:
         for i, a in enumerate(accs):
             f.write(json.dumps({"round": i + 1, "test_acc": a, "test_loss": 1.0, "elapsed_s": i}) + "\n")
-    cfg = config or {"dataset": "folder", "data_dir": "/data/cifar10", "model": "normcnn", "rounds": len(accs),
-                     "seed": seed, "data_seed": seed, "out": d, "lr": 0.01, "iid": False, "lr_decay_at": [0.5, 0.75]}
+    cfg = config or {
+        "dataset": "folder",
+        "data_dir": "/data/cifar10",
+        "model": "normcnn",
+        "rounds": len(accs),
+        "seed": seed,
+        "data_seed": seed,
+        "out": d,
+        "lr": 0.01,
+        "iid": False,
+        "lr_decay_at": [0.5, 0.75],
+    }
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(cfg, f)
     if command:
         with open(os.path.join(d, "command.txt"), "w") as f:
-            f.write(f'python {script}.py --dataset folder --data-dir "$DATA_DIR" --norm {variant} --seed {seed} --out {d}\n')
+            f.write(
+                f'python {script}.py --dataset folder --data-dir "$DATA_DIR" --norm {variant} --seed {seed} --out {d}\n'
+            )
     if finished:
-        summary = {"final_round": len(accs), "test_acc": accs[-1], "wall_time_s": 60.0 * (seed + 1),
-                   "device": "cpu (x86_64, 2 threads)", "torch": "2.4.0", "script": script, **(summary_extra or {})}
+        summary = {
+            "final_round": len(accs),
+            "test_acc": accs[-1],
+            "wall_time_s": 60.0 * (seed + 1),
+            "device": "cpu (x86_64, 2 threads)",
+            "torch": "2.4.0",
+            "script": script,
+            **(summary_extra or {}),
+        }
         with open(os.path.join(d, "summary.json"), "w") as f:
             json.dump(summary, f)
     return d
@@ -80,7 +101,10 @@ def test_exact_mean_std_final_round_and_grouping(tmp_path):
     assert r["vanilla"][1] == "25.00 ± 7.07"  # finals 0.3 and 0.2, not the best 0.4
     # display order follows the claim (ln before vanilla), then unknown variants
     table = collect.table("fedln", "small", found[("fedln", "small")])
-    assert [l.split("|")[1].strip() for l in table if l.startswith("| ") and "variant" not in l] == ["ln", "vanilla"]
+    assert [row.split("|")[1].strip() for row in table if row.startswith("| ") and "variant" not in row] == [
+        "ln",
+        "vanilla",
+    ]
 
 
 def test_final_accuracy_prefers_summary_then_final_metrics_row(tmp_path):
@@ -109,9 +133,20 @@ def test_one_seed_has_no_std_unfinished_and_diverged_left_out(tmp_path):
 def test_fedbabu_and_fednnnn_columns(tmp_path):
     root = str(tmp_path)
     for seed, pers in [(0, 0.7), (1, 0.8)]:
-        make_run(root, "fedbabu-small", "fedbabu", seed, [0.3, 0.2], script="fedbabu", summary_extra={
-            "pers_acc_mean": pers, "init_acc_mean": 0.1, "nohead_acc_mean": 0.5,
-            "pers_acc_mean_by_epoch": {"0": 0.1, "1": 0.6, "2": 0.65, "5": pers, "10": 0.9}})
+        make_run(
+            root,
+            "fedbabu-small",
+            "fedbabu",
+            seed,
+            [0.3, 0.2],
+            script="fedbabu",
+            summary_extra={
+                "pers_acc_mean": pers,
+                "init_acc_mean": 0.1,
+                "nohead_acc_mean": 0.5,
+                "pers_acc_mean_by_epoch": {"0": 0.1, "1": 0.6, "2": 0.65, "5": pers, "10": 0.9},
+            },
+        )
     r = rows(collect.table("fedbabu", "small", collect.gather(root)[("fedbabu", "small")]))
     assert r["fedbabu"][1:3] == ["75.00 ± 7.07", "76.25 (T13)"]
     assert r["fedbabu"][3:5] == ["10.00 ± 0.00", "62.68 (T12)"]
@@ -151,6 +186,7 @@ def test_collect_main_prints_all_claims(tmp_path, capsys):
 
 def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch, capsys):
     import builtins
+
     real_import = builtins.__import__
 
     def no_matplotlib(name, *a, **k):
@@ -210,33 +246,60 @@ def write_run(d, config, script=None, accs=(), losses=()):
 
 def test_plot_runs_labels_name_script_and_differing_flags(tmp_path, capsys):
     plot = importlib.import_module("plot")
-    base = {"dataset": "folder", "data_dir": "/x", "shards": 2, "alpha": None, "lr": 0.03, "seed": 0, "data_seed": 0,
-            "lr_decay_at": [0.5, 0.75], "iid": False}
+    base = {
+        "dataset": "folder",
+        "data_dir": "/x",
+        "shards": 2,
+        "alpha": None,
+        "lr": 0.03,
+        "seed": 0,
+        "data_seed": 0,
+        "lr_decay_at": [0.5, 0.75],
+        "iid": False,
+    }
     # fedfn with FN, fedfn --no-fn at another lr, fedavg (no "fn" flag at all) with --iid in place of --shards;
     # the script comes from summary.json, command.txt, or the default folder name <script>__...
     a = write_run(str(tmp_path / "a"), {**base, "fn": True, "out": "a"}, script="fedfn", accs=[0.1, 0.3])
     b = write_run(str(tmp_path / "b"), {**base, "fn": False, "lr": 0.01, "out": "b"}, accs=[0.2, 0.4])
     with open(os.path.join(b, "command.txt"), "w") as f:
         f.write("python fedfn.py --no-fn --lr 0.01\n")
-    c = write_run(str(tmp_path / "fedavg__folder__0__2026"), {**base, "shards": None, "iid": True, "out": "c"}, accs=[0.5])
+    c = write_run(
+        str(tmp_path / "fedavg__folder__0__2026"), {**base, "shards": None, "iid": True, "out": "c"}, accs=[0.5]
+    )
     runs = [plot.load_run(d) for d in plot.find_runs([a, b, c])]
     assert [r["script"] for r in runs] == ["fedfn", "fedfn", "fedavg"]
-    assert plot.labels(runs) == ["fedfn --shards 2 --lr 0.03", "fedfn --shards 2 --lr 0.01 --no-fn", "fedavg --lr 0.03 --iid"]
+    assert plot.labels(runs) == [
+        "fedfn --shards 2 --lr 0.03",
+        "fedfn --shards 2 --lr 0.01 --no-fn",
+        "fedavg --lr 0.03 --iid",
+    ]
     assert plot.shared_settings(runs) == "shared: --dataset folder"
     # two seeds of two configurations: --mean-seeds makes two lines, each the mean over its seeds
     root = tmp_path / "results"
     for lr in (0.01, 0.03):
         for seed, accs in [(0, [0.2, 0.4]), (1, [0.4, 0.8])]:
-            write_run(str(root / f"lr{lr}" / f"seed{seed}"), {**base, "lr": lr, "seed": seed, "data_seed": seed},
-                      script="fedavg", accs=[x * lr * 100 for x in accs])
+            write_run(
+                str(root / f"lr{lr}" / f"seed{seed}"),
+                {**base, "lr": lr, "seed": seed, "data_seed": seed},
+                script="fedavg",
+                accs=[x * lr * 100 for x in accs],
+            )
     runs = [plot.load_run(d) for d in plot.find_runs([str(root)])]  # a folder without config.json: the runs below it
     assert len(runs) == 4
-    assert plot.labels(runs) == ["fedavg --lr 0.01 --seed 0", "fedavg --lr 0.01 --seed 1",
-                                 "fedavg --lr 0.03 --seed 0", "fedavg --lr 0.03 --seed 1"]
+    assert plot.labels(runs) == [
+        "fedavg --lr 0.01 --seed 0",
+        "fedavg --lr 0.01 --seed 1",
+        "fedavg --lr 0.03 --seed 0",
+        "fedavg --lr 0.03 --seed 1",
+    ]
     groups = plot.group_seeds(runs)
-    assert [(name, len(rs)) for name, rs in groups] == [("fedavg --lr 0.01 (2 seeds)", 2), ("fedavg --lr 0.03 (2 seeds)", 2)]
+    assert [(name, len(rs)) for name, rs in groups] == [
+        ("fedavg --lr 0.01 (2 seeds)", 2),
+        ("fedavg --lr 0.03 (2 seeds)", 2),
+    ]
     rounds, mean, std = plot.mean_band(plot.series(groups[1][1], "test_acc"))
-    assert list(rounds) == [1, 2] and np.allclose(mean, [100 * 3 * 0.3, 100 * 3 * 0.6])  # percent: mean of 0.6/1.2, 1.2/2.4
+    # percent: mean of 0.6/1.2, 1.2/2.4
+    assert list(rounds) == [1, 2] and np.allclose(mean, [100 * 3 * 0.3, 100 * 3 * 0.6])
     assert np.allclose(std, [np.std([60, 120], ddof=1), np.std([120, 240], ddof=1)])
     assert plot.main(["runs", str(tmp_path / "empty")]) == 2  # not a folder: one line, exit 2
     assert "not a folder" in capsys.readouterr().err
@@ -251,9 +314,12 @@ def test_plot_partition_reads_what_run_writes(tmp_path, capsys):
     import types
     import torch
     import common
+
     plot = importlib.import_module("plot")
     labels = torch.tensor([0, 0, 1, 2, 2, 2, 1, 0])
-    part = common.Partition(train=[torch.tensor([0, 1, 2]), torch.tensor([3, 4, 5, 6, 7])], test=None, scheme="shards=2")
+    part = common.Partition(
+        train=[torch.tensor([0, 1, 2]), torch.tensor([3, 4, 5, 6, 7])], test=None, scheme="shards=2"
+    )
     data = types.SimpleNamespace(y_train=labels, num_classes=3)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -284,8 +350,13 @@ def test_reproduce_script_syntax(name):
 
 
 def dry_run(name, scale, **env):
-    res = subprocess.run(["bash", os.path.join(REPRO, f"{name}.sh"), scale], capture_output=True, text=True,
-                         env={**os.environ, "DRY_RUN": "1", **env}, check=True)
+    res = subprocess.run(
+        ["bash", os.path.join(REPRO, f"{name}.sh"), scale],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DRY_RUN": "1", **env},
+        check=True,
+    )
     return [shlex.split(line) for line in res.stdout.splitlines()]
 
 
@@ -323,7 +394,9 @@ def test_reproduce_commands_parse(name, scale, fake_folder, monkeypatch):
         outs.add(args.out)
         # collect.py's command rebuilt from this config.json parses back to the same flags
         cfg = {k: v for k, v in vars(args).items() if k not in ("resume", "stop_after")}
-        rebuilt = shlex.split(collect.rebuild_command(os.path.splitext(argv[1])[0], cfg).replace('"$DATA_DIR"', shlex.quote(fake_folder)))
+        rebuilt = shlex.split(
+            collect.rebuild_command(os.path.splitext(argv[1])[0], cfg).replace('"$DATA_DIR"', shlex.quote(fake_folder))
+        )
         again = parse_in_process(rebuilt, monkeypatch)
         assert vars(again) == vars(args), f"{name}.sh {scale}: collect.rebuild_command does not round-trip"
     assert len(outs) == len(commands)  # every run has its own folder
@@ -331,14 +404,23 @@ def test_reproduce_commands_parse(name, scale, fake_folder, monkeypatch):
     assert seeds == {0, 1, 2}  # SEEDS defaults to "0 1 2"
 
 
-@pytest.mark.parametrize("name, base, control, old, new", [
-    ("anfr", "bn", "bn-iid", "--split2", "--iid"),
-    ("anfr", "anfr", "anfr-iid", "--split2", "--iid"),
-    ("fedfn", "fedfn", "fedfn-lr0.01", "0.03", "0.01"),
-    ("fedfn", "fedfn-lr0.01", "fedfn-sqrtd", None, "--fn-scale sqrt-d"),  # old None: the control adds the flag `new`
-    ("anfr", "nf", "nf-gain1", None, "--last-gain-init 1"),
-    ("anfr", "anfr", "anfr-gain1", None, "--last-gain-init 1"),
-])
+@pytest.mark.parametrize(
+    "name, base, control, old, new",
+    [
+        ("anfr", "bn", "bn-iid", "--split2", "--iid"),
+        ("anfr", "anfr", "anfr-iid", "--split2", "--iid"),
+        ("fedfn", "fedfn", "fedfn-lr0.01", "0.03", "0.01"),
+        (
+            "fedfn",
+            "fedfn-lr0.01",
+            "fedfn-sqrtd",
+            None,
+            "--fn-scale sqrt-d",
+        ),  # old None: the control adds the flag `new`
+        ("anfr", "nf", "nf-gain1", None, "--last-gain-init 1"),
+        ("anfr", "anfr", "anfr-gain1", None, "--last-gain-init 1"),
+    ],
+)
 def test_small_scale_controls_change_one_flag_only(name, base, control, old, new, monkeypatch):
     monkeypatch.chdir(ROOT)
 
@@ -365,8 +447,12 @@ def test_reproduce_env_seeds_and_variants(monkeypatch):
     assert cmds[0][cmds[0].index("--out") + 1] == "runs/reproduce/fedln-small/bn/seed5"
     res = subprocess.run(["bash", os.path.join(REPRO, "fedln.sh"), "large"], capture_output=True, text=True)
     assert res.returncode == 2 and "usage" in res.stderr
-    res = subprocess.run(["bash", os.path.join(REPRO, "fedln.sh")], capture_output=True, text=True,
-                         env={**os.environ, "DATA_DIR": "/nonexistent"})
+    res = subprocess.run(
+        ["bash", os.path.join(REPRO, "fedln.sh")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DATA_DIR": "/nonexistent"},
+    )
     assert res.returncode == 2 and "DATA_DIR" in res.stderr
 
 
@@ -391,8 +477,14 @@ echo '{{"test_acc": 0.5}}' > "$out/summary.json"
     half = runs / "fedln-small" / "fn" / "seed0"
     half.mkdir(parents=True)
     (half / "checkpoint.pt").write_text("")
-    env = {**os.environ, "PYTHON": str(fake), "DATA_DIR": fake_folder, "RUNS_DIR": str(runs), "SEEDS": "0 1",
-           "JOBS": str(jobs)}
+    env = {
+        **os.environ,
+        "PYTHON": str(fake),
+        "DATA_DIR": fake_folder,
+        "RUNS_DIR": str(runs),
+        "SEEDS": "0 1",
+        "JOBS": str(jobs),
+    }
     res = subprocess.run(["bash", os.path.join(REPRO, "fedln.sh")], env=env, capture_output=True, text=True)
     assert res.returncode == 1, res.stderr  # bn/seed1 failed ...
     calls = log.read_text().splitlines()
@@ -403,7 +495,10 @@ echo '{{"test_acc": 0.5}}' > "$out/summary.json"
     if jobs == 1:
         assert calls[0] == first and calls[1] == f"fedln.py --resume {half}"
     else:
-        assert "resuming" in (half / "log.txt").read_text() and "bn/seed1" in (runs / "fedln-small/bn/seed1/log.txt").read_text()
+        assert (
+            "resuming" in (half / "log.txt").read_text()
+            and "bn/seed1" in (runs / "fedln-small/bn/seed1/log.txt").read_text()
+        )
     assert (runs / "fedln-small" / "bn" / "seed0" / "summary.json").exists()
     assert "--norm none" in (runs / "fedln-small" / "vanilla" / "seed1" / "command.txt").read_text()
     assert "bn/seed1" in res.stderr
@@ -414,20 +509,29 @@ echo '{{"test_acc": 0.5}}' > "$out/summary.json"
 # ---------------------------------------------------------------------------------------------
 def test_overhead_times_evaluation_rows_only():
     import overhead
-    rows = [{"round": 1, "train_loss": 1.0, "elapsed_s": 1.0}, {"round": 2, "test_acc": 0.1, "elapsed_s": 2.5},
-            {"round": 3, "train_loss": 1.0, "elapsed_s": 4.0}, {"round": 4, "test_acc": 0.2, "elapsed_s": 6.0}]
+
+    rows = [
+        {"round": 1, "train_loss": 1.0, "elapsed_s": 1.0},
+        {"round": 2, "test_acc": 0.1, "elapsed_s": 2.5},
+        {"round": 3, "train_loss": 1.0, "elapsed_s": 4.0},
+        {"round": 4, "test_acc": 0.2, "elapsed_s": 6.0},
+    ]
     assert overhead.seconds_between_evaluations(rows) == 3.5  # rounds 2 -> 4, not 1 -> 4
 
 
 def test_overhead_runs_do_the_same_steps_with_the_same_flags(monkeypatch):
     import overhead
-    monkeypatch.setattr(sys, "argv", ["overhead.py", "--num-clients", "20", "--frac", "0.25", "--local-steps", "4",
-                                      "--rounds", "3", "--amp"])
+
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["overhead.py", "--num-clients", "20", "--frac", "0.25", "--local-steps", "4", "--rounds", "3", "--amp"],
+    )
     args = overhead.parse_args()
     fl, central, steps = overhead.run_flags("fedbabu", args)
     assert steps == 3 * 5 * 4  # R rounds x m = C*N clients x K steps
-    tail = lambda flags: flags[flags.index("--num-clients"):]
-    assert fl[:-len(tail(fl))] == central[:-len(tail(central))]  # everything but the federation flags is shared
+    tail = lambda flags: flags[flags.index("--num-clients") :]
+    assert fl[: -len(tail(fl))] == central[: -len(tail(central))]  # everything but the federation flags is shared
     assert "--amp" in fl and "--no-client-test" in fl and fl[fl.index("--model") + 1] == "convnet4-tiny"
     assert tail(fl) == ["--num-clients", 20, "--frac", 0.25, "--local-steps", 4, "--rounds", 6, "--eval-every", 3]
     assert tail(central) == ["--num-clients", 1, "--frac", 1, "--local-steps", 60, "--rounds", 2, "--eval-every", 1]
@@ -437,9 +541,25 @@ def test_overhead_runs_do_the_same_steps_with_the_same_flags(monkeypatch):
 
 
 def test_overhead_times_each_script_against_the_same_steps_centralized(tmp_path):
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "overhead.py"), "--scripts", "fedavg", "fednnnn",
-           "--device", "cpu", "--num-clients", "4", "--frac", "0.5", "--local-steps", "3", "--rounds", "2",
-           "--repeats", "2"]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "benchmarks", "overhead.py"),
+        "--scripts",
+        "fedavg",
+        "fednnnn",
+        "--device",
+        "cpu",
+        "--num-clients",
+        "4",
+        "--frac",
+        "0.5",
+        "--local-steps",
+        "3",
+        "--rounds",
+        "2",
+        "--repeats",
+        "2",
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr
     table = [line for line in res.stdout.splitlines() if line.startswith("| fed")]
@@ -455,12 +575,32 @@ def test_overhead_times_each_script_against_the_same_steps_centralized(tmp_path)
 
 
 def test_round_time_splits_rounds_from_evaluation():
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "round_time.py"), "--models", "cnn", "--precisions", "fp32",
-           "--dataset", "synthetic", "--device", "cpu", "--num-clients", "4", "--frac", "0.5", "--local-epochs", "2",
-           "--rounds", "2"]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "benchmarks", "round_time.py"),
+        "--models",
+        "cnn",
+        "--precisions",
+        "fp32",
+        "--dataset",
+        "synthetic",
+        "--device",
+        "cpu",
+        "--num-clients",
+        "4",
+        "--frac",
+        "0.5",
+        "--local-epochs",
+        "2",
+        "--rounds",
+        "2",
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr
-    row = [c.strip() for c in next(line for line in res.stdout.splitlines() if line.startswith("| cnn")).strip("|").split("|")]
+    row = [
+        c.strip()
+        for c in next(line for line in res.stdout.splitlines() if line.startswith("| cnn")).strip("|").split("|")
+    ]
     assert row[:2] == ["cnn", "fp32"] and float(row[2]) > 0  # a round of 2 clients x 2 epochs takes time
     bad = subprocess.run([*cmd[:2], "--rounds", "1"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--rounds" in bad.stderr

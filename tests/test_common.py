@@ -1,4 +1,5 @@
 """common.py: partitions, models, batches, folder datasets."""
+
 import argparse
 import os
 
@@ -18,20 +19,46 @@ def fake_data(n_train=2000, n_test=500, classes=NUM_CLASSES, seed=0):
     y_te = torch.arange(n_test) % classes
     x_tr = torch.randint(0, 256, (n_train, 3, 8, 8), dtype=torch.uint8, generator=g)
     x_te = torch.randint(0, 256, (n_test, 3, 8, 8), dtype=torch.uint8, generator=g)
-    return Data(x_tr, y_tr[torch.randperm(n_train, generator=g)], x_te, y_te, classes,
-                torch.full((1, 3, 1, 1), 0.5), torch.full((1, 3, 1, 1), 0.25))
+    return Data(
+        x_tr,
+        y_tr[torch.randperm(n_train, generator=g)],
+        x_te,
+        y_te,
+        classes,
+        torch.full((1, 3, 1, 1), 0.5),
+        torch.full((1, 3, 1, 1), 0.25),
+    )
 
 
 def part_args(**kw):
-    base = dict(iid=False, shards=None, classes_per_client=None, alpha=None, split2=False,
-                quantity="equal", client_test=False, num_clients=20, data_seed=0)
+    base = dict(
+        iid=False,
+        shards=None,
+        classes_per_client=None,
+        alpha=None,
+        split2=False,
+        quantity="equal",
+        client_test=False,
+        num_clients=20,
+        data_seed=0,
+    )
     return argparse.Namespace(**{**base, **kw})
 
 
-SCHEMES = [dict(iid=True), dict(shards=2), dict(shards=5), dict(classes_per_client=1, num_clients=10),
-           dict(classes_per_client=3), dict(alpha=0.1), dict(alpha=100.0), dict(split2=True, num_clients=5),
-           dict(iid=True, quantity="powerlaw"), dict(shards=2, quantity="powerlaw"),
-           dict(classes_per_client=2, quantity="powerlaw"), dict(alpha=0.5, quantity="powerlaw")]
+SCHEMES = [
+    dict(iid=True),
+    dict(shards=2),
+    dict(shards=5),
+    dict(classes_per_client=1, num_clients=10),
+    dict(classes_per_client=3),
+    dict(alpha=0.1),
+    dict(alpha=100.0),
+    dict(split2=True, num_clients=5),
+    dict(iid=True, quantity="powerlaw"),
+    dict(shards=2, quantity="powerlaw"),
+    dict(classes_per_client=2, quantity="powerlaw"),
+    dict(alpha=0.5, quantity="powerlaw"),
+]
 
 
 def classes_of(data, part):
@@ -106,9 +133,11 @@ def test_split2_classes_and_even_split():
 
 def test_dirichlet_skew_depends_on_alpha():
     data = fake_data()
+
     def mean_classes(alpha):
         p = make_partition(part_args(alpha=alpha, num_clients=10), data)
         return np.mean([len(classes_of(data, t)) for t in p.train])
+
     assert mean_classes(0.05) < 5 < mean_classes(100.0)
 
 
@@ -138,9 +167,11 @@ def test_client_test_sets_follow_client_labels():
 
 
 def test_partition_does_not_touch_global_rng():
-    torch.manual_seed(0); np.random.seed(0)
+    torch.manual_seed(0)
+    np.random.seed(0)
     before = torch.rand(1), np.random.rand()
-    torch.manual_seed(0); np.random.seed(0)
+    torch.manual_seed(0)
+    np.random.seed(0)
     make_partition(part_args(alpha=0.5), fake_data())
     assert (torch.rand(1), np.random.rand()) == before
 
@@ -150,8 +181,9 @@ def test_partition_does_not_touch_global_rng():
 @pytest.mark.parametrize("channels", [1, 3])
 def test_model_shapes(name, channels):
     torch.manual_seed(0)
-    data = Data(torch.zeros(4, channels, 32, 32, dtype=torch.uint8), torch.zeros(4, dtype=torch.long),
-                None, None, 7, None, None)
+    data = Data(
+        torch.zeros(4, channels, 32, 32, dtype=torch.uint8), torch.zeros(4, dtype=torch.long), None, None, 7, None, None
+    )
     model = build_model(name, data).eval()
     assert isinstance(model.head, torch.nn.Linear) and model.head.out_features == 7
     x = torch.randn(2, channels, 32, 32)
@@ -210,12 +242,13 @@ def test_random_crop_is_a_shift_of_the_padded_image():
     out = common.random_crop(x, padding=2)
     padded = torch.nn.functional.pad(x, (2, 2, 2, 2))
     for b in range(2):
-        assert any(torch.equal(out[b], padded[b, :, i:i + 6, j:j + 6]) for i in range(5) for j in range(5))
+        assert any(torch.equal(out[b], padded[b, :, i : i + 6, j : j + 6]) for i in range(5) for j in range(5))
 
 
 # ------------------------------------------------------------------ folder datasets
 def write_folder(root, per_class=3, classes=("cat", "ant", "bee"), size=8):
     from torchvision.io import write_png
+
     g = torch.Generator().manual_seed(0)
     for split in ("train", "test"):
         for c in classes:
@@ -231,6 +264,7 @@ def test_folder_dataset_reads_sorted_classes_and_caches(tmp_path):
     assert x_tr.shape == (9, 3, 8, 8) and x_tr.dtype == torch.uint8
     assert y_tr.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]  # ant, bee, cat
     from torchvision.io import decode_png, read_file
+
     assert torch.equal(x_tr[0], decode_png(read_file(str(tmp_path / "ds/train/ant/0.png"))))
     assert torch.equal(x_te[3:6], x_tr[3:6]) is False and y_te.tolist() == y_tr.tolist()
     assert os.path.isfile(tmp_path / "ds" / ".cleanfl-cache.pt")
@@ -269,16 +303,28 @@ class FakeTorchvision:
                 elif kind == "nchw":  # SVHN: numpy [N, 3, H, W], numpy labels
                     self.data, self.labels = g.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8), np.arange(n)
                 else:  # MNIST family: uint8 tensor [N, H, W]
-                    self.data = torch.arange(n * 28 * 28, dtype=torch.int64).reshape(n, 28, 28).remainder(251).to(torch.uint8)
+                    self.data = (
+                        torch.arange(n * 28 * 28, dtype=torch.int64).reshape(n, 28, 28).remainder(251).to(torch.uint8)
+                    )
                     self.targets = torch.arange(n)
+
         return DS
 
 
-@pytest.mark.parametrize("name,cls,kind", [("cifar10", "CIFAR10", "hwc"), ("cifar100", "CIFAR100", "hwc"),
-                                           ("svhn", "SVHN", "nchw"), ("mnist", "MNIST", "hw"),
-                                           ("fashionmnist", "FashionMNIST", "hw"), ("emnist", "EMNIST", "hw")])
+@pytest.mark.parametrize(
+    "name,cls,kind",
+    [
+        ("cifar10", "CIFAR10", "hwc"),
+        ("cifar100", "CIFAR100", "hwc"),
+        ("svhn", "SVHN", "nchw"),
+        ("mnist", "MNIST", "hw"),
+        ("fashionmnist", "FashionMNIST", "hw"),
+        ("emnist", "EMNIST", "hw"),
+    ],
+)
 def test_torchvision_datasets_become_uint8_nchw(name, cls, kind, monkeypatch):
     import torchvision.datasets as tvd
+
     fake = FakeTorchvision.make(kind)
     monkeypatch.setattr(tvd, cls, fake)
     x_tr, y_tr, x_te, y_te = common.torchvision_dataset(name, "unused")
@@ -317,8 +363,12 @@ def test_load_data_mixes_a_class_sorted_folder_with_one_fixed_permutation(tmp_pa
     write_folder(tmp_path / "ds", per_class=20)
     x_tr, y_tr, x_te, y_te = common.folder_dataset(str(tmp_path / "ds"))  # stored class by class
     assert y_te.tolist() == sorted(y_te.tolist())
-    loads = [common.load_data(argparse.Namespace(dataset="folder", data_dir=str(tmp_path / "ds"), device="cpu",
-                                                 seed=s, data_seed=s)) for s in (0, 7)]
+    loads = [
+        common.load_data(
+            argparse.Namespace(dataset="folder", data_dir=str(tmp_path / "ds"), device="cpu", seed=s, data_seed=s)
+        )
+        for s in (0, 7)
+    ]
     for d in loads:
         assert d.y_test.tolist() != sorted(d.y_test.tolist()) and d.y_train.tolist() != sorted(d.y_train.tolist())
         assert set(d.y_test[:15].tolist()) == {0, 1, 2}  # the first quarter already mixes all three classes
@@ -355,6 +405,7 @@ def test_folder_without_images_or_with_mixed_sizes_exits_2(tmp_path, capsys):
     assert e.value.code == 2 and capsys.readouterr().err.count("\n") == 1
     write_folder(tmp_path / "mixed")
     from torchvision.io import write_png
+
     write_png(torch.zeros(3, 4, 4, dtype=torch.uint8), str(tmp_path / "mixed" / "train" / "ant" / "odd.png"))
     with pytest.raises(SystemExit, match="differ in size") as e:
         common.folder_dataset(str(tmp_path / "mixed"))
@@ -400,7 +451,9 @@ def test_split_shards_deals_whole_equal_shards():
         assert sorted(rank[p].tolist()) == [r for j in shards for r in range(10 * j, 10 * j + 10)]
         dealt += shards
     assert sorted(dealt) == list(range(6))
-    assert [sorted(set((rank[p] // 10).tolist())) for p in parts] != [[0, 1], [2, 3], [4, 5]], "shards are dealt at random"
+    assert [sorted(set((rank[p] // 10).tolist())) for p in parts] != [[0, 1], [2, 3], [4, 5]], (
+        "shards are dealt at random"
+    )
 
 
 def test_split_shards_powerlaw_counts_by_hand():
@@ -481,8 +534,11 @@ def test_split_dirichlet_redraws_until_every_client_has_min_size():
     small = np.repeat(np.arange(5), 13)[:61]
     parts = common.split_dirichlet(small, 8, 5, 100.0, np.full(8, 1 / 8), np.random.default_rng(0))
     assert min(len(p) for p in parts) == 7
-    with pytest.raises(SystemExit, match=r"^--alpha: after 100 draws of Dir\(0.0001\) some client still had fewer than "
-                                         "10 samples; use a larger --alpha or fewer --num-clients$") as e:
+    with pytest.raises(
+        SystemExit,
+        match=r"^--alpha: after 100 draws of Dir\(0.0001\) some client still had fewer than "
+        "10 samples; use a larger --alpha or fewer --num-clients$",
+    ) as e:
         common.split_dirichlet(labels, 8, 5, 1e-4, np.full(8, 1 / 8), np.random.default_rng(0))
     assert e.value.code == 2
 
@@ -509,7 +565,10 @@ def test_client_test_split_by_hand():
 
 def test_label_counts_by_hand():
     labels = torch.tensor([2, 0, 2, 1, 2])
-    assert common.label_counts(labels, [torch.tensor([0, 2, 4]), torch.tensor([1, 3])], 4) == [[0, 0, 3, 0], [1, 1, 0, 0]]
+    assert common.label_counts(labels, [torch.tensor([0, 2, 4]), torch.tensor([1, 3])], 4) == [
+        [0, 0, 3, 0],
+        [1, 1, 0, 0],
+    ]
 
 
 def test_sample_clients_count_order_and_range():
@@ -563,9 +622,13 @@ def test_each_client_yields_clients_weights_and_results_in_order():
 
 def test_result_layout_survives_taking_out_and_putting_back_tensors():
     """What _broadcast sends: the layout (with plain numbers) and the tensors apart, rebuilt alike."""
-    result = {"loss": torch.tensor(1.5), "steps": 3, "state": {"w": torch.ones(2, 2), "n": torch.tensor(4)},
-              "opt": {"state": {0: {"step": torch.tensor(2.0)}}, "param_groups": [{"lr": 0.1, "params": [0]}]},
-              "pair": (torch.zeros(1), None)}
+    result = {
+        "loss": torch.tensor(1.5),
+        "steps": 3,
+        "state": {"w": torch.ones(2, 2), "n": torch.tensor(4)},
+        "opt": {"state": {0: {"step": torch.tensor(2.0)}}, "param_groups": [{"lr": 0.1, "params": [0]}]},
+        "pair": (torch.zeros(1), None),
+    }
     tensors = []
     layout = common._take_tensors(result, tensors)
     assert len(tensors) == 5 and all(isinstance(t, torch.Tensor) for t in tensors)

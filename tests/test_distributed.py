@@ -1,5 +1,6 @@
 """torchrun: K processes (gloo on CPU) give the one-process run bit for bit, resume with another K,
 and a failing rank stops the whole run with nothing half-written."""
+
 import json
 import os
 import subprocess
@@ -15,24 +16,126 @@ SYNTH = ["--dataset", "synthetic", "--device", "cpu", "--rounds", "3", "--save-m
 # Each script with the method state that must travel between ranks: 5 sampled clients, so K = 2 and
 # K = 3 leave a rank without a client in the last wave.
 CASES = {
-    "fedavg": [*SYNTH, "--model", "mlp", "--num-clients", "6", "--frac", "0.9", "--local-steps", "3",
-               "--batch-size", "16", "--prox-mu", "0.01", "--client-test"],
-    "fedbabu": [*SYNTH, "--model", "convnet4-tiny", "--num-clients", "5", "--frac", "1", "--local-steps", "3",
-                "--batch-size", "32", "--ft-epochs", "1", "--ft-eval-epochs", "0", "1", "--ft-lr", "0.001"],
-    "fedfn": [*SYNTH, "--model", "convnet4-tiny", "--num-clients", "5", "--frac", "1", "--local-steps", "3",
-              "--batch-size", "32", "--agg", "scaffold", "--client-test", "--ft-epochs", "1"],
-    "fedln": [*SYNTH, "--model", "cnn", "--num-clients", "5", "--frac", "1", "--local-steps", "3",
-              "--batch-size", "32", "--agg", "scaffold", "--norm", "fn"],
-    "fednnnn": [*SYNTH, "--model", "cnn6-narrow", "--num-clients", "5", "--frac", "1", "--local-steps", "3",
-                "--batch-size", "32", "--eval-every", "2"],
-    "anfr": [*SYNTH, "--arch", "bn", "--depth", "18", "--width", "8", "--image-size", "16", "--num-clients", "5",
-             "--frac", "1", "--alpha", "1.0", "--local-steps", "3", "--batch-size", "16", "--agg", "scaffold",
-             "--pfl", "fedbn"],
+    "fedavg": [
+        *SYNTH,
+        "--model",
+        "mlp",
+        "--num-clients",
+        "6",
+        "--frac",
+        "0.9",
+        "--local-steps",
+        "3",
+        "--batch-size",
+        "16",
+        "--prox-mu",
+        "0.01",
+        "--client-test",
+    ],
+    "fedbabu": [
+        *SYNTH,
+        "--model",
+        "convnet4-tiny",
+        "--num-clients",
+        "5",
+        "--frac",
+        "1",
+        "--local-steps",
+        "3",
+        "--batch-size",
+        "32",
+        "--ft-epochs",
+        "1",
+        "--ft-eval-epochs",
+        "0",
+        "1",
+        "--ft-lr",
+        "0.001",
+    ],
+    "fedfn": [
+        *SYNTH,
+        "--model",
+        "convnet4-tiny",
+        "--num-clients",
+        "5",
+        "--frac",
+        "1",
+        "--local-steps",
+        "3",
+        "--batch-size",
+        "32",
+        "--agg",
+        "scaffold",
+        "--client-test",
+        "--ft-epochs",
+        "1",
+    ],
+    "fedln": [
+        *SYNTH,
+        "--model",
+        "cnn",
+        "--num-clients",
+        "5",
+        "--frac",
+        "1",
+        "--local-steps",
+        "3",
+        "--batch-size",
+        "32",
+        "--agg",
+        "scaffold",
+        "--norm",
+        "fn",
+    ],
+    "fednnnn": [
+        *SYNTH,
+        "--model",
+        "cnn6-narrow",
+        "--num-clients",
+        "5",
+        "--frac",
+        "1",
+        "--local-steps",
+        "3",
+        "--batch-size",
+        "32",
+        "--eval-every",
+        "2",
+    ],
+    "anfr": [
+        *SYNTH,
+        "--arch",
+        "bn",
+        "--depth",
+        "18",
+        "--width",
+        "8",
+        "--image-size",
+        "16",
+        "--num-clients",
+        "5",
+        "--frac",
+        "1",
+        "--alpha",
+        "1.0",
+        "--local-steps",
+        "3",
+        "--batch-size",
+        "16",
+        "--agg",
+        "scaffold",
+        "--pfl",
+        "fedbn",
+    ],
 }
 EXTRA = {  # other per-client state: FedEXP's norms, FedYogi's moments, DP-SGD's noise and step counts
-    "fedfn-fedexp": ("fedfn", [*CASES["fedfn"], "--agg", "fedexp", "--ft-epochs", "0", "--client-test"]),  # the last of a flag wins
+    # the last of a flag wins
+    "fedfn-fedexp": ("fedfn", [*CASES["fedfn"], "--agg", "fedexp", "--ft-epochs", "0", "--client-test"]),
     "fedln-fedyogi": ("fedln", [*CASES["fedln"], "--agg", "fedyogi"]),
-    "anfr-dp": ("anfr", [*CASES["anfr"], "--agg", "fedavg", "--arch", "nf", "--dp-noise-multiplier", "1.0", "--pfl", "fedper"]),
+    "anfr-dp": (
+        "anfr",
+        [*CASES["anfr"], "--agg", "fedavg", "--arch", "nf", "--dp-noise-multiplier", "1.0", "--pfl", "fedper"],
+    ),
 }
 VOLATILE = ("wall_time_s", "elapsed_s", "processes", "device")
 RESUMED = {"fedfn-2-3": ("fedfn", 2, 3), "anfr-3-2": ("anfr", 3, 2)}  # stopped under K, resumed under K'
@@ -44,8 +147,14 @@ def torchrun_cmd(k, *args):
 
 
 def start(cmd):
-    return subprocess.Popen([str(a) for a in cmd], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})  # one thread per rank, as torchrun sets
+    return subprocess.Popen(
+        [str(a) for a in cmd],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # one thread per rank, as torchrun sets
 
 
 def finish(*procs):
@@ -70,8 +179,13 @@ def runs(tmp_path_factory):
     cases["fedavg-folder"] = ("fedavg", [*CASES["fedavg"], "--dataset", "folder", "--data-dir", "{images}", "--iid"])
     for k in ("k1", "k2", "k3"):
         write_folder(tmp / f"images-{k}", per_class=20)
-    run = lambda name, k, *more: [f"{cases[name][0]}.py", *[str(f).replace("{images}", str(tmp / f"images-{k}")) for f in cases[name][1]],
-                                  *more, "--out", tmp / name / k]
+    run = lambda name, k, *more: [
+        f"{cases[name][0]}.py",
+        *[str(f).replace("{images}", str(tmp / f"images-{k}")) for f in cases[name][1]],
+        *more,
+        "--out",
+        tmp / name / k,
+    ]
     for name, (script, _, _) in RESUMED.items():
         cases[name] = (script, [*CASES[script], "--rounds", "4", "--eval-every", "1"])
     alone = [run(name, "k1") for name in cases]
@@ -81,8 +195,12 @@ def runs(tmp_path_factory):
     outs = finish(start([sys.executable, RUN_BATCH, batch(alone)]), start(torchrun_cmd(2, RUN_BATCH, batch(by_k[2]))))
     outs += finish(start(torchrun_cmd(3, RUN_BATCH, batch(by_k[3]))))
     stopped = {name: not (tmp / name / "resumed" / "summary.json").exists() for name in RESUMED}
-    finish(*[start(torchrun_cmd(then, RUN_BATCH, batch([[f"{script}.py", "--resume", tmp / name / "resumed"]])))
-             for name, (script, _, then) in RESUMED.items()])
+    finish(
+        *[
+            start(torchrun_cmd(then, RUN_BATCH, batch([[f"{script}.py", "--resume", tmp / name / "resumed"]])))
+            for name, (script, _, then) in RESUMED.items()
+        ]
+    )
     return tmp, outs, stopped
 
 
@@ -194,7 +312,10 @@ def test_each_rank_trains_its_share_and_all_ranks_end_equal(tmp_path):
     proc = start(torchrun_cmd(2, wrapper, "fedfn.py", *flags, "--out", tmp_path / "run"))
     _, err = proc.communicate()
     assert proc.returncode == 0, err[-3000:]
-    rows = {r["rank"]: r for r in (json.loads(line.split("INSPECT ", 1)[1]) for line in err.splitlines() if "INSPECT " in line)}
+    rows = {
+        r["rank"]: r
+        for r in (json.loads(line.split("INSPECT ", 1)[1]) for line in err.splitlines() if "INSPECT " in line)
+    }
     assert sorted(rows) == [0, 1]
     order = rows[0]["sampled"]  # the last round's sampled clients (all 5 here, in sampled order)
     assert sorted(order) == [0, 1, 2, 3, 4]

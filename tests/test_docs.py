@@ -3,6 +3,7 @@ and inline code) is accepted by that script's own parser, called in-process with
 every `bash X.sh` / `pip install -r X` names an existing file; every relative link and image resolves
 (with its #anchor, for markdown targets); every table row has its header's number of cells; each
 method page has the fixed sections in order; the README stays short. Parsers only: about a second."""
+
 import argparse
 import glob
 import importlib
@@ -22,8 +23,15 @@ BENCH = os.path.join(ROOT, "benchmarks")
 sys.path.insert(0, BENCH)
 DOCS = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
 METHODS = ["fedavg", "fedbabu", "fedfn", "fedln", "fednnnn", "anfr"]
-SECTIONS = ["Paper and idea", "Usage", "Flags beyond fedavg.py's", "What is logged",
-            "Implementation details and deviations", "Results", "Paper's numbers beside ours"]
+SECTIONS = [
+    "Paper and idea",
+    "Usage",
+    "Flags beyond fedavg.py's",
+    "What is logged",
+    "Implementation details and deviations",
+    "Results",
+    "Paper's numbers beside ours",
+]
 FENCE = re.compile(r"^```.*?^```[ \t]*$", re.S | re.M)
 SEPARATORS = {"&&", "||", ";", "|", "&"}
 
@@ -96,16 +104,22 @@ def documented_commands():
     for doc in DOCS:
         text = read(doc)
         for m in FENCE.finditer(text):
-            line = text[:m.start()].count("\n") + 1
+            line = text[: m.start()].count("\n") + 1
             body = m.group(0).split("\n", 1)[1].rsplit("```", 1)[0]
             found += [(f"{doc}:{line}", argv) for argv in block_commands(body)]
         prose = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)
         for m in re.finditer(r"`([^`]+)`", prose):
             if m.group(1).startswith(("python ", "torchrun ")) and ".py" in m.group(1):
-                line = prose[:m.start()].count("\n") + 1
+                line = prose[: m.start()].count("\n") + 1
                 found.append((f"{doc}:{line} (inline)", tokens(m.group(1).replace("\n", " "))))
-    real = lambda argv: argv[0] in ("bash", "pip", "torchrun") or (argv[0] in ("python", "python3") and len(argv) > 1
-                                                         and (argv[1] == "-m" or re.fullmatch(r"[\w./-]+\.py", argv[1])))
+    real = lambda argv: (
+        argv[0] in ("bash", "pip", "torchrun")
+        or (
+            argv[0] in ("python", "python3")
+            and len(argv) > 1
+            and (argv[1] == "-m" or re.fullmatch(r"[\w./-]+\.py", argv[1]))
+        )
+    )
     return [(where, argv) for where, argv in found if real(argv)]  # not `python <script>.py ...`
 
 
@@ -129,7 +143,9 @@ def resume_folder(module, name, places, monkeypatch):
         run.mkdir()
         monkeypatch.setattr(sys, "argv", [f"{name}.py", "--dataset", "synthetic", "--device", "cpu"])
         args = module.parse_args()
-        (run / "config.json").write_text(json.dumps({k: v for k, v in vars(args).items() if k not in ("resume", "stop_after")}))
+        (run / "config.json").write_text(
+            json.dumps({k: v for k, v in vars(args).items() if k not in ("resume", "stop_after")})
+        )
         (run / "checkpoint.pt").write_bytes(b"")
     return str(run)
 
@@ -198,6 +214,7 @@ def test_documented_command_is_accepted(where, argv, places, monkeypatch, capsys
         return
     if argv[0] == "torchrun":  # torchrun's own flags by its parser, then the script's by the script's
         from torch.distributed.run import get_args_parser
+
         try:
             launch = get_args_parser().parse_args(argv[1:])
         except SystemExit:
@@ -221,11 +238,20 @@ def test_the_commands_are_found():
     assert {f"{m}.py" for m in METHODS} <= scripts
     assert {"benchmarks/plot.py", "benchmarks/collect.py"} <= scripts
     assert any("--ft-epochs" in argv and "--client-test" in argv for _, argv in COMMANDS)  # a continued line
-    anfr_loop = [argv for _, argv in COMMANDS if argv[:2] == ["python", "anfr.py"] and "--agg" in argv and "--out" in argv]
-    assert {(a[a.index("--arch") + 1], a[a.index("--agg") + 1]) for a in anfr_loop} >= {("bn", "fedavg"), ("anfr", "fedadam")}
-    assert any(argv[:2] == ["python", "fedfn.py"] and "--shards" in argv and w.endswith("(inline)") for w, argv in COMMANDS)
+    anfr_loop = [
+        argv for _, argv in COMMANDS if argv[:2] == ["python", "anfr.py"] and "--agg" in argv and "--out" in argv
+    ]
+    assert {(a[a.index("--arch") + 1], a[a.index("--agg") + 1]) for a in anfr_loop} >= {
+        ("bn", "fedavg"),
+        ("anfr", "fedadam"),
+    }
+    assert any(
+        argv[:2] == ["python", "fedfn.py"] and "--shards" in argv and w.endswith("(inline)") for w, argv in COMMANDS
+    )
     code = 'D="--dataset folder --data-dir ~/x"  # note\nfor a in 1 2; do\n  python s.py $D --a $a \\\n  --b; done\n'
-    assert block_commands(code) == [["python", "s.py", "--dataset", "folder", "--data-dir", "~/x", "--a", n, "--b"] for n in "12"]
+    assert block_commands(code) == [
+        ["python", "s.py", "--dataset", "folder", "--data-dir", "~/x", "--a", n, "--b"] for n in "12"
+    ]
 
 
 def test_a_bad_flag_is_caught(places, monkeypatch, capsys):
@@ -235,7 +261,12 @@ def test_a_bad_flag_is_caught(places, monkeypatch, capsys):
     with pytest.raises(AssertionError, match="abbreviated"):  # argparse accepts --shard for --shards; the docs may not
         parse("fedfn.py", ["--dataset", "folder", "--data-dir", "DIR", "--shard", "2"], places, monkeypatch)
     with pytest.raises(SystemExit):  # placeholders are filled in, real checks still apply
-        parse("fedfn.py", ["--dataset", "folder", "--data-dir", "DIR", "--shards", "2", "--alpha", "0.1"], places, monkeypatch)
+        parse(
+            "fedfn.py",
+            ["--dataset", "folder", "--data-dir", "DIR", "--shards", "2", "--alpha", "0.1"],
+            places,
+            monkeypatch,
+        )
     parse("benchmarks/plot.py", ["partition", "RUN", "--split", "test"], places, monkeypatch)
     with pytest.raises(AssertionError, match="not a flag"):
         parse("benchmarks/plot.py", ["runs", "a", "--mean"], places, monkeypatch)
@@ -278,7 +309,9 @@ def test_relative_links_and_anchors_resolve(doc):
 
 
 def test_every_docs_figure_is_shown():
-    shown = {os.path.normpath(os.path.join(os.path.dirname(d), t)) for d in DOCS for t in links(d) if t.endswith(".png")}
+    shown = {
+        os.path.normpath(os.path.join(os.path.dirname(d), t)) for d in DOCS for t in links(d) if t.endswith(".png")
+    }
     for png in glob.glob(os.path.join(ROOT, "docs", "*.png")):
         assert os.path.relpath(png, ROOT) in shown, f"{os.path.relpath(png, ROOT)} is not shown in any page"
 
@@ -308,3 +341,13 @@ def test_method_page_has_the_fixed_sections(method):
 
 def test_readme_is_short():
     assert len(read("README.md").splitlines()) <= 200
+
+
+def test_ci_runs_the_readme_test_command():
+    """.ci/run runs exactly the README's test command (format, lint, tests), in its fresh virtual environment."""
+    command = re.search(r"```bash\n(pip install -r requirements-dev\.txt [^\n]*)\n```", read("README.md")).group(1)
+    assert "ruff format --check" in command and "ruff check" in command and "pytest" in command
+    ci = read(".ci/run")
+    code = [line.split("#")[0] for line in ci.splitlines() if not line.startswith("#!")]
+    assert command in ci and any("python3 -m venv" in c for c in code)
+    assert not any("--system-site-packages" in c for c in code)  # only what requirements-dev.txt installs

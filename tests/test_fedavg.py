@@ -1,9 +1,9 @@
 """fedavg.py: aggregation math, FedProx, bad input, reproducibility, resume, learning."""
+
 import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -13,7 +13,7 @@ import torch
 import common
 
 import fedavg
-from helpers import ROOT, TINY, assert_same_model, metrics, run_batches, run_script, set_state, summary
+from helpers import TINY, assert_same_model, metrics, run_batches, run_script, set_state, start_script, summary
 
 
 def test_client_weights():
@@ -26,14 +26,22 @@ def test_client_weights():
 
 def test_accumulate_is_the_weighted_sum():
     total = {"w": torch.zeros(2, 2), "bn.running_mean": torch.zeros(3), "bn.num_batches_tracked": torch.zeros(())}
-    states = [{"w": torch.tensor([[1., 2.], [3., 4.]]), "bn.running_mean": torch.tensor([1., 0., 2.]),
-               "bn.num_batches_tracked": torch.tensor(4)},
-              {"w": torch.tensor([[5., 6.], [7., 8.]]), "bn.running_mean": torch.tensor([3., 4., 2.]),
-               "bn.num_batches_tracked": torch.tensor(8)}]
+    states = [
+        {
+            "w": torch.tensor([[1.0, 2.0], [3.0, 4.0]]),
+            "bn.running_mean": torch.tensor([1.0, 0.0, 2.0]),
+            "bn.num_batches_tracked": torch.tensor(4),
+        },
+        {
+            "w": torch.tensor([[5.0, 6.0], [7.0, 8.0]]),
+            "bn.running_mean": torch.tensor([3.0, 4.0, 2.0]),
+            "bn.num_batches_tracked": torch.tensor(8),
+        },
+    ]
     for state, w in zip(states, [0.25, 0.75]):
         common.accumulate(total, state, w)
-    assert torch.equal(total["w"], torch.tensor([[4., 5.], [6., 7.]]))  # 0.25 * a + 0.75 * b
-    assert torch.equal(total["bn.running_mean"], torch.tensor([2.5, 3., 2.]))  # statistics averaged too
+    assert torch.equal(total["w"], torch.tensor([[4.0, 5.0], [6.0, 7.0]]))  # 0.25 * a + 0.75 * b
+    assert torch.equal(total["bn.running_mean"], torch.tensor([2.5, 3.0, 2.0]))  # statistics averaged too
     assert total["bn.num_batches_tracked"] == 7 and total["w"].dtype == torch.float32
 
 
@@ -46,6 +54,7 @@ def script_aggregates():
     """FedAvg's aggregation (common.load_average, which every script calls; fedbabu's aggregate with
     --train-head), checked against the same hand values."""
     import fedbabu
+
     return {"common": common.load_average, "fedbabu-train-head": lambda m, t: fedbabu.aggregate(m, t, train_head=True)}
 
 
@@ -62,7 +71,9 @@ def test_aggregate_loads_the_weighted_average_with_buffers(script):
     script_aggregates()[script](glob, total)
     got = glob.state_dict()
     assert torch.allclose(got["0.weight"], torch.tensor([[2.5], [5.0]]))
-    assert torch.allclose(got["1.weight"], torch.tensor([7.5, 10.0])) and torch.allclose(got["1.bias"], torch.tensor([12.5, 15.0]))
+    assert torch.allclose(got["1.weight"], torch.tensor([7.5, 10.0])) and torch.allclose(
+        got["1.bias"], torch.tensor([12.5, 15.0])
+    )
     assert torch.allclose(got["1.running_mean"], torch.tensor([17.5, 20.0]))  # buffers: the same weighted average
     assert torch.allclose(got["1.running_var"], torch.tensor([22.5, 25.0]))
     assert got["1.num_batches_tracked"].dtype == torch.int64 and got["1.num_batches_tracked"] == 5
@@ -105,14 +116,32 @@ def test_prox_term_by_hand():  # common.prox_term, which every script's FedProx 
 def _one_step(prox_mu, lr=0.1):
     """One local SGD step (no momentum, no decay) from a fixed init, with w_t a perturbed copy."""
     from common import Data, build_model
-    data = Data(torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)),
-                torch.arange(8) % 10, None, None, 10, torch.full((1, 3, 1, 1), 0.5), torch.full((1, 3, 1, 1), 0.25))
+
+    data = Data(
+        torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)),
+        torch.arange(8) % 10,
+        None,
+        None,
+        10,
+        torch.full((1, 3, 1, 1), 0.5),
+        torch.full((1, 3, 1, 1), 0.25),
+    )
     torch.manual_seed(0)
     model = build_model("cnn", data)
     init = [p.detach().clone() for p in model.parameters()]
     anchor = [p + 0.01 * torch.randn_like(p) for p in init]  # the global model w_t, away from w
-    args = argparse.Namespace(lr=lr, momentum=0.0, weight_decay=0.0, prox_mu=prox_mu, device="cpu", amp=False,
-                              batch_size=8, local_epochs=None, local_steps=1, augment="none")
+    args = argparse.Namespace(
+        lr=lr,
+        momentum=0.0,
+        weight_decay=0.0,
+        prox_mu=prox_mu,
+        device="cpu",
+        amp=False,
+        batch_size=8,
+        local_epochs=None,
+        local_steps=1,
+        augment="none",
+    )
     torch.manual_seed(1)
     fedavg.local_train(model, torch.arange(8), data, args, lr, anchor)
     return init, [p.detach() for p in model.parameters()], anchor
@@ -134,14 +163,42 @@ BASE = [*TINY, "--num-clients", "5", "--shards", "2", "--client-test", "--lr-dec
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fedavg")
     run_batches(
-        [["fedavg.py", *BASE, "--out", tmp / "a"],
-         ["fedavg.py", *BASE, "--prox-mu", "0.1", "--out", tmp / "mu01"],
-         ["fedavg.py", *BASE, "--out", tmp / "cut", "--stop-after", "2"]],
-        [["fedavg.py", *BASE, "--seed", "1", "--data-seed", "0", "--out", tmp / "seed1"],
-         ["fedavg.py", *BASE, "--data-seed", "1", "--out", tmp / "dseed1"],
-         ["fedavg.py", "--dataset", "synthetic", "--device", "cpu", "--model", "cnn", "--num-clients", "10",
-          "--frac", "0.5", "--iid", "--rounds", "4", "--local-steps", "4", "--batch-size", "32", "--lr", "0.05",
-          "--eval-every", "4", "--out", tmp / "learn"]])
+        [
+            ["fedavg.py", *BASE, "--out", tmp / "a"],
+            ["fedavg.py", *BASE, "--prox-mu", "0.1", "--out", tmp / "mu01"],
+            ["fedavg.py", *BASE, "--out", tmp / "cut", "--stop-after", "2"],
+        ],
+        [
+            ["fedavg.py", *BASE, "--seed", "1", "--data-seed", "0", "--out", tmp / "seed1"],
+            ["fedavg.py", *BASE, "--data-seed", "1", "--out", tmp / "dseed1"],
+            [
+                "fedavg.py",
+                "--dataset",
+                "synthetic",
+                "--device",
+                "cpu",
+                "--model",
+                "cnn",
+                "--num-clients",
+                "10",
+                "--frac",
+                "0.5",
+                "--iid",
+                "--rounds",
+                "4",
+                "--local-steps",
+                "4",
+                "--batch-size",
+                "32",
+                "--lr",
+                "0.05",
+                "--eval-every",
+                "4",
+                "--out",
+                tmp / "learn",
+            ],
+        ],
+    )
     run_script("fedavg.py", *BASE, "--out", tmp / "again")  # its own process: sharing one changes nothing
     return tmp
 
@@ -190,10 +247,7 @@ def test_stop_and_resume_equals_uninterrupted(runs):
 
 def test_ctrl_c_writes_checkpoint_and_resume_finishes(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "fedavg.py", *map(str, TINY), "--iid", "--rounds", "30", "--local-steps", "1",
-           "--out", str(out)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_script("fedavg.py", *TINY, "--iid", "--rounds", "30", "--local-steps", "1", "--out", out)
     deadline = time.time() + 120
     while time.time() < deadline and not (os.path.exists(out / "metrics.jsonl") and metrics(out)):
         time.sleep(0.05)
@@ -207,7 +261,9 @@ def test_ctrl_c_writes_checkpoint_and_resume_finishes(tmp_path):
 
 
 def test_divergence_stops_with_summary(tmp_path):
-    proc = run_script("fedavg.py", *TINY, "--iid", "--lr", "1e12", "--momentum", "0", "--out", tmp_path / "a", check=False)
+    proc = run_script(
+        "fedavg.py", *TINY, "--iid", "--lr", "1e12", "--momentum", "0", "--out", tmp_path / "a", check=False
+    )
     assert proc.returncode != 0 and "diverged" in proc.stderr
     s = summary(tmp_path / "a")
     assert s["diverged"] is True and s["round"] == 1
@@ -244,8 +300,18 @@ def test_bad_input_exits_2_naming_the_flag(flags, name, monkeypatch, capsys):
 
 
 def test_bad_input_fails_before_any_work(tmp_path):
-    proc = run_script("fedavg.py", "--dataset", "cifar10", "--data-dir", tmp_path / "dl", "--alpha", "-2",
-                      "--out", tmp_path / "run", check=False)
+    proc = run_script(
+        "fedavg.py",
+        "--dataset",
+        "cifar10",
+        "--data-dir",
+        tmp_path / "dl",
+        "--alpha",
+        "-2",
+        "--out",
+        tmp_path / "run",
+        check=False,
+    )
     assert proc.returncode == 2 and "--alpha" in proc.stderr.splitlines()[-1]
     assert not os.path.exists(tmp_path / "dl") and not os.path.exists(tmp_path / "run")
 
@@ -255,9 +321,36 @@ CIFAR = os.environ.get("CLEANFL_CIFAR10_DIR")
 
 @pytest.mark.skipif(not CIFAR, reason="set CLEANFL_CIFAR10_DIR to an unpacked cifar10-jpg folder")
 def test_real_cifar10_folder_end_to_end(tmp_path):
-    run_script("fedavg.py", "--dataset", "folder", "--data-dir", CIFAR, "--device", "cpu", "--model", "mlp",
-               "--num-clients", "10", "--frac", "0.3", "--iid", "--rounds", "4", "--local-steps", "30",
-               "--batch-size", "50", "--lr", "0.05", "--augment", "none", "--eval-every", "4", "--out", tmp_path / "a")
+    run_script(
+        "fedavg.py",
+        "--dataset",
+        "folder",
+        "--data-dir",
+        CIFAR,
+        "--device",
+        "cpu",
+        "--model",
+        "mlp",
+        "--num-clients",
+        "10",
+        "--frac",
+        "0.3",
+        "--iid",
+        "--rounds",
+        "4",
+        "--local-steps",
+        "30",
+        "--batch-size",
+        "50",
+        "--lr",
+        "0.05",
+        "--augment",
+        "none",
+        "--eval-every",
+        "4",
+        "--out",
+        tmp_path / "a",
+    )
     s = summary(tmp_path / "a")
     assert s["test_acc"] > 0.2  # chance is 0.10
     part = json.load(open(tmp_path / "a" / "partition.json"))
@@ -270,13 +363,14 @@ def test_real_cifar10_accuracy_does_not_depend_on_the_test_order():
     statistics, so the folder's class-sorted test set scored batches of two classes (4-6 points lower)."""
     import torch.nn.functional as F
     from common import build_model, evaluate, load_data, prepare_batch
+
     torch.manual_seed(0)
     data = load_data(argparse.Namespace(dataset="folder", data_dir=CIFAR, device="cpu", data_seed=0))
     model = build_model("convnet4-tiny", data)  # batch norm with track_running_stats=False
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     order = torch.randperm(len(data.y_train), generator=torch.Generator().manual_seed(0))
     for i in range(0, 10000, 50):  # one pass over a random fifth of the training set: about 30% accuracy
-        batch = order[i:i + 50]
+        batch = order[i : i + 50]
         x, y = prepare_batch(data.x_train[batch], data), data.y_train[batch]
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()

@@ -1,4 +1,5 @@
 """fedbabu.py: frozen head, body-only aggregation, personalization (Alg. 2), "without head" accuracy, resume."""
+
 import argparse
 import json
 import os
@@ -17,9 +18,33 @@ from common import MODELS, Classifier, Data, evaluate, personalize
 from helpers import ROOT, assert_same_model, metrics, run_script, set_state, summary
 
 # 4 clients, 2 sampled per round; the 8-channel 4convNet keeps the whole file fast on a CPU.
-TINY = ["--dataset", "synthetic", "--device", "cpu", "--model", "convnet4-tiny", "--num-clients", "4",
-        "--frac", "0.5", "--shards", "2", "--local-steps", "4", "--batch-size", "32", "--augment", "none",
-        "--ft-epochs", "2", "--ft-eval-epochs", "0", "1", "--ft-lr", "0.001"]  # accuracy 0.76 -> 0.97 -> 1.0
+TINY = [
+    "--dataset",
+    "synthetic",
+    "--device",
+    "cpu",
+    "--model",
+    "convnet4-tiny",
+    "--num-clients",
+    "4",
+    "--frac",
+    "0.5",
+    "--shards",
+    "2",
+    "--local-steps",
+    "4",
+    "--batch-size",
+    "32",
+    "--augment",
+    "none",
+    "--ft-epochs",
+    "2",
+    "--ft-eval-epochs",
+    "0",
+    "1",
+    "--ft-lr",
+    "0.001",
+]  # accuracy 0.76 -> 0.97 -> 1.0
 E2E = [*TINY, "--rounds", "4", "--eval-every", "2", "--lr-decay-at", "0.5", "--save-model"]
 
 
@@ -51,8 +76,19 @@ def test_local_train_freezes_head_only_without_train_head(train_head):
     model = bn_model()
     head0, body0 = sub(model, "head"), sub(model, "body")
     # momentum, weight decay and a proximal term: none of them may move a frozen head
-    args = argparse.Namespace(train_head=train_head, lr=0.1, momentum=0.9, weight_decay=0.1, prox_mu=0.5,
-                              device="cpu", amp=False, batch_size=16, local_epochs=None, local_steps=4, augment="flip")
+    args = argparse.Namespace(
+        train_head=train_head,
+        lr=0.1,
+        momentum=0.9,
+        weight_decay=0.1,
+        prox_mu=0.5,
+        device="cpu",
+        amp=False,
+        batch_size=16,
+        local_epochs=None,
+        local_steps=4,
+        augment="flip",
+    )
     anchor = [p.detach() + 0.1 for p in model.parameters()]
     fedbabu.local_train(model, torch.arange(64), data, args, 0.1, anchor)
     assert states_equal(sub(model, "head"), head0) is (not train_head)
@@ -79,7 +115,9 @@ def test_aggregate_averages_the_body_and_keeps_the_head_bitwise(train_head):
     body = glob.body.state_dict()
     assert torch.equal(body["0.weight"], torch.tensor([[5.0, 10.0], [15.0, 20.0]]))  # body.0.weight = 1..4
     assert torch.equal(body["0.bias"], torch.tensor([25.0, 30.0]))
-    assert torch.equal(body["1.weight"], torch.tensor([35.0, 40.0])) and torch.equal(body["1.bias"], torch.tensor([45.0, 50.0]))
+    assert torch.equal(body["1.weight"], torch.tensor([35.0, 40.0])) and torch.equal(
+        body["1.bias"], torch.tensor([45.0, 50.0])
+    )
     assert torch.equal(body["1.running_mean"], torch.tensor([55.0, 60.0]))  # buffers averaged like weights
     assert torch.equal(body["1.running_var"], torch.tensor([65.0, 70.0]))
     assert body["1.num_batches_tracked"].dtype == torch.int64 and body["1.num_batches_tracked"] == 4
@@ -110,17 +148,21 @@ def test_personalize_updates_only_the_chosen_part(part, moved):
     model = bn_model()
     glob = {k: v.clone() for k, v in model.state_dict().items()}
     train, test = [torch.arange(0, 32)], [torch.arange(32, 64)]
-    res = personalize(model, glob, data, train, test, epochs=2, eval_epochs=[0, 1], lr=0.05, part=part,
-                      batch_size=8, augment="none")
+    res = personalize(
+        model, glob, data, train, test, epochs=2, eval_epochs=[0, 1], lr=0.05, part=part, batch_size=8, augment="none"
+    )
     for name in ("head", "body"):  # the model is left holding the (only) client's fine-tuned weights
-        same = states_equal({k: v for k, v in model.state_dict().items() if k.startswith(name + ".")},
-                            {k: v for k, v in glob.items() if k.startswith(name + ".")})
+        same = states_equal(
+            {k: v for k, v in model.state_dict().items() if k.startswith(name + ".")},
+            {k: v for k, v in glob.items() if k.startswith(name + ".")},
+        )
         assert same is (name not in moved), (part, name)
     assert all(p.requires_grad for p in model.parameters())  # restored afterwards
     assert sorted(res["acc_mean"]) == [0, 1, 2] and res["clients"] == [0]
     model.load_state_dict(glob)
     model.eval()
-    assert res["acc_mean"][0] == evaluate(model, data.x_test[test[0]], data.y_test[test[0]], data)[0]  # epoch 0 = initial
+    # epoch 0 = initial
+    assert res["acc_mean"][0] == evaluate(model, data.x_test[test[0]], data.y_test[test[0]], data)[0]
 
 
 def test_personalize_statistics_over_clients():
@@ -129,8 +171,9 @@ def test_personalize_statistics_over_clients():
     glob = {k: v.clone() for k, v in model.state_dict().items()}
     train = [torch.arange(0, 16), torch.arange(16, 32), torch.arange(32, 48)]
     test = [torch.arange(0, 8), torch.arange(0), torch.arange(40, 64)]  # client 1 has no test data: skipped
-    res = personalize(model, glob, data, train, test, epochs=1, eval_epochs=[0], lr=0.05, part="full",
-                      batch_size=8, augment="none")
+    res = personalize(
+        model, glob, data, train, test, epochs=1, eval_epochs=[0], lr=0.05, part="full", batch_size=8, augment="none"
+    )
     assert res["clients"] == [0, 2] and len(res["per_client"][1]) == 2
     accs = torch.tensor(res["per_client"][1], dtype=torch.float64)
     assert res["acc_mean"][1] == pytest.approx(accs.mean().item())
@@ -145,8 +188,9 @@ def test_nohead_accuracy_by_hand():
     y_te = torch.tensor([0, 2, 1, 0])  # the class-1 image cannot be right: no client has a class-1 template
     data = Data(x_tr, y_tr, x_te, y_te, 3, torch.zeros(1, 1, 1, 1), torch.full((1, 1, 1, 1), 1 / 255))
     model = Classifier(nn.Flatten(), 2, 3)
-    accs = fedbabu.nohead_accuracy(model, data, [torch.tensor([0, 1, 2]), torch.tensor([3])],
-                                   [torch.tensor([0, 1, 2]), torch.tensor([3])])
+    accs = fedbabu.nohead_accuracy(
+        model, data, [torch.tensor([0, 1, 2]), torch.tensor([3])], [torch.tensor([0, 1, 2]), torch.tensor([3])]
+    )
     # client 0: templates (245, 15) for 0 and (4, 100) for 2. Cosine similarity predicts 0, 2, 2 -> 2/3;
     # (200, 240) is nearer (245, 15) in Euclidean distance and by dot product, which would give 1/3.
     # Client 1: one template -> 1/1.
@@ -157,7 +201,13 @@ def test_defaults_follow_the_paper(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["fedbabu.py", "--device", "cpu", "--local-epochs", "4"])
     args = fedbabu.parse_args()
     assert args.rounds == 80 and args.shards == 10 and args.client_test  # rounds x tau = 320
-    assert (args.dataset, args.model, args.num_clients, args.frac, args.batch_size) == ("cifar100", "mobilenet", 100, 0.1, 50)
+    assert (args.dataset, args.model, args.num_clients, args.frac, args.batch_size) == (
+        "cifar100",
+        "mobilenet",
+        100,
+        0.1,
+        50,
+    )
     assert (args.lr, args.momentum, args.weight_decay, args.lr_decay_at) == (0.1, 0.9, 0.0, [0.5, 0.75])
     assert (args.lr_decay, args.augment, args.weighting, args.prox_mu) == (0.1, "crop-flip", "samples", 0.0)
     assert (args.ft_epochs, args.ft_lr, args.ft_part, args.train_head) == (5, 1e-3, "full", False)
@@ -167,8 +217,15 @@ def test_defaults_follow_the_paper(monkeypatch):
     assert args.rounds == 32 and not args.client_test
 
 
-@pytest.mark.parametrize("flags,name", [(["--local-epochs", "0"], "--local-epochs"), (["--ft-epochs", "-1"], "--ft-epochs"),
-                                        (["--ft-eval-epochs", "0", "-2"], "--ft-eval-epochs"), (["--ft-lr", "-0.1"], "--ft-lr")])
+@pytest.mark.parametrize(
+    "flags,name",
+    [
+        (["--local-epochs", "0"], "--local-epochs"),
+        (["--ft-epochs", "-1"], "--ft-epochs"),
+        (["--ft-eval-epochs", "0", "-2"], "--ft-eval-epochs"),
+        (["--ft-lr", "-0.1"], "--ft-lr"),
+    ],
+)
 def test_bad_flags_exit_2_naming_the_flag(flags, name, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["fedbabu.py", "--device", "cpu", *flags])
     with pytest.raises(SystemExit) as exit_info:
@@ -176,20 +233,24 @@ def test_bad_flags_exit_2_naming_the_flag(flags, name, monkeypatch, capsys):
     assert exit_info.value.code == 2 and name in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name,channels,size,classes,feature_dim,params", [
-    # 4convNet, App. A.1: conv 3->64 (1,792) + 3 x conv 64->64 (36,928) + 4 x BN (128) + linear 256->10 (2,570)
-    ("convnet4", 3, 32, 10, 256, 115_658),
-    # 3convNet: conv 1->64 (640) + 2 x conv 64->64 + 3 x BN + linear 576->62 (35,774)
-    ("convnet3", 1, 28, 62, 576, 110_654),
-    # MobileNet of kuangliu/pytorch-cifar: 3,217,226 parameters with 10 classes
-    ("mobilenet", 3, 32, 10, 1024, 3_217_226),
-])
+@pytest.mark.parametrize(
+    "name,channels,size,classes,feature_dim,params",
+    [
+        # 4convNet, App. A.1: conv 3->64 (1,792) + 3 x conv 64->64 (36,928) + 4 x BN (128) + linear 256->10 (2,570)
+        ("convnet4", 3, 32, 10, 256, 115_658),
+        # 3convNet: conv 1->64 (640) + 2 x conv 64->64 + 3 x BN + linear 576->62 (35,774)
+        ("convnet3", 1, 28, 62, 576, 110_654),
+        # MobileNet of kuangliu/pytorch-cifar: 3,217,226 parameters with 10 classes
+        ("mobilenet", 3, 32, 10, 1024, 3_217_226),
+    ],
+)
 def test_paper_architectures(name, channels, size, classes, feature_dim, params):
     model = MODELS[name](channels, classes, size)
     assert model.head.in_features == feature_dim and model.head.out_features == classes
     assert sum(p.numel() for p in model.parameters()) == params
     bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
-    assert bns and not any(m.track_running_stats for m in bns) and not list(model.buffers())  # nothing but weights to average
+    # nothing but weights to average
+    assert bns and not any(m.track_running_stats for m in bns) and not list(model.buffers())
     assert model.body(torch.randn(2, channels, size, size)).shape == (2, feature_dim)
 
 
@@ -203,8 +264,15 @@ def full_run(tmp_path_factory):
 
 def test_personalized_beats_initial_end_to_end(full_run):
     s = summary(full_run)
-    keys = {"init_acc_mean", "init_acc_std", "pers_acc_mean", "pers_acc_std", "nohead_acc_mean",
-            "pers_acc_mean_by_epoch", "pers_acc_std_by_epoch"}
+    keys = {
+        "init_acc_mean",
+        "init_acc_std",
+        "pers_acc_mean",
+        "pers_acc_std",
+        "nohead_acc_mean",
+        "pers_acc_mean_by_epoch",
+        "pers_acc_std_by_epoch",
+    }
     assert keys <= set(s)
     assert s["pers_acc_mean"] > s["init_acc_mean"] + 0.1, s
     # initial accuracy (Alg. 2 line 5) = the last round's evaluation of the same global model on the same sets
@@ -247,8 +315,19 @@ def test_fedprox_anchor_is_detached(tmp_path):
     gradient reaches the global model (before: its .grad filled up every local step)."""
     handler, old_argv = signal.getsignal(signal.SIGINT), sys.argv
     try:
-        sys.argv = ["fedbabu.py", *TINY, "--rounds", "1", "--local-steps", "2", "--prox-mu", "0.01", "--no-client-test",
-                    "--out", str(tmp_path / "run")]
+        sys.argv = [
+            "fedbabu.py",
+            *TINY,
+            "--rounds",
+            "1",
+            "--local-steps",
+            "2",
+            "--prox-mu",
+            "0.01",
+            "--no-client-test",
+            "--out",
+            str(tmp_path / "run"),
+        ]
         g = runpy.run_path(os.path.join(ROOT, "fedbabu.py"), run_name="__main__")
     finally:
         sys.argv = old_argv

@@ -1,5 +1,6 @@
 """fedfn.py: unit-norm features, SCAFFOLD / FedEXP math, the four factors, --no-fn == fedavg.py,
 interrupted-and-resumed == uninterrupted for every --agg, and learning above chance."""
+
 import argparse
 import math
 import os
@@ -33,8 +34,21 @@ def tiny_model(seed=0, size=8):
 
 
 def tiny_args(**kw):
-    base = dict(lr=0.1, momentum=0.0, weight_decay=0.0, prox_mu=0.0, fr_mu=0.0, fn=True, fn_scale=1.0, device="cpu",
-                amp=False, batch_size=8, local_epochs=None, local_steps=1, augment="none")
+    base = dict(
+        lr=0.1,
+        momentum=0.0,
+        weight_decay=0.0,
+        prox_mu=0.0,
+        fr_mu=0.0,
+        fn=True,
+        fn_scale=1.0,
+        device="cpu",
+        amp=False,
+        batch_size=8,
+        local_epochs=None,
+        local_steps=1,
+        augment="none",
+    )
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -61,8 +75,11 @@ def test_fn_logits_by_hand_axis_and_scale():
         model.head.weight.copy_(torch.tensor([[1.0, 0.0], [1.0, 2.0]]))
         model.head.bias.copy_(torch.tensor([0.5, -1.0]))
     f = torch.tensor([[3.0, 4.0], [0.0, 2.0]])  # norms 5 and 2: unit rows [0.6, 0.8], [0, 1]
-    expect = {1.0: [[1.1, 1.2], [0.5, 1.0]], 5.0: [[3.5, 10.0], [0.5, 9.0]],  # s = 1 (paper), s = 5
-              "sqrt-d": [[0.5 + 0.6 * 2 ** 0.5, -1 + 2.2 * 2 ** 0.5], [0.5, -1 + 2 * 2 ** 0.5]]}  # s = sqrt(2)
+    expect = {
+        1.0: [[1.1, 1.2], [0.5, 1.0]],
+        5.0: [[3.5, 10.0], [0.5, 9.0]],  # s = 1 (paper), s = 5
+        "sqrt-d": [[0.5 + 0.6 * 2**0.5, -1 + 2.2 * 2**0.5], [0.5, -1 + 2 * 2**0.5]],
+    }  # s = sqrt(2)
     for scale, z in expect.items():
         logits, feat = fedfn.fn_forward(model, f, fn=True, scale=scale)
         assert torch.allclose(logits, torch.tensor(z), atol=1e-6), scale
@@ -94,6 +111,7 @@ def test_vgg11_layout():
     """FedNTD's vgg11 (no batch norm): torchvision's VGG11 conv stack, fc 512 -> 512 -> 512, head."""
     import torchvision
     from common import MODELS
+
     model = MODELS["vgg11"](3, 10, 32)
     convs = [m for m in model.body.modules() if isinstance(m, nn.Conv2d)]
     assert [c.out_channels for c in convs] == [64, 128, 256, 256, 512, 512, 512, 512]
@@ -143,8 +161,12 @@ def test_scaffold_correction_is_added_to_the_gradient():
         model = tiny_model()
         correction = [torch.full_like(p, 0.3) for p in model.parameters()] if corr else None
         torch.manual_seed(1)
-        steps.append((fedfn.local_train(model, torch.arange(8), data, tiny_args(), 0.5, None, correction)[1],
-                      [p.detach().clone() for p in model.parameters()]))
+        steps.append(
+            (
+                fedfn.local_train(model, torch.arange(8), data, tiny_args(), 0.5, None, correction)[1],
+                [p.detach().clone() for p in model.parameters()],
+            )
+        )
     assert steps[0][0] == steps[1][0] == 1
     for a, b in zip(steps[0][1], steps[1][1]):  # y <- y - lr (g - c_i + c)
         assert torch.allclose(b - a, torch.full_like(a, -0.5 * 0.3), atol=1e-6)
@@ -190,7 +212,9 @@ def test_scaffold_three_clients_by_hand():
     delta_sum = t(0.0)
     for i, want in enumerate([-0.725, -1.625, -4.4]):
         new, delta = fedfn.scaffold_client_update(t(c_all[i]), c, x, [ys[i]], steps=2, lr=0.5, momentum=0.0)
-        assert torch.allclose(new[0], torch.tensor([want])) and torch.allclose(delta[0], torch.tensor([want - c_all[i]]))
+        assert torch.allclose(new[0], torch.tensor([want])) and torch.allclose(
+            delta[0], torch.tensor([want - c_all[i]])
+        )
         delta_sum = [delta_sum[0] + delta[0]]
     c_new = fedfn.scaffold_server_update(c, delta_sum, num_clients=4)
     assert torch.allclose(c_new[0], torch.tensor([-1.6625]))
@@ -226,13 +250,17 @@ def test_scaffold_removes_client_drift_on_quadratics():
 
 
 def test_fedexp_step_by_hand():
-    """Jhunjhunwala et al. 2023, Alg. 1 on two tensors, three clients with p_i = 1/3, eps = 1/6. From w_t = ([0, 0, 0], [1]):
+    """Jhunjhunwala et al. 2023, Alg. 1 on two tensors, three clients with p_i = 1/3, eps = 1/6.
+    From w_t = ([0, 0, 0], [1]):
     y_1 = ([2, 0, 0], [1]), y_2 = ([0, 2, 0], [1]), y_3 = ([0, 0, 2], [4]): ||Delta_i||^2 = 4, 4, 13, mean 7;
     the average is ([2/3] * 3, [2]), so ||Delta_bar||^2 = 3 (2/3)^2 + 1 = 7/3 and eta_g = 7 / (2 (7/3 + 1/6)) = 1.4;
     w_{t+1} = w_t + 1.4 (average - w_t) = ([14/15] * 3, [2.4]); the evaluated midpoint ([7/15] * 3, [1.7])."""
     x_old = [torch.zeros(3), torch.tensor([1.0])]
-    ys = [[torch.tensor([2.0, 0, 0]), torch.tensor([1.0])], [torch.tensor([0, 2.0, 0]), torch.tensor([1.0])],
-          [torch.tensor([0, 0, 2.0]), torch.tensor([4.0])]]
+    ys = [
+        [torch.tensor([2.0, 0, 0]), torch.tensor([1.0])],
+        [torch.tensor([0, 2.0, 0]), torch.tensor([1.0])],
+        [torch.tensor([0, 0, 2.0]), torch.tensor([4.0])],
+    ]
     sq = [fedfn.sq_dist(x_old, y) for y in ys]
     assert [float(v) for v in sq] == [4.0, 4.0, 13.0]
     avg = [sum(y[j] for y in ys) / 3 for j in range(2)]
@@ -291,11 +319,13 @@ def test_four_factors_on_hand_built_model():
     p0 = torch.tensor([1 + 1 / s2, 1 / s2]) / 2
     p0 = p0 / p0.norm()
     p1 = torch.tensor([0.0, 1.0])
-    want = {"weight_sim": 1 / s2,  # cos([1,0],[1,1])
-            "inter_class_sim": float(p0 @ p1),
-            "intra_class_sim": (float((p0[0] + (p0[0] + p0[1]) / s2) / 2) + 1.0) / 2,
-            "proto_weight_align": (float(p0[0]) + 1 / s2) / 2,
-            "feature_norm": (3 + s2 + 2 + 4) / 4}
+    want = {
+        "weight_sim": 1 / s2,  # cos([1,0],[1,1])
+        "inter_class_sim": float(p0 @ p1),
+        "intra_class_sim": (float((p0[0] + (p0[0] + p0[1]) / s2) / 2) + 1.0) / 2,
+        "proto_weight_align": (float(p0[0]) + 1 / s2) / 2,
+        "feature_norm": (3 + s2 + 2 + 4) / 4,
+    }
     got = fedfn.analyze(model, data, argparse.Namespace(fn=True, fn_scale=1.0))
     for k, v in want.items():
         assert got[k] == pytest.approx(v, abs=1e-5), k
@@ -307,17 +337,37 @@ def test_four_factors_on_hand_built_model():
 
 
 def test_bad_method_flags_exit_2(monkeypatch, capsys):
-    for flags in (["--ft-epochs", "2"], ["--fr-mu", "-1"], ["--fedexp-eps", "0"], ["--agg", "fedprox"], ["--fn-scale", "0"]):
+    for flags in (
+        ["--ft-epochs", "2"],
+        ["--fr-mu", "-1"],
+        ["--fedexp-eps", "0"],
+        ["--agg", "fedprox"],
+        ["--fn-scale", "0"],
+    ):
         monkeypatch.setattr(sys, "argv", ["fedfn.py", "--dataset", "synthetic", "--device", "cpu", *flags])
         with pytest.raises(SystemExit) as e:
             fedfn.parse_args()
         assert e.value.code == 2, flags
     monkeypatch.setattr(sys, "argv", ["fedfn.py", "--dataset", "synthetic", "--device", "cpu", "--out", "x"])
     args = fedfn.parse_args()  # the paper's defaults
-    assert (args.model, args.num_clients, args.frac, args.shards, args.local_epochs, args.batch_size, args.rounds,
-            args.lr, args.momentum, args.weight_decay, args.lr_decay_at, args.lr_decay, args.augment, args.fn,
-            args.agg, args.fn_scale) == ("vgg11", 100, 0.1, 10, 15, 50, 320, 0.03, 0.9, 0.0, [0.5, 0.75], 0.1, "flip", True,
-                                         "fedavg", 1.0)
+    assert (
+        args.model,
+        args.num_clients,
+        args.frac,
+        args.shards,
+        args.local_epochs,
+        args.batch_size,
+        args.rounds,
+        args.lr,
+        args.momentum,
+        args.weight_decay,
+        args.lr_decay_at,
+        args.lr_decay,
+        args.augment,
+        args.fn,
+        args.agg,
+        args.fn_scale,
+    ) == ("vgg11", 100, 0.1, 10, 15, 50, 320, 0.03, 0.9, 0.0, [0.5, 0.75], 0.1, "flip", True, "fedavg", 1.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,15 +379,72 @@ def test_bad_method_flags_exit_2(monkeypatch, capsys):
 # tunes it up too). A copy stopped after round 2 (--stop-after 2) is resumed in a fresh process, which
 # does round 3 (at the decayed lr) from the round-2 checkpoint; evaluating every round makes a resume that
 # restarted from scratch log duplicate rows.
-E2E = ["--dataset", "synthetic", "--device", "cpu", "--model", "mlp", "--num-clients", "4", "--frac", "1",
-       "--shards", "5", "--local-steps", "2", "--batch-size", "32", "--rounds", "3", "--lr", "0.5",
-       "--lr-decay-at", "0.75", "--checkpoint-every", "2", "--analyze", "--save-model"]
+E2E = [
+    "--dataset",
+    "synthetic",
+    "--device",
+    "cpu",
+    "--model",
+    "mlp",
+    "--num-clients",
+    "4",
+    "--frac",
+    "1",
+    "--shards",
+    "5",
+    "--local-steps",
+    "2",
+    "--batch-size",
+    "32",
+    "--rounds",
+    "3",
+    "--lr",
+    "0.5",
+    "--lr-decay-at",
+    "0.75",
+    "--checkpoint-every",
+    "2",
+    "--analyze",
+    "--save-model",
+]
 # --no-fn vs fedavg.py: every shared code path on (momentum, weight decay, FedProx, crop-flip, lr decay,
 # per-client test sets); fedfn.py's own defaults differ, so all of them are passed.
-NOFN = ["--dataset", "synthetic", "--device", "cpu", "--model", "mlp", "--num-clients", "4", "--frac", "0.5",
-        "--shards", "2", "--local-steps", "3", "--batch-size", "16", "--rounds", "3", "--eval-every", "2",
-        "--lr", "0.05", "--momentum", "0.9", "--weight-decay", "5e-4", "--prox-mu", "0.01",
-        "--augment", "crop-flip", "--lr-decay-at", "0.5", "--client-test", "--save-model"]
+NOFN = [
+    "--dataset",
+    "synthetic",
+    "--device",
+    "cpu",
+    "--model",
+    "mlp",
+    "--num-clients",
+    "4",
+    "--frac",
+    "0.5",
+    "--shards",
+    "2",
+    "--local-steps",
+    "3",
+    "--batch-size",
+    "16",
+    "--rounds",
+    "3",
+    "--eval-every",
+    "2",
+    "--lr",
+    "0.05",
+    "--momentum",
+    "0.9",
+    "--weight-decay",
+    "5e-4",
+    "--prox-mu",
+    "0.01",
+    "--augment",
+    "crop-flip",
+    "--lr-decay-at",
+    "0.5",
+    "--client-test",
+    "--save-model",
+]
 FACTORS = ("weight_sim", "inter_class_sim", "intra_class_sim", "proto_weight_align", "feature_norm")
 
 
@@ -348,10 +455,12 @@ def runs(tmp_path_factory):
     # FedFN-FT rides on the FN + fedavg run, FedAvg-FT on the --no-fn run (summary.json only)
     # (the decay at rounds 1 and 2 keeps accuracy low enough for FedFN-FT to have room to help)
     extra = {"fedavg": ["--client-test", "--ft-epochs", 1, "--lr-decay-at", 0.3, 0.6], "scaffold": [], "fedexp": []}
-    run_parallel(("fedavg.py", *NOFN, "--out", fedavg_py),
-                 ("fedfn.py", *NOFN, "--no-fn", "--ft-epochs", 1, "--out", nofn),
-                 *[("fedfn.py", *E2E, "--agg", agg, *extra[agg], "--out", d / f"{agg}_full") for agg in AGGS],
-                 *[("fedfn.py", *E2E, "--agg", agg, *extra[agg], "--stop-after", 2, "--out", d / agg) for agg in AGGS])
+    run_parallel(
+        ("fedavg.py", *NOFN, "--out", fedavg_py),
+        ("fedfn.py", *NOFN, "--no-fn", "--ft-epochs", 1, "--out", nofn),
+        *[("fedfn.py", *E2E, "--agg", agg, *extra[agg], "--out", d / f"{agg}_full") for agg in AGGS],
+        *[("fedfn.py", *E2E, "--agg", agg, *extra[agg], "--stop-after", 2, "--out", d / agg) for agg in AGGS],
+    )
     for agg in AGGS:
         assert torch.load(d / agg / "checkpoint.pt", weights_only=False)["round"] == 2
     run_parallel(*[("fedfn.py", "--resume", d / agg) for agg in AGGS])

@@ -2,6 +2,7 @@
 FedProx / SCAFFOLD / FedYogi math against hand computations and closed forms, Figure 3's singular values,
 FedAvg equivalence, resume equality for every --agg, learning under one class per client; and common.py's
 refusals after the data is loaded (exit 2, one line)."""
+
 import argparse
 import json
 import math
@@ -196,7 +197,8 @@ def test_prop1_scaling_every_layer_equals_scaling_the_last():
 
 @pytest.mark.parametrize("before", [False, True])
 def test_prop2_mv_every_layer_equals_shift_then_mv_last(before):
-    """Prop. 2 / Eq. 8: static LN after every activation (n^L_MV) = mean shift s, then n_MV only at the last (n_MV s^{L-1})."""
+    """Prop. 2 / Eq. 8: static LN after every activation (n^L_MV) = mean shift s, then n_MV only at the last
+    (n_MV s^{L-1})."""
     data = fake_data()
     torch.manual_seed(2)
     full = fedln.build(model_args(norm="ln", ln_affine=False, norm_before_act=before), data).double()
@@ -209,7 +211,8 @@ def test_prop2_mv_every_layer_equals_shift_then_mv_last(before):
     assert torch.allclose(full.body(x), last.body(x), rtol=1e-9, atol=1e-9)
     plain = fedln.build(model_args(norm="none", norm_before_act=before), data).double()
     same_weights(full, plain)
-    assert not torch.allclose(full.body(x), nn.GroupNorm(1, 384, affine=False).double()(plain.body(x)), atol=1e-3)  # the shifts matter
+    # the shifts matter
+    assert not torch.allclose(full.body(x), nn.GroupNorm(1, 384, affine=False).double()(plain.body(x)), atol=1e-3)
 
 
 # --- Table 7 CNN ---------------------------------------------------------------------------------
@@ -245,8 +248,11 @@ def test_one_channel_and_other_sizes():
 def test_yogi_update_matches_formula():
     lr, b1, b2, tau = 0.01, 0.9, 0.99, 1e-3
     x0, d1, d2 = [1.0, -2.0, 0.5], [0.5, -0.1, 0.0], [0.01, 0.3, -0.2]
-    x, m, v = ({"w": torch.tensor(x0, dtype=torch.float64)}, {"w": torch.zeros(3, dtype=torch.float64)},
-               {"w": torch.full((3,), 1e-6, dtype=torch.float64)})
+    x, m, v = (
+        {"w": torch.tensor(x0, dtype=torch.float64)},
+        {"w": torch.zeros(3, dtype=torch.float64)},
+        {"w": torch.full((3,), 1e-6, dtype=torch.float64)},
+    )
     ex, em, ev = list(x0), [0.0] * 3, [1e-6] * 3
     for d in (d1, d2):
         x, m, v = fedln.yogi_update(x, {"w": torch.tensor(d, dtype=torch.float64)}, m, v, lr, b1, b2, tau)
@@ -260,17 +266,45 @@ def test_yogi_update_matches_formula():
         assert torch.allclose(x["w"], torch.tensor(ex, dtype=torch.float64), rtol=1e-12, atol=0)
     # round 1, coordinate 0 by hand: v grows to 1e-6 + 0.01 * 0.25, step 0.01 * 0.05 / (sqrt(v) + 1e-3)
     v1 = 1e-6 + 0.0025
-    assert abs((1.0 + 0.01 * 0.05 / (math.sqrt(v1) + 1e-3)) - fedln.yogi_update(
-        {"w": torch.tensor([1.0], dtype=torch.float64)}, {"w": torch.tensor([0.5], dtype=torch.float64)},
-        {"w": torch.zeros(1, dtype=torch.float64)}, {"w": torch.full((1,), 1e-6, dtype=torch.float64)},
-        lr, b1, b2, tau)[0]["w"].item()) < 1e-12
+    assert (
+        abs(
+            (1.0 + 0.01 * 0.05 / (math.sqrt(v1) + 1e-3))
+            - fedln.yogi_update(
+                {"w": torch.tensor([1.0], dtype=torch.float64)},
+                {"w": torch.tensor([0.5], dtype=torch.float64)},
+                {"w": torch.zeros(1, dtype=torch.float64)},
+                {"w": torch.full((1,), 1e-6, dtype=torch.float64)},
+                lr,
+                b1,
+                b2,
+                tau,
+            )[0]["w"].item()
+        )
+        < 1e-12
+    )
     # v shrinks when v > D^2 (the Yogi sign), where Adam's v would grow
-    _, _, v_big = fedln.yogi_update({"w": torch.zeros(1)}, {"w": torch.tensor([0.1])}, {"w": torch.zeros(1)},
-                                    {"w": torch.tensor([1.0])}, lr, b1, b2, tau)
+    _, _, v_big = fedln.yogi_update(
+        {"w": torch.zeros(1)},
+        {"w": torch.tensor([0.1])},
+        {"w": torch.zeros(1)},
+        {"w": torch.tensor([1.0])},
+        lr,
+        b1,
+        b2,
+        tau,
+    )
     assert torch.allclose(v_big["w"], torch.tensor([1.0 - 0.01 * 0.01]))
     # v = D^2: sign 0 leaves v as it is
-    x_eq, m_eq, v_eq = fedln.yogi_update({"w": torch.zeros(1)}, {"w": torch.tensor([0.5])}, {"w": torch.zeros(1)},
-                                         {"w": torch.tensor([0.25])}, lr, b1, b2, tau)
+    x_eq, m_eq, v_eq = fedln.yogi_update(
+        {"w": torch.zeros(1)},
+        {"w": torch.tensor([0.5])},
+        {"w": torch.zeros(1)},
+        {"w": torch.tensor([0.25])},
+        lr,
+        b1,
+        b2,
+        tau,
+    )
     assert v_eq["w"].item() == 0.25 and x_eq["w"].item() == pytest.approx(lr * 0.05 / (0.5 + tau), rel=1e-6)
 
 
@@ -278,8 +312,16 @@ def test_fedyogi_step_moves_towards_the_clients():
     """One FedYogi round from m_0 = 0, v_0 = 1e-6 by hand: D = avg - x = (0.5, -0.1); m_1 = 0.1 D;
     v_1 = 1e-6 + 0.01 D^2 (v_0 < D^2); x_1 = x + 0.01 m_1 / (sqrt(v_1) + 1e-3): towards the clients' average."""
     f64 = lambda *v: torch.tensor(v, dtype=torch.float64)
-    x, m, v = fedln.fedyogi_step({"w": f64(1.0, -2.0)}, {"w": f64(1.5, -2.1), "buffer": f64(9.0)}, {"w": f64(0.0, 0.0)},
-                                 {"w": f64(1e-6, 1e-6)}, 0.01, 0.9, 0.99, 1e-3)
+    x, m, v = fedln.fedyogi_step(
+        {"w": f64(1.0, -2.0)},
+        {"w": f64(1.5, -2.1), "buffer": f64(9.0)},
+        {"w": f64(0.0, 0.0)},
+        {"w": f64(1e-6, 1e-6)},
+        0.01,
+        0.9,
+        0.99,
+        1e-3,
+    )
     assert set(x) == {"w"}  # the pseudo-gradient is over the given parameters only
     assert torch.allclose(m["w"], f64(0.05, -0.01), rtol=1e-12)
     assert torch.allclose(v["w"], f64(1e-6 + 0.0025, 1e-6 + 0.0001), rtol=1e-12)
@@ -294,7 +336,8 @@ def test_prox_term_value_and_gradient_by_hand():
     term = common.prox_term([w, v], anchor, mu=0.1)
     assert term.item() == pytest.approx(0.05 * (1 + 4 + 1))  # mu/2 (||(1, -2)||^2 + ||-1||^2)
     term.backward()
-    assert torch.allclose(w.grad, torch.tensor([0.1, -0.2])) and torch.allclose(v.grad, torch.tensor([[-0.1]]))  # mu (w - w_t)
+    # mu (w - w_t)
+    assert torch.allclose(w.grad, torch.tensor([0.1, -0.2])) and torch.allclose(v.grad, torch.tensor([[-0.1]]))
 
 
 def tiny_client(agg, mu=0.1):
@@ -305,8 +348,17 @@ def tiny_client(agg, mu=0.1):
     model = common.Classifier(nn.Flatten(), 2, 3, head_bias=False)
     with torch.no_grad():
         model.head.weight.copy_(torch.tensor([[0.5, -1.0], [0.2, 0.3], [-0.7, 0.9]]))
-    args = argparse.Namespace(momentum=0.0, weight_decay=0.0, batch_size=4, local_steps=1, augment="none",
-                              device="cpu", amp=False, agg=agg, prox_mu=mu)
+    args = argparse.Namespace(
+        momentum=0.0,
+        weight_decay=0.0,
+        batch_size=4,
+        local_steps=1,
+        augment="none",
+        device="cpu",
+        amp=False,
+        agg=agg,
+        prox_mu=mu,
+    )
     return model, data, args
 
 
@@ -324,10 +376,12 @@ def test_local_train_one_sgd_step_by_hand(agg):
     """local_train's step: W <- W - lr (grad CE + mu (W - W_t)) for FedProx, W - lr (grad CE + c - c_k) for SCAFFOLD."""
     model, data, args = tiny_client(agg)
     W = model.head.weight.detach().double().numpy().copy()
-    anchor = torch.tensor([[0.4, -0.8], [0.0, 0.5], [-0.5, 1.0]])  # w_t != the client's start, so the prox gradient is not 0
+    # w_t != the client's start, so the prox gradient is not 0
+    anchor = torch.tensor([[0.4, -0.8], [0.0, 0.5], [-0.5, 1.0]])
     correction = [torch.tensor([[0.3, -0.2], [0.1, 0.0], [-0.4, 0.25]])]
-    loss = fedln.local_train(model, torch.arange(4), data, args, 0.5, [anchor],
-                             correction if agg == "scaffold" else None)
+    loss = fedln.local_train(
+        model, torch.arange(4), data, args, 0.5, [anchor], correction if agg == "scaffold" else None
+    )
     ce, grad = ce_gradient_by_hand(W, data.x_train.view(4, 2).double().numpy() / 255, data.y_train.numpy())
     if agg == "fedprox":
         grad = grad + 0.1 * (W - anchor.double().numpy())
@@ -407,7 +461,9 @@ def test_singular_values_of_a_model_match_numpy():
         z = model.body(x).double().numpy()  # the penultimate features g(x), not the logits
     raw, unit = fedln.singular_values(model, x)
     assert np.allclose(raw, np.linalg.svd(z, compute_uv=False), rtol=1e-4, atol=1e-5)
-    assert np.allclose(unit, np.linalg.svd(z / np.linalg.norm(z, axis=1, keepdims=True), compute_uv=False), rtol=1e-4, atol=1e-5)
+    assert np.allclose(
+        unit, np.linalg.svd(z / np.linalg.norm(z, axis=1, keepdims=True), compute_uv=False), rtol=1e-4, atol=1e-5
+    )
 
 
 def test_figure3_images_are_from_different_classes():
@@ -442,18 +498,92 @@ def logged_svs_match_the_saved_model(run_dir, norm, overfit=False):
 # --- end to end: each stage is ONE python process that runs the scripts one after another ------------
 BASE = ["--dataset", "synthetic", "--device", "cpu", "--batch-size", "8", "--seed", "3"]
 AGGS = [("fedavg", "bn"), ("fedprox", "ln"), ("scaffold", "fn"), ("fedyogi", "bn")]
-EQUAL = [*BASE, "--model", "mlp", "--num-clients", "4", "--frac", "0.5", "--classes-per-client", "2", "--local-steps",
-         "2", "--rounds", "2", "--eval-every", "1", "--lr", "0.05", "--momentum", "0.9", "--weight-decay", "5e-4",
-         "--save-model"]
-LEARN = [*BASE, "--width", "8", "--batch-size", "16", "--local-steps", "3", "--rounds", "8", "--eval-every", "8",
-         "--lr", "0.02", "--track-singular-values", "--save-model"]  # defaults: 10 clients, all per round, 1 class each
-OVERFIT = [*BASE, "--width", "8", "--batch-size", "16", "--local-steps", "10", "--rounds", "3", "--eval-every", "3",
-           "--lr", "0.05", "--norm", "none", "--overfit-client", "0", "--save-model"]  # Figure 3 left: client 0 alone
+EQUAL = [
+    *BASE,
+    "--model",
+    "mlp",
+    "--num-clients",
+    "4",
+    "--frac",
+    "0.5",
+    "--classes-per-client",
+    "2",
+    "--local-steps",
+    "2",
+    "--rounds",
+    "2",
+    "--eval-every",
+    "1",
+    "--lr",
+    "0.05",
+    "--momentum",
+    "0.9",
+    "--weight-decay",
+    "5e-4",
+    "--save-model",
+]
+LEARN = [
+    *BASE,
+    "--width",
+    "8",
+    "--batch-size",
+    "16",
+    "--local-steps",
+    "3",
+    "--rounds",
+    "8",
+    "--eval-every",
+    "8",
+    "--lr",
+    "0.02",
+    "--track-singular-values",
+    "--save-model",
+]  # defaults: 10 clients, all per round, 1 class each
+OVERFIT = [
+    *BASE,
+    "--width",
+    "8",
+    "--batch-size",
+    "16",
+    "--local-steps",
+    "10",
+    "--rounds",
+    "3",
+    "--eval-every",
+    "3",
+    "--lr",
+    "0.05",
+    "--norm",
+    "none",
+    "--overfit-client",
+    "0",
+    "--save-model",
+]  # Figure 3 left: client 0 alone
 
 
 def resume_flags(agg, norm):
-    return [*BASE, "--width", "4", "--num-clients", "4", "--frac", "0.5", "--local-steps", "2", "--rounds", "3",
-            "--eval-every", "1", "--lr", "0.05", "--agg", agg, "--norm", norm, "--save-model"]
+    return [
+        *BASE,
+        "--width",
+        "4",
+        "--num-clients",
+        "4",
+        "--frac",
+        "0.5",
+        "--local-steps",
+        "2",
+        "--rounds",
+        "3",
+        "--eval-every",
+        "1",
+        "--lr",
+        "0.05",
+        "--agg",
+        agg,
+        "--norm",
+        norm,
+        "--save-model",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -462,12 +592,22 @@ def runs(tmp_path_factory):
     in test_norm_none_is_the_plain_table7_cnn), the one-class runs, and for each --agg an uninterrupted run
     and one stopped after round 1. Stage 2 (a fresh process): resume the stopped runs."""
     d = tmp_path_factory.mktemp("fedln")
-    run_batches([["fedavg.py", *EQUAL, "--out", d / "avg"], ["fedln.py", *EQUAL, "--norm", "none", "--agg", "fedavg", "--out", d / "plain"],
+    run_batches(
+        [
+            ["fedavg.py", *EQUAL, "--out", d / "avg"],
+            ["fedln.py", *EQUAL, "--norm", "none", "--agg", "fedavg", "--out", d / "plain"],
             *[["fedln.py", *LEARN, "--norm", n, "--out", d / n] for n in ("ln", "fn", "none")],
-            ["fedln.py", *OVERFIT, "--out", d / "overfit"]],
-           [c for agg, norm in AGGS for c in (["fedln.py", *resume_flags(agg, norm), "--out", d / f"{agg}_full"],
-                                              ["fedln.py", *resume_flags(agg, norm), "--out", d / f"{agg}_cut",
-                                               "--stop-after", "1"])])
+            ["fedln.py", *OVERFIT, "--out", d / "overfit"],
+        ],
+        [
+            c
+            for agg, norm in AGGS
+            for c in (
+                ["fedln.py", *resume_flags(agg, norm), "--out", d / f"{agg}_full"],
+                ["fedln.py", *resume_flags(agg, norm), "--out", d / f"{agg}_cut", "--stop-after", "1"],
+            )
+        ],
+    )
     cut = {agg: torch.load(d / f"{agg}_cut" / "checkpoint.pt", weights_only=False) for agg, _ in AGGS}
     run_batches([["fedln.py", "--resume", d / f"{agg}_cut"] for agg, _ in AGGS])
     return d, cut
@@ -522,16 +662,22 @@ def test_overfit_client_trains_one_client_alone_and_collapses(runs):
     assert len(s["client_feature_norms"]) == 20 and min(s["client_feature_norms"]) > 0
 
 
-@pytest.mark.parametrize("flags,flag", [(["--model", "cnn", "--norm", "ln"], "--norm"),
-                                        (["--model", "resnet18", "--norm", "ln-last"], "--norm"),
-                                        (["--model", "resnet18", "--no-ln-affine"], "--no-ln-affine"),
-                                        (["--local-steps", "0"], "--local-steps"),
-                                        (["--agg", "scaffold", "--prox-mu", "0.1"], "--prox-mu"),  # not silently ignored
-                                        (["--prox-mu", "0.01"], "--prox-mu"),  # --agg fedavg
-                                        (["--agg", "fedprox", "--prox-mu", "0"], "--prox-mu"),
-                                        (["--agg", "fedprox", "--prox-mu", "-1"], "--prox-mu"),
-                                        (["--overfit-client", "10"], "--overfit-client"),
-                                        (["--overfit-client", "0", "--agg", "fedyogi"], "--overfit-client")])
+@pytest.mark.parametrize(
+    "flags,flag",
+    [
+        (["--model", "cnn", "--norm", "ln"], "--norm"),
+        (["--model", "resnet18", "--norm", "ln-last"], "--norm"),
+        (["--model", "resnet18", "--no-ln-affine"], "--no-ln-affine"),
+        (["--local-steps", "0"], "--local-steps"),
+        # not silently ignored
+        (["--agg", "scaffold", "--prox-mu", "0.1"], "--prox-mu"),
+        (["--prox-mu", "0.01"], "--prox-mu"),  # --agg fedavg
+        (["--agg", "fedprox", "--prox-mu", "0"], "--prox-mu"),
+        (["--agg", "fedprox", "--prox-mu", "-1"], "--prox-mu"),
+        (["--overfit-client", "10"], "--overfit-client"),
+        (["--overfit-client", "0", "--agg", "fedyogi"], "--overfit-client"),
+    ],
+)
 def test_bad_flags_exit_2_naming_the_flag(monkeypatch, capsys, flags, flag):
     monkeypatch.setattr(sys, "argv", ["fedln.py", *BASE, *flags, "--out", "unused"])
     with pytest.raises(SystemExit) as exit_info:
@@ -539,8 +685,15 @@ def test_bad_flags_exit_2_naming_the_flag(monkeypatch, capsys, flags, flag):
     assert exit_info.value.code == 2 and flag in capsys.readouterr().err.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("flags,mu", [([], 0.0), (["--agg", "fedprox"], 0.01), (["--agg", "fedprox", "--prox-mu", "0.1"], 0.1),
-                                      (["--agg", "scaffold", "--prox-mu", "0"], 0.0)])
+@pytest.mark.parametrize(
+    "flags,mu",
+    [
+        ([], 0.0),
+        (["--agg", "fedprox"], 0.01),
+        (["--agg", "fedprox", "--prox-mu", "0.1"], 0.1),
+        (["--agg", "scaffold", "--prox-mu", "0"], 0.0),
+    ],
+)
 def test_prox_mu_belongs_to_agg_fedprox(monkeypatch, flags, mu):
     monkeypatch.setattr(sys, "argv", ["fedln.py", *BASE, *flags, "--out", "unused"])
     assert fedln.parse_args().prox_mu == mu
@@ -549,7 +702,9 @@ def test_prox_mu_belongs_to_agg_fedprox(monkeypatch, flags, mu):
 def test_resume_of_a_run_saved_with_an_unused_prox_mu(monkeypatch, tmp_path):
     """Runs saved before the rule kept the old default prox_mu 0.01 with every --agg: they still resume."""
     monkeypatch.setattr(sys, "argv", ["fedln.py", "--dataset", "synthetic", "--device", "cpu", "--agg", "scaffold"])
-    config = {k: v for k, v in vars(fedln.parse_args()).items() if k not in ("resume", "stop_after", "overwrite", "script")}
+    config = {
+        k: v for k, v in vars(fedln.parse_args()).items() if k not in ("resume", "stop_after", "overwrite", "script")
+    }
     (tmp_path / "config.json").write_text(json.dumps({**config, "prox_mu": 0.01}))  # as such runs saved it
     (tmp_path / "checkpoint.pt").write_bytes(b"")
     monkeypatch.setattr(sys, "argv", ["fedln.py", "--resume", str(tmp_path)])
@@ -560,21 +715,47 @@ def test_resume_of_a_run_saved_with_an_unused_prox_mu(monkeypatch, tmp_path):
 def test_defaults_are_the_papers(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["fedln.py", "--device", "cpu", "--out", "unused"])
     a = fedln.parse_args()
-    assert (a.norm, a.agg, a.model, a.num_clients, a.frac, a.classes_per_client, a.local_steps) == \
-        ("ln", "fedavg", "normcnn", 10, 1.0, 1, 10)
-    assert (a.lr, a.momentum, a.weight_decay, a.batch_size, a.augment, a.rounds, a.eval_every) == \
-        (0.01, 0.0, 0.0, 32, "crop-flip", 10000, 100)
-    assert (a.server_lr, a.yogi_beta1, a.yogi_beta2, a.yogi_tau, a.yogi_v0, a.prox_mu, a.ln_affine) == \
-        (0.01, 0.9, 0.99, 1e-3, 1e-6, 0.0, True)  # FedProx's mu 0.01: test_prox_mu_belongs_to_agg_fedprox
+    assert (a.norm, a.agg, a.model, a.num_clients, a.frac, a.classes_per_client, a.local_steps) == (
+        "ln",
+        "fedavg",
+        "normcnn",
+        10,
+        1.0,
+        1,
+        10,
+    )
+    assert (a.lr, a.momentum, a.weight_decay, a.batch_size, a.augment, a.rounds, a.eval_every) == (
+        0.01,
+        0.0,
+        0.0,
+        32,
+        "crop-flip",
+        10000,
+        100,
+    )
+    assert (a.server_lr, a.yogi_beta1, a.yogi_beta2, a.yogi_tau, a.yogi_v0, a.prox_mu, a.ln_affine) == (
+        0.01,
+        0.9,
+        0.99,
+        1e-3,
+        1e-6,
+        0.0,
+        True,
+    )  # FedProx's mu 0.01: test_prox_mu_belongs_to_agg_fedprox
 
 
 # --- common.py: refusals found only after the data is loaded exit 2 with one line naming the flag ----------
 SYNTH = ["--dataset", "synthetic", "--device", "cpu", "--out", "unused"]
 
 
-@pytest.mark.parametrize("flags,flag", [(["--num-clients", "100000", "--iid"], "--num-clients"),
-                                        (["--num-clients", "2000", "--shards", "2"], "--num-clients"),
-                                        (["--num-clients", "300", "--alpha", "0.001"], "--alpha")])
+@pytest.mark.parametrize(
+    "flags,flag",
+    [
+        (["--num-clients", "100000", "--iid"], "--num-clients"),
+        (["--num-clients", "2000", "--shards", "2"], "--num-clients"),
+        (["--num-clients", "300", "--alpha", "0.001"], "--alpha"),
+    ],
+)
 def test_partition_refusals_exit_2_with_one_line(monkeypatch, capsys, flags, flag):
     monkeypatch.setattr(sys, "argv", ["fedln.py", *SYNTH, *flags])
     args = fedln.parse_args()
@@ -588,33 +769,56 @@ def test_partition_refusals_exit_2_with_one_line(monkeypatch, capsys, flags, fla
 
 def test_no_data_refusal_is_exit_status_2_in_a_real_process(tmp_path):
     """The issue's case (was status 1 from sys.exit(message)): the process itself exits 2, nothing written."""
-    proc = run_script("fedln.py", "--dataset", "synthetic", "--device", "cpu", "--num-clients", "100000", "--iid",
-                      "--out", tmp_path / "run", check=False)
+    proc = run_script(
+        "fedln.py",
+        "--dataset",
+        "synthetic",
+        "--device",
+        "cpu",
+        "--num-clients",
+        "100000",
+        "--iid",
+        "--out",
+        tmp_path / "run",
+        check=False,
+    )
     assert proc.returncode == 2 and "--num-clients" in proc.stderr.strip().splitlines()[-1], proc.stderr[-500:]
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("layout,words", [({"train": [], "test": []}, "no class folders"),
-                                          ({"train": ["a", "b"], "test": ["a"]}, "lacks the class folder(s) b")])
+@pytest.mark.parametrize(
+    "layout,words",
+    [
+        ({"train": [], "test": []}, "no class folders"),
+        ({"train": ["a", "b"], "test": ["a"]}, "lacks the class folder(s) b"),
+    ],
+)
 def test_folder_refusals_exit_2_naming_data_dir(tmp_path, monkeypatch, capsys, layout, words):
     for split, classes in layout.items():
         (tmp_path / split).mkdir()
         for c in classes:
             (tmp_path / split / c).mkdir()
-    monkeypatch.setattr(sys, "argv", ["fedln.py", "--dataset", "folder", "--data-dir", str(tmp_path), "--device", "cpu", "--out", "unused"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["fedln.py", "--dataset", "folder", "--data-dir", str(tmp_path), "--device", "cpu", "--out", "unused"],
+    )
     with pytest.raises(SystemExit) as exit_info:
         fedln.parse_args()
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert exit_info.value.code == 2 and "--data-dir" in last and words in last, last
 
 
-@pytest.mark.parametrize("error", [urllib.error.URLError("[Errno -2] Name or service not known"), ConnectionResetError("reset")])
+@pytest.mark.parametrize(
+    "error", [urllib.error.URLError("[Errno -2] Name or service not known"), ConnectionResetError("reset")]
+)
 def test_failed_download_exits_2_with_what_to_do(monkeypatch, capsys, error):
     """Offline --dataset cifar10 (torchvision's CIFAR10 raising as urllib does without internet): one line, exit 2."""
     import torchvision.datasets
 
     def offline(*_, **__):
         raise error
+
     monkeypatch.setattr(torchvision.datasets, "CIFAR10", offline)
     with pytest.raises(SystemExit) as exit_info:
         common.torchvision_dataset("cifar10", "unused-dir")

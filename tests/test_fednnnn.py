@@ -1,5 +1,6 @@
 """FedNNNN (fednnnn.py): Algorithm 3's server math on hand-made updates, the paper's models, and
 end-to-end runs (FedAvg reproduced bit for bit, evaluation vs broadcast model, resume with d_t)."""
+
 import argparse
 import os
 import runpy
@@ -145,11 +146,13 @@ def test_prox_term_value_and_gradient_by_hand():
     term = common.prox_term([w, v], [torch.tensor([0.0, 4.0]), torch.tensor([[1.5]])], mu=0.1)
     assert term.item() == pytest.approx(0.05 * (1 + 4 + 1))  # mu/2 (||(1, -2)||^2 + ||-1||^2), Eq. 7
     term.backward()
-    assert torch.allclose(w.grad, torch.tensor([0.1, -0.2])) and torch.allclose(v.grad, torch.tensor([[-0.1]]))  # mu (w - w_t)
+    # mu (w - w_t)
+    assert torch.allclose(w.grad, torch.tensor([0.1, -0.2])) and torch.allclose(v.grad, torch.tensor([[-0.1]]))
 
 
 def test_local_train_one_fedprox_sgd_step_by_hand():
-    """W <- W - lr (grad CE + mu (W - W_t)) on a bias-free linear model, the CE gradient (p - onehot)^T x / B in numpy."""
+    """W <- W - lr (grad CE + mu (W - W_t)) on a bias-free linear model, the CE gradient (p - onehot)^T x / B
+    in numpy."""
     x = torch.tensor([[10, 200], [50, 30], [255, 0], [120, 90]], dtype=torch.uint8).view(4, 1, 1, 2)
     y = torch.tensor([0, 1, 2, 1])
     data = Data(x, y, x, y, 3, torch.zeros(1, 1, 1, 1), torch.ones(1, 1, 1, 1))
@@ -158,8 +161,17 @@ def test_local_train_one_fedprox_sgd_step_by_hand():
     anchor = np.array([[0.4, -0.8], [0.0, 0.5], [-0.5, 1.0]])  # w_t != the client's start: a non-zero prox gradient
     with torch.no_grad():
         model.head.weight.copy_(torch.tensor(W))
-    args = argparse.Namespace(momentum=0.0, weight_decay=0.0, batch_size=4, local_epochs=1, local_steps=1,
-                              augment="none", device="cpu", amp=False, prox_mu=0.1)
+    args = argparse.Namespace(
+        momentum=0.0,
+        weight_decay=0.0,
+        batch_size=4,
+        local_epochs=1,
+        local_steps=1,
+        augment="none",
+        device="cpu",
+        amp=False,
+        prox_mu=0.1,
+    )
     loss = fednnnn.local_train(model, torch.arange(4), data, args, 0.5, [torch.tensor(anchor, dtype=torch.float32)])
     f = x.view(4, 2).double().numpy() / 255
     logits = f @ W.T
@@ -187,8 +199,13 @@ def test_param_kinds_of_parameters_on_the_root_module():
     assert fednnnn.param_kinds(nn.Linear(2, 3)) == {"weight": "fc", "bias": "fc"}
     assert fednnnn.param_kinds(nn.Conv2d(1, 2, 3)) == {"weight": "conv", "bias": "conv"}
     seq = nn.Sequential(nn.Conv1d(1, 2, 3), nn.BatchNorm1d(2), nn.Linear(2, 1, bias=False))
-    assert fednnnn.param_kinds(seq) == {"0.weight": "conv", "0.bias": "conv", "1.weight": "other", "1.bias": "other",
-                                        "2.weight": "fc"}
+    assert fednnnn.param_kinds(seq) == {
+        "0.weight": "conv",
+        "0.bias": "conv",
+        "1.weight": "other",
+        "1.bias": "other",
+        "2.weight": "fc",
+    }
 
 
 @pytest.mark.parametrize("name,dim", [("lenet", 500), ("cnn6", 192)])
@@ -202,8 +219,10 @@ def test_paper_models(name, dim, channels, size):
     assert model.body(x).shape == (3, dim) and model(x).shape == (3, 10)
     layers = [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
     assert all(m.bias is not None for m in layers)  # "all with bias terms"
-    types = "".join({nn.Conv2d: "C", nn.BatchNorm2d: "B", nn.ReLU: "R", nn.MaxPool2d: "P", nn.Flatten: "F",
-                     nn.Linear: "L"}[type(m)] for m in model.body)
+    types = "".join(
+        {nn.Conv2d: "C", nn.BatchNorm2d: "B", nn.ReLU: "R", nn.MaxPool2d: "P", nn.Flatten: "F", nn.Linear: "L"}[type(m)]
+        for m in model.body
+    )
     if (channels, size) == {"lenet": (1, 28), "cnn6": (3, 32)}[name]:  # the paper's input: exact size
         assert sum(p.numel() for p in model.parameters()) == {"lenet": 431080, "cnn6": 1146088}[name]
     if name == "lenet":  # Table 3: conv5-20, ReLU, pool, conv5-50, ReLU, pool, fc 500, ReLU, fc 10
@@ -216,13 +235,44 @@ def test_paper_models(name, dim, channels, size):
         assert len(bns) == 6 and all(b.num_features == c for b, c in zip(bns, [32, 32, 64, 64, 128, 128]))
 
 
-BASE = ["--dataset", "synthetic", "--device", "cpu", "--model", "lenet", "--num-clients", "4", "--batch-size", "16",
-        "--lr", "0.05", "--momentum", "0", "--weight-decay", "5e-4"]
+BASE = [
+    "--dataset",
+    "synthetic",
+    "--device",
+    "cpu",
+    "--model",
+    "lenet",
+    "--num-clients",
+    "4",
+    "--batch-size",
+    "16",
+    "--lr",
+    "0.05",
+    "--momentum",
+    "0",
+    "--weight-decay",
+    "5e-4",
+]
 
 
 def test_beta1_gamma0_no_normalize_reproduces_fedavg(tmp_path):
-    flags = BASE + ["--frac", "0.5", "--local-steps", "3", "--rounds", "2", "--eval-every", "2", "--augment", "crop-flip",
-                    "--quantity", "powerlaw", "--seed", "3", "--save-model"]
+    flags = BASE + [
+        "--frac",
+        "0.5",
+        "--local-steps",
+        "3",
+        "--rounds",
+        "2",
+        "--eval-every",
+        "2",
+        "--augment",
+        "crop-flip",
+        "--quantity",
+        "powerlaw",
+        "--seed",
+        "3",
+        "--save-model",
+    ]
     run_script("fedavg.py", *flags, "--out", tmp_path / "fedavg")
     run_script("fednnnn.py", *flags, "--beta", "1", "--gamma", "0", "--no-normalize", "--out", tmp_path / "nnnn")
     a, b = metrics(tmp_path / "fedavg"), metrics(tmp_path / "nnnn")
@@ -306,7 +356,13 @@ def recorded(tmp_path_factory):
 
     def accumulate(total, state, weight):
         if not rounds or rounds[-1]["total"] is not total:  # a new round starts a new total
-            rounds.append({"total": total, "w": {n: p.detach().double().clone() for n, p in built[0].named_parameters()}, "clients": []})
+            rounds.append(
+                {
+                    "total": total,
+                    "w": {n: p.detach().double().clone() for n, p in built[0].named_parameters()},
+                    "clients": [],
+                }
+            )
         rounds[-1]["clients"].append((weight, {n: v.detach().double().clone() for n, v in state.items()}))
         real_accumulate(total, state, weight)
 
@@ -314,8 +370,24 @@ def recorded(tmp_path_factory):
     mp.setattr(common, "build_model", build)
     mp.setattr(common, "accumulate", accumulate)
     try:
-        g = run_here(["fednnnn.py", *BASE, "--num-clients", "3", "--frac", "1", "--local-steps", "2", "--rounds", "2",
-                      "--prox-mu", "0.01", "--out", out])
+        g = run_here(
+            [
+                "fednnnn.py",
+                *BASE,
+                "--num-clients",
+                "3",
+                "--frac",
+                "1",
+                "--local-steps",
+                "2",
+                "--rounds",
+                "2",
+                "--prox-mu",
+                "0.01",
+                "--out",
+                out,
+            ]
+        )
     finally:
         mp.undo()
     return g, rounds, metrics(out)
@@ -330,12 +402,14 @@ def test_fedprox_anchor_is_detached(recorded):
 
 def test_two_rounds_against_eqs_4_5_12_13(recorded):
     """From the recorded client models alone: Delta_k = w^k - w_t (Eq. 2), N = ||sum a_k Delta_k|| (Eq. 4),
-    E = sum a_k ||Delta_k|| (Eq. 5), d_t = 0.7 d_{t-1} + 0.6 E/N sum a_k Delta_k (Eq. 12), w_{t+1} = w_t + d_t (Eq. 13)."""
+    E = sum a_k ||Delta_k|| (Eq. 5), d_t = 0.7 d_{t-1} + 0.6 E/N sum a_k Delta_k (Eq. 12),
+    w_{t+1} = w_t + d_t (Eq. 13)."""
     g, rounds, rows = recorded
     names = [n for n, _ in g["model"].named_parameters()]
     sizes = np.array([len(p) for p in g["partition"].train], dtype=float)
     d = torch.zeros(sum(g["model"].state_dict()[n].numel() for n in names), dtype=torch.float64)
     assert len(rounds) == 2 and [len(r["clients"]) for r in rounds] == [3, 3]
+    w_next = None  # the broadcast model the previous round computed
     for t, r in enumerate(rounds):
         a = [weight for weight, _ in r["clients"]]
         assert np.allclose(a, sizes / sizes.sum())  # n_k / n
@@ -351,6 +425,8 @@ def test_two_rounds_against_eqs_4_5_12_13(recorded):
         assert rows[t]["step_norm"] == pytest.approx(d.norm().item(), rel=1e-4)
         assert 0 < N < 0.99 * E  # the clients disagree: the normalization really scales
     assert torch.allclose(flat({n: v.double() for n, v in g["momentum"].items()}, names), d, rtol=1e-5, atol=1e-7)
-    assert torch.allclose(flat({n: p.detach().double() for n, p in g["model"].named_parameters()}, names), w_next, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(
+        flat({n: p.detach().double() for n, p in g["model"].named_parameters()}, names), w_next, rtol=1e-5, atol=1e-6
+    )
     evaluation = flat({n: v.double() for n, v in g["client"].state_dict().items()}, names)  # the plain FedAvg average
     assert torch.allclose(evaluation, w + avg, rtol=1e-5, atol=1e-6)

@@ -2,6 +2,7 @@
 script's own parser accepts; MODE=tiny runs every stage end to end on the CPU at toy size (about 1.5 min
 on one thread) and leaves the files the GPU call brings back; a failing stage is reported and the next
 one still runs."""
+
 import os
 import re
 import shlex
@@ -18,8 +19,27 @@ METHODS = ["fedavg", "fedbabu", "fedfn", "fedln", "fednnnn", "anfr"]
 FILES = {"log.txt", "env.txt", "smoke.md", "times.md", "fedbabu.md", "summary.md", "runs.tar.gz"}
 
 
-SETTINGS = {"MODE", "DEVICE", "DATA_DIR", "DATA_ARCHIVE", "WORK", "OUT", "SEEDS", "JOBS", "FEDBABU_RUNS", "SMOKE_JOBS",
-            "SMOKE_BATCH", "TIMES_FLAGS", "DEADLINE", "PYTHON", "CAP_ENV", "CAP_DATA", "CAP_SMOKE", "CAP_TIMES", "CAP_FEDBABU"}
+SETTINGS = {
+    "MODE",
+    "DEVICE",
+    "DATA_DIR",
+    "DATA_ARCHIVE",
+    "WORK",
+    "OUT",
+    "SEEDS",
+    "JOBS",
+    "FEDBABU_RUNS",
+    "SMOKE_JOBS",
+    "SMOKE_BATCH",
+    "TIMES_FLAGS",
+    "DEADLINE",
+    "PYTHON",
+    "CAP_ENV",
+    "CAP_DATA",
+    "CAP_SMOKE",
+    "CAP_TIMES",
+    "CAP_FEDBABU",
+}
 
 
 def gpu_sh(tmp_path, *stages, timeout=600, **env):
@@ -64,12 +84,26 @@ def test_dry_run_prints_commands_each_parser_accepts(tmp_path, places, monkeypat
         assert len({a[a.index("--out") + 1] for a in runs if "--out" in a}) == len([a for a in runs if "--out" in a])
     assert any(a[1] == "benchmarks/round_time.py" for _, a in commands)
     for m in ["fedfn", "fedbabu", "fedln", "fednnnn", "anfr"]:  # times: each claim's paper configuration
-        assert any("--dataset" in a and a[a.index("--dataset") + 1] == "folder" and "--checkpoint-every" in a
-                   for a in by_script[m]), m
-    table13 = [a for a in by_script["fedbabu"] if "--model" in a and a[a.index("--model") + 1] == "convnet4"
-               and "--rounds" in a and a[a.index("--rounds") + 1] == "32"]
-    assert sorted((("--train-head" in a), a[a.index("--seed") + 1]) for a in table13) == \
-        [(False, "0"), (False, "1"), (False, "2"), (True, "0"), (True, "1"), (True, "2")]
+        assert any(
+            "--dataset" in a and a[a.index("--dataset") + 1] == "folder" and "--checkpoint-every" in a
+            for a in by_script[m]
+        ), m
+    table13 = [
+        a
+        for a in by_script["fedbabu"]
+        if "--model" in a
+        and a[a.index("--model") + 1] == "convnet4"
+        and "--rounds" in a
+        and a[a.index("--rounds") + 1] == "32"
+    ]
+    assert sorted((("--train-head" in a), a[a.index("--seed") + 1]) for a in table13) == [
+        (False, "0"),
+        (False, "1"),
+        (False, "2"),
+        (True, "0"),
+        (True, "1"),
+        (True, "2"),
+    ]
     assert "JOBS=6" in res.stdout and "bash benchmarks/reproduce/fedbabu.sh paper" in res.stdout
 
 
@@ -98,13 +132,23 @@ def test_tiny_mode_runs_every_stage_end_to_end(tmp_path):
     for variant in ["fedavg", "fedbabu"]:
         assert f"fedbabu/fedbabu-paper/{variant}/seed0/summary.json" in names
         assert f"fedbabu/fedbabu-paper/{variant}/seed0/checkpoint.pt" in names  # so that a later call can resume
-    assert "smoke/fedavg-resumed/summary.json" in names and not any(n.startswith("smoke/") and n.endswith(".pt") for n in names)
+    assert "smoke/fedavg-resumed/summary.json" in names and not any(
+        n.startswith("smoke/") and n.endswith(".pt") for n in names
+    )
     assert "##### stage times: ok" in (out / "log.txt").read_text()
 
 
 def test_a_failing_stage_is_reported_and_the_next_still_runs(tmp_path):
-    res = gpu_sh(tmp_path, "data", "env", MODE="full", DEVICE="cpu", DATA_DIR=str(tmp_path / "none"),
-                 DATA_ARCHIVE=str(tmp_path / "none.tar.gz"), timeout=120)
+    res = gpu_sh(
+        tmp_path,
+        "data",
+        "env",
+        MODE="full",
+        DEVICE="cpu",
+        DATA_DIR=str(tmp_path / "none"),
+        DATA_ARCHIVE=str(tmp_path / "none.tar.gz"),
+        timeout=120,
+    )
     assert res.returncode == 1
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert re.search(r"^\| data \| \*\*FAILED\*\* \(exit 1\) \| \d+ \|$", summary, re.M), summary

@@ -1,6 +1,7 @@
 """Bad input is refused before any work (exit 2, the flag named on the last line), and run folders are
 never lost: --out on a run, --resume of a finished, extended, foreign or diverged run, atomic files
 without NaN, the image-folder cache keyed on the folder's contents, Ctrl-C twice."""
+
 import argparse
 import ast
 import importlib
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 import common
-from helpers import ROOT, TINY, assert_same_model, metrics, run_script, summary
+from helpers import ROOT, TINY, assert_same_model, metrics, run_script, start_script, summary
 
 SCRIPTS = ["fedavg", "fedbabu", "fedfn", "fedln", "fednnnn", "anfr"]
 # the smallest valid command of each script (what the bad value is added to)
@@ -85,25 +86,65 @@ UNIVERSAL_INT = ["-1", "1.5", "nan", "x"]
 UNIVERSAL_FLOAT = ["-1", "-0.5", "nan", "inf", "-inf", "1e999", "x"]
 # values that are invalid for some flags only (zero where the flag must be positive, 1 and above for fractions)
 EXTRA = {
-    "--num-clients": ["0"], "--frac": ["0", "1.5"], "--rounds": ["0"], "--local-epochs": ["0"], "--local-steps": ["0"],
-    "--batch-size": ["0"], "--lr": ["0"], "--momentum": ["1", "1.5"], "--lr-decay-at": ["0", "1", "1.5"],
-    "--lr-decay": ["0", "1.5"], "--eval-every": ["0"], "--checkpoint-every": ["0"], "--stop-after": ["0"],
-    "--shards": ["0"], "--classes-per-client": ["0"], "--alpha": ["0"], "--seed": ["4294967296"],
-    "--data-seed": ["4294967296"], "--ft-lr": ["0"], "--fedexp-eps": ["0"], "--fn-scale": ["0"], "--width": ["0"],
-    "--server-lr": ["0"], "--yogi-beta1": ["1", "1.5"], "--yogi-beta2": ["1"], "--yogi-tau": ["0"], "--beta": ["0"],
-    "--gamma": ["1"], "--image-size": ["0", "7"], "--server-betas": ["1"], "--server-tau": ["0"],
-    "--dp-noise-multiplier": ["0"], "--dp-max-grad-norm": ["0"], "--prox-mu": [], "--depth": ["0", "19"],
+    "--num-clients": ["0"],
+    "--frac": ["0", "1.5"],
+    "--rounds": ["0"],
+    "--local-epochs": ["0"],
+    "--local-steps": ["0"],
+    "--batch-size": ["0"],
+    "--lr": ["0"],
+    "--momentum": ["1", "1.5"],
+    "--lr-decay-at": ["0", "1", "1.5"],
+    "--lr-decay": ["0", "1.5"],
+    "--eval-every": ["0"],
+    "--checkpoint-every": ["0"],
+    "--stop-after": ["0"],
+    "--shards": ["0"],
+    "--classes-per-client": ["0"],
+    "--alpha": ["0"],
+    "--seed": ["4294967296"],
+    "--data-seed": ["4294967296"],
+    "--ft-lr": ["0"],
+    "--fedexp-eps": ["0"],
+    "--fn-scale": ["0"],
+    "--width": ["0"],
+    "--server-lr": ["0"],
+    "--yogi-beta1": ["1", "1.5"],
+    "--yogi-beta2": ["1"],
+    "--yogi-tau": ["0"],
+    "--beta": ["0"],
+    "--gamma": ["1"],
+    "--image-size": ["0", "7"],
+    "--server-betas": ["1"],
+    "--server-tau": ["0"],
+    "--dp-noise-multiplier": ["0"],
+    "--dp-max-grad-norm": ["0"],
+    "--prox-mu": [],
+    "--depth": ["0", "19"],
 }
 # edge values that must still be accepted
 VALID = {
-    "fedavg": [["--momentum", "0"], ["--weight-decay", "0"], ["--prox-mu", "0"], ["--seed", "0"], ["--seed", "4294967295"],
-               ["--frac", "1"], ["--lr-decay", "1"], ["--lr-decay-at", "0.5", "0.75"], ["--lr", "1e-6"]],
+    "fedavg": [
+        ["--momentum", "0"],
+        ["--weight-decay", "0"],
+        ["--prox-mu", "0"],
+        ["--seed", "0"],
+        ["--seed", "4294967295"],
+        ["--frac", "1"],
+        ["--lr-decay", "1"],
+        ["--lr-decay-at", "0.5", "0.75"],
+        ["--lr", "1e-6"],
+    ],
     "fedbabu": [["--ft-epochs", "0"], ["--ft-eval-epochs", "0", "1"]],
     "fedfn": [["--fn-scale", "sqrt-d"], ["--fn-scale", "2.5"], ["--fr-mu", "0"]],
     "fedln": [["--yogi-beta1", "0"], ["--yogi-v0", "0"], ["--agg", "fedprox", "--prox-mu", "0.1"]],
     "fednnnn": [["--gamma", "0"], ["--norm-eps", "0"]],
-    "anfr": [["--clip", "0"], ["--last-gain-init", "1", "--arch", "nf"], ["--image-size", "8"],
-             ["--agg", "fedprox", "--prox-mu", "0.1"]],
+    "anfr": [
+        ["--clip", "0"],
+        ["--last-gain-init", "1", "--arch", "nf"],
+        ["--image-size", "8"],
+        ["--agg", "fedprox", "--prox-mu", "0.1"],
+    ],
 }
 
 
@@ -113,11 +154,28 @@ def test_every_numeric_flag_refuses_its_invalid_values(name, tmp_path, monkeypat
     (from EXTRA) out-of-range values exits 2 with the flag on the last line, no traceback, nothing written."""
     flags = numeric_flags(script_parser(name, monkeypatch))
     assert len(flags) >= 18, flags  # every script has at least the shared numeric flags
-    assert set(EXTRA) >= {f for f, _, _ in flags} - {"--ft-epochs", "--ft-eval-epochs", "--weight-decay", "--fr-mu",
-                                                     "--yogi-v0", "--norm-eps", "--overfit-client", "--last-gain-init",
-                                                     "--clip"}, "a new numeric flag: add its invalid values to EXTRA"
-    base = ["--dataset", "synthetic", "--device", "cpu", "--data-dir", tmp_path / "dl", "--out", tmp_path / "run",
-            *BASE[name]]
+    assert set(EXTRA) >= {f for f, _, _ in flags} - {
+        "--ft-epochs",
+        "--ft-eval-epochs",
+        "--weight-decay",
+        "--fr-mu",
+        "--yogi-v0",
+        "--norm-eps",
+        "--overfit-client",
+        "--last-gain-init",
+        "--clip",
+    }, "a new numeric flag: add its invalid values to EXTRA"
+    base = [
+        "--dataset",
+        "synthetic",
+        "--device",
+        "cpu",
+        "--data-dir",
+        tmp_path / "dl",
+        "--out",
+        tmp_path / "run",
+        *BASE[name],
+    ]
     tried = 0
     for flag, nargs, is_int in flags:
         for value in (UNIVERSAL_INT if is_int else UNIVERSAL_FLOAT) + EXTRA.get(flag, []):
@@ -133,33 +191,46 @@ def test_every_numeric_flag_refuses_its_invalid_values(name, tmp_path, monkeypat
 def test_valid_edge_values_are_accepted(name, tmp_path, monkeypatch, capsys):
     for extra in VALID[name]:
         out = tmp_path / "_".join(extra).replace("-", "")
-        code, last = parse(name, ["--dataset", "synthetic", "--device", "cpu", "--out", out, *BASE[name], *extra],
-                           monkeypatch, capsys)
+        code, last = parse(
+            name, ["--dataset", "synthetic", "--device", "cpu", "--out", out, *BASE[name], *extra], monkeypatch, capsys
+        )
         assert code is None, f"{name}.py {' '.join(extra)}: {last}"
         assert not out.exists()  # the probe of --out leaves nothing behind
 
 
 # The issue's regression table: each of these was a traceback, a hang, or silently accepted.
 REFUSED = [
-    ("fedavg", ["--lr", "-0.1"], "--lr"), ("fedavg", ["--weight-decay", "-1"], "--weight-decay"),
-    ("fedavg", ["--momentum", "-0.1"], "--momentum"), ("fedavg", ["--device", "gpu"], "--device"),
-    ("fedavg", ["--seed", "-1"], "--seed"), ("fedavg", ["--data-seed", "-1"], "--data-seed"),
-    ("fedavg", ["--out", "/proc/cleanfl-x"], "--out"), ("fedavg", ["--local-steps", "0"], "--local-steps"),
-    ("fedavg", ["--local-epochs", "0"], "--local-epochs"), ("fedavg", ["--momentum", "1.5"], "--momentum"),
-    ("fedavg", ["--lr-decay-at", "1.5"], "--lr-decay-at"), ("fedavg", ["--lr-decay", "-0.5"], "--lr-decay"),
-    ("fedavg", ["--checkpoint-every", "-1"], "--checkpoint-every"), ("fedavg", ["--stop-after", "0"], "--stop-after"),
+    ("fedavg", ["--lr", "-0.1"], "--lr"),
+    ("fedavg", ["--weight-decay", "-1"], "--weight-decay"),
+    ("fedavg", ["--momentum", "-0.1"], "--momentum"),
+    ("fedavg", ["--device", "gpu"], "--device"),
+    ("fedavg", ["--seed", "-1"], "--seed"),
+    ("fedavg", ["--data-seed", "-1"], "--data-seed"),
+    ("fedavg", ["--out", "/proc/cleanfl-x"], "--out"),
+    ("fedavg", ["--local-steps", "0"], "--local-steps"),
+    ("fedavg", ["--local-epochs", "0"], "--local-epochs"),
+    ("fedavg", ["--momentum", "1.5"], "--momentum"),
+    ("fedavg", ["--lr-decay-at", "1.5"], "--lr-decay-at"),
+    ("fedavg", ["--lr-decay", "-0.5"], "--lr-decay"),
+    ("fedavg", ["--checkpoint-every", "-1"], "--checkpoint-every"),
+    ("fedavg", ["--stop-after", "0"], "--stop-after"),
     ("fedavg", ["--lr", "nan"], "--lr"),
     ("fedln", ["--agg", "fedyogi", "--yogi-beta1", "1.5"], "--yogi-beta1"),
     ("fedln", ["--agg", "fedyogi", "--yogi-tau", "-1"], "--yogi-tau"),
-    ("anfr", ["--clip", "-1"], "--clip"), ("anfr", ["--agg", "fedavg", "--prox-mu", "0.1"], "--prox-mu"),
+    ("anfr", ["--clip", "-1"], "--clip"),
+    ("anfr", ["--agg", "fedavg", "--prox-mu", "0.1"], "--prox-mu"),
     ("fedln", ["--prox-mu", "0.1"], "--prox-mu"),
 ]
 
 
 @pytest.mark.parametrize("name,flags,flag", REFUSED, ids=[f"{n} {' '.join(f)}" for n, f, _ in REFUSED])
 def test_regressions_are_refused(name, flags, flag, tmp_path, monkeypatch, capsys):
-    code, last = parse(name, ["--dataset", "synthetic", "--device", "cpu", "--out", tmp_path / "run", *BASE[name], *flags],
-                       monkeypatch, capsys)
+    code, last = parse(
+        name,
+        ["--dataset", "synthetic", "--device", "cpu", "--out", tmp_path / "run", *BASE[name], *flags],
+        monkeypatch,
+        capsys,
+    )
     assert code == 2 and flag in last, last
     assert os.listdir(tmp_path) == []
 
@@ -175,12 +246,19 @@ def test_out_below_a_file_is_refused(tmp_path, monkeypatch, capsys):
 def test_hangs_and_tracebacks_end_within_seconds_in_a_process(tmp_path):
     """The inputs that hung (--local-epochs -1) or raised deep in torch, as a user runs them."""
     from concurrent.futures import ThreadPoolExecutor
+
     cases = [["--local-epochs", "-1"], ["--local-steps", "-1"], ["--lr", "-0.1"], ["--device", "gpu"]]
 
     def one(flags):
         start = time.time()
-        proc = subprocess.run([sys.executable, "fedavg.py", *TINY, *flags, "--out", str(tmp_path / "run")], cwd=ROOT,
-                              capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = subprocess.run(
+            [sys.executable, "fedavg.py", *TINY, *flags, "--out", str(tmp_path / "run")],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         return proc, time.time() - start
 
     with ThreadPoolExecutor(2) as pool:
@@ -191,8 +269,9 @@ def test_hangs_and_tracebacks_end_within_seconds_in_a_process(tmp_path):
 
 
 def test_amp_on_the_cpu_is_said(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["fedavg.py", "--dataset", "synthetic", "--device", "cpu", "--amp",
-                                      "--out", str(tmp_path / "r")])
+    monkeypatch.setattr(
+        sys, "argv", ["fedavg.py", "--dataset", "synthetic", "--device", "cpu", "--amp", "--out", str(tmp_path / "r")]
+    )
     importlib.import_module("fedavg").parse_args()
     assert "--amp on the CPU" in capsys.readouterr().err
 
@@ -208,13 +287,15 @@ def test_default_run_folders_never_collide(tmp_path, monkeypatch):
 
 def test_empty_class_folder_is_named(tmp_path, monkeypatch, capsys):
     from PIL import Image
+
     for split in ("train", "test"):
         for cls in ("cat", "dog"):
             (tmp_path / split / cls).mkdir(parents=True)
     Image.new("RGB", (8, 8)).save(tmp_path / "train" / "cat" / "a.png")
     Image.new("RGB", (8, 8)).save(tmp_path / "test" / "cat" / "a.png")
-    code, last = parse("fedavg", ["--dataset", "folder", "--data-dir", tmp_path, "--out", tmp_path / "run"],
-                       monkeypatch, capsys)
+    code, last = parse(
+        "fedavg", ["--dataset", "folder", "--data-dir", tmp_path, "--out", tmp_path / "run"], monkeypatch, capsys
+    )
     assert code == 2 and "--data-dir" in last and "dog" in last and "no images" in last, last
 
 
@@ -232,12 +313,14 @@ def finished(tmp_path_factory):
     """A finished 4-round run (with model.pt), and a 6-round run of the same flags."""
     tmp = tmp_path_factory.mktemp("finished")
     from helpers import run_batches
+
     run_batches([tiny(tmp / "four", "--save-model")], [tiny(tmp / "six", "--save-model", "--rounds", "6")])
     return tmp
 
 
 def test_out_holding_a_run_is_refused_and_kept(finished, tmp_path):
     import shutil
+
     run = tmp_path / "run"
     shutil.copytree(finished / "four", run)
     before = files_of(run)
@@ -259,6 +342,7 @@ def test_out_with_other_files_is_accepted(tmp_path):
 
 def test_resume_of_a_finished_run_changes_nothing(finished, tmp_path):
     import shutil
+
     run = tmp_path / "run"
     shutil.copytree(finished / "four", run)
     before = files_of(run)
@@ -270,6 +354,7 @@ def test_resume_of_a_finished_run_changes_nothing(finished, tmp_path):
 
 def test_resume_with_more_rounds_extends_like_an_uninterrupted_run(finished, tmp_path):
     import shutil
+
     run = tmp_path / "run"
     shutil.copytree(finished / "four", run)
     run_script("fedavg.py", "--resume", run, "--rounds", "6")
@@ -288,6 +373,7 @@ def test_extension_of_a_run_checkpointed_sparsely_continues_from_its_last_round(
 
 def test_resume_refuses_other_flags_and_other_scripts_runs(finished, tmp_path, monkeypatch, capsys):
     import shutil
+
     run = tmp_path / "run"
     shutil.copytree(finished / "four", run)
     code, last = parse("fedavg", ["--resume", run, "--lr", "0.5"], monkeypatch, capsys)
@@ -327,8 +413,10 @@ def test_nan_never_reaches_a_json_file(tmp_path):
     assert s["diverged"] is True and s["train_loss"] is None
     for line in (run / "metrics.jsonl").read_text().splitlines():
         strict(line)
-    assert common._json_safe({"a": [1.0, float("nan"), {"b": float("-inf")}], "c": 2}) == {"a": [1.0, None, {"b": None}],
-                                                                                          "c": 2}
+    assert common._json_safe({"a": [1.0, float("nan"), {"b": float("-inf")}], "c": 2}) == {
+        "a": [1.0, None, {"b": None}],
+        "c": 2,
+    }
 
 
 def test_atomic_save_leaves_the_old_file_whole_when_interrupted(tmp_path, monkeypatch):
@@ -356,9 +444,7 @@ def test_start_up_line_names_device_model_parameters_partition_and_folder(tmp_pa
 
 def test_ctrl_c_twice_ends_with_one_line_and_no_traceback(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, *map(str, tiny(out, "--rounds", "200", "--local-steps", "400"))]  # rounds of seconds
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = start_script(*tiny(out, "--rounds", "200", "--local-steps", "400"))  # rounds of seconds
     deadline = time.time() + 120
     while time.time() < deadline and not (out.joinpath("metrics.jsonl").exists() and metrics(out)):
         time.sleep(0.05)
@@ -377,6 +463,7 @@ def test_ctrl_c_twice_ends_with_one_line_and_no_traceback(tmp_path):
 # ---- the image-folder cache ----------------------------------------------------------------------------
 def make_folder(root, counts, size=8):
     from PIL import Image
+
     g = torch.Generator().manual_seed(0)
     for split, per_class in counts.items():
         for cls, n in per_class.items():
@@ -388,6 +475,7 @@ def make_folder(root, counts, size=8):
 
 def test_folder_cache_sees_added_removed_and_replaced_images(tmp_path):
     from PIL import Image
+
     root = tmp_path / "data"
     make_folder(root, {"train": {"cat": 3, "dog": 2}, "test": {"cat": 1, "dog": 1}})
     x, y, _, _ = common.folder_dataset(root)
@@ -414,8 +502,12 @@ def test_folder_cache_sees_added_removed_and_replaced_images(tmp_path):
 # ---- CI's dependencies -----------------------------------------------------------------------------------
 def test_every_third_party_import_of_tests_and_benchmarks_is_installed_by_requirements_dev():
     """A fresh virtual environment gets only requirements-dev.txt (and requirements.txt through it)."""
-    local = {os.path.splitext(f)[0] for d in (ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "benchmarks"))
-             for f in os.listdir(d) if f.endswith(".py")}
+    local = {
+        os.path.splitext(f)[0]
+        for d in (ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "benchmarks"))
+        for f in os.listdir(d)
+        if f.endswith(".py")
+    }
     provided_by = {"PIL": "torchvision"}  # Pillow comes with torchvision
     names = set()
     for req in ("requirements.txt", "requirements-dev.txt"):
@@ -430,8 +522,11 @@ def test_every_third_party_import_of_tests_and_benchmarks_is_installed_by_requir
                 continue
             tree = ast.parse(open(os.path.join(ROOT, d, f)).read())
             for node in ast.walk(tree):
-                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                    [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+                mods = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else ([node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+                )
                 for mod in mods:
                     top = mod.split(".")[0]
                     if top in sys.stdlib_module_names or top in local:

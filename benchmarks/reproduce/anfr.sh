@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Claim 5 (issue 8): ANFR beats BN-, GN-, SE- and NF-ResNets under CIFAR-10 split-2 with FedAvg
+# Claim 5: ANFR beats BN-, GN-, SE- and NF-ResNets under CIFAR-10 split-2 with FedAvg
 # (anfr.md Table 9, random init: 83.20 vs 80.89 / 78.52 / 81.19 / 81.66; Table 1 is the same
 # comparison from ImageNet weights, which this repository does not ship).
 #

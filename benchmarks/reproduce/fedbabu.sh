@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Claim 2 (issue 8): FedBABU personalizes better and faster than FedAvg on CIFAR-10 with 4convNet
+# Claim 2: FedBABU personalizes better and faster than FedAvg on CIFAR-10 with 4convNet
 # (fedbabu.md Table 13: personalized 76.25 vs 69.11 and Table 12: initial 62.68 vs 57.32, at
 # s=10, f=0.1, tau=10; Table 6 shows the speed, per fine-tuning epoch, on CIFAR-100).
 #

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Claim 1 (issue 8): FedFN beats FedAvg under heavy label skew on CIFAR-10
+# Claim 1: FedFN beats FedAvg under heavy label skew on CIFAR-10
 # (fedfn.md Table 1, VGG11: s=2 77.77 vs 74.24; s=10 83.80 vs 81.97).
 #
 #   DATA_DIR=/path/to/cifar10 [SEEDS="0 1 2"] bash benchmarks/reproduce/fedfn.sh [small|paper]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Claim 3 (issue 8): layer and feature normalization rescue FedAvg when each client holds one class
+# Claim 3: layer and feature normalization rescue FedAvg when each client holds one class
 # (fedln.md Table 10, CNN, E=10: FedLN 78.04, FedFN 77.14 vs FedAvg 55.86), and batch norm does not
 # (Table 4: FedAvg + BN 9.63).
 #

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Claim 4 (issue 8): FedNNNN converges faster than (and ends above) FedAvg, Norm-Norm and Momentum
+# Claim 4: FedNNNN converges faster than (and ends above) FedAvg, Norm-Norm and Momentum
 # alone (fednnnn.md Table 2, CIFAR-10 non-IID-B: 76.7 vs 72.6 / 76.7 / 74.3; Fig. 7 for the curves).
 #
 #   DATA_DIR=/path/to/cifar10 [SEEDS="0 1 2"] bash benchmarks/reproduce/fednnnn.sh [small|paper]
