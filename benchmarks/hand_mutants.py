@@ -46,7 +46,7 @@ MUTANTS = [
     (
         "effective steps: rho^K -> rho^(K-1)",
         "fedfn.py",
-        "momentum * (1 - momentum ** steps)",
+        "momentum * (1 - momentum**steps)",
         "momentum * (1 - momentum ** (steps - 1))",
         "tests/test_fedfn.py -k effective_steps",
     ),

@@ -604,3 +604,15 @@ def test_round_time_splits_rounds_from_evaluation():
     assert row[:2] == ["cnn", "fp32"] and float(row[2]) > 0  # a round of 2 clients x 2 epochs takes time
     bad = subprocess.run([*cmd[:2], "--rounds", "1"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--rounds" in bad.stderr
+
+
+def test_every_hand_mutant_finds_its_snippet_once():
+    """benchmarks/hand_mutants.py replaces exact snippets: a reformatted line must not silently disarm one."""
+    spec = importlib.util.spec_from_file_location("hand_mutants", os.path.join(ROOT, "benchmarks", "hand_mutants.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert len(module.MUTANTS) >= 20
+    for name, path, original, mutated, _ in module.MUTANTS:
+        with open(os.path.join(ROOT, path)) as f:
+            assert f.read().count(original) == 1, name
+        assert mutated != original, name
