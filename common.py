@@ -522,6 +522,14 @@ def convnet4_tiny(in_channels, num_classes, image_size, **_):
     return convnet(in_channels, num_classes, image_size, 4, width=8)
 
 
+@register_model("convnet4-narrow")
+def convnet4_narrow(in_channels, num_classes, image_size, **_):
+    """4convNet with 32 channels instead of 64, not in the paper: a CPU-sized FedBABU proxy whose head keeps
+    dimension d = 128 at 32x32 (the paper's 256 / 2; convnet4-tiny's 32), so its frozen random head stays
+    nearly orthogonal (benchmarks/proxy_properties.py); about a quarter of convnet4's multiply-adds."""
+    return convnet(in_channels, num_classes, image_size, 4, width=32)
+
+
 @register_model("convnet3")
 def convnet3(in_channels, num_classes, image_size, width=64, **_):
     """FedBABU 3convNet (EMNIST): three conv3x3-64/BN/ReLU/pool blocks, linear 576 -> C at 28x28."""
@@ -554,20 +562,16 @@ def mobilenet(in_channels, num_classes, image_size, **_):
     return Classifier(body, cin, num_classes)
 
 
-# FedFN's VGG11 (FedNTD's, without batch norm)
+# FedFN's VGG11 (FedNTD's, without batch norm) and a CPU-sized one
 VGG11_CFG = [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]  # Simonyan & Zisserman, config "A"
+VGG11_NARROW_CFG = [16, "M", 32, "M", 64, 64, "M", 128, 128, "M", 128, 128]  # ours: a quarter width, 4 pools
 
 
-@register_model("vgg11")
-def vgg11(in_channels, num_classes, image_size, **_):
-    """VGG11 for CIFAR as in the FedNTD code base (train_tools/models/vgg.py, `vgg11`, the model its
-    registry builds; fedfn.md B.2 ran Tables 2 and 8 on that code base, and FedBABU's has no VGG):
-    conv3x3 (bias) -> ReLU per VGG11_CFG entry (no batch norm), max-pool 2 at "M", then
-    fc 512*s*s -> 512 -> ReLU -> 512 -> ReLU (body output, d = 512), head linear 512 -> C with bias;
-    no dropout. Conv init N(0, 2/(9*C_out)), bias 0; linear layers keep PyTorch's default init.
-    A max-pool is skipped when the map is already 1x1 (28x28 inputs: 28-14-7-3-1, FedNTD drops the last one)."""
+def vgg(in_channels, num_classes, image_size, cfg):
+    """VGG without batch norm (vgg11's docstring): conv3x3 (bias) -> ReLU per channel entry of cfg, max-pool 2 at
+    "M" (skipped at 1x1), flatten, fc -> 512 -> ReLU -> 512 -> ReLU, head 512 -> C."""
     layers, cin, size = [], in_channels, image_size
-    for v in VGG11_CFG:
+    for v in cfg:
         if v == "M":
             if size >= 2:
                 layers.append(nn.MaxPool2d(2))
@@ -583,6 +587,31 @@ def vgg11(in_channels, num_classes, image_size, **_):
         conv, nn.Linear(flat_dim(conv, in_channels, image_size), 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU()
     )
     return Classifier(body, 512, num_classes)
+
+
+@register_model("vgg11")
+def vgg11(in_channels, num_classes, image_size, **_):
+    """VGG11 for CIFAR as in the FedNTD code base (train_tools/models/vgg.py, `vgg11`, the model its
+    registry builds; fedfn.md B.2 ran Tables 2 and 8 on that code base, and FedBABU's has no VGG):
+    conv3x3 (bias) -> ReLU per VGG11_CFG entry (no batch norm), max-pool 2 at "M", then
+    fc 512*s*s -> 512 -> ReLU -> 512 -> ReLU (body output, d = 512), head linear 512 -> C with bias;
+    no dropout. Conv init N(0, 2/(9*C_out)), bias 0; linear layers keep PyTorch's default init.
+    A max-pool is skipped when the map is already 1x1 (28x28 inputs: 28-14-7-3-1, FedNTD drops the last one)."""
+    return vgg(in_channels, num_classes, image_size, VGG11_CFG)
+
+
+@register_model("vgg11-narrow")
+def vgg11_narrow(in_channels, num_classes, image_size, **_):
+    """VGG11 for a 2-core CPU, not in the paper: vgg11's layers (no batch norm, the same init) with a quarter
+    of the channels (16, 32, 64, 64, 128, 128, 128, 128) and the fifth max-pool left out, so the flattened
+    conv output keeps VGG11's 512 entries (128 x 2 x 2) and fc 512 -> 512 -> 512 and the head are VGG11's.
+    Why that matches VGG11's feature and head-row norms at init (benchmarks/proxy_properties.py): the
+    convs' N(0, 2/(9*C_out)) init multiplies the mean square by C_in/C_out per layer, so the conv output's
+    norm does not depend on the widths, and PyTorch's default linear init (weight variance 1/(3 d_in)) scales
+    a layer's squared output norm by about d_out/(3 d_in), VGG11's as long as fc 1 reads 512 entries (with
+    all five pools, 128 -> 512 makes the feature about 1.35x VGG11's, measured). About a tenth of VGG11's
+    time per image on a CPU (1,107,562 parameters at 3 x 32 x 32 and 10 classes)."""
+    return vgg(in_channels, num_classes, image_size, VGG11_NARROW_CFG)
 
 
 # FedLN's CNN (Table 7) with normalization slots, and the scaled feature normalization
