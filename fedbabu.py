@@ -64,9 +64,9 @@ def parse_args():
     g.add_argument("--data-seed", type=seed_int, default=None,
         help="seed of the partition (default: --seed); client sampling uses --seed")
     g = p.add_argument_group("federation")
-    g.add_argument("--num-clients", type=positive_int, default=100, help="N: number of clients")  # FedBABU: symbol
+    g.add_argument("--num-clients", type=positive_int, default=100, help="N: number of clients")
     g.add_argument("--frac", type=fraction, default=0.1,
-        help="f: fraction of clients sampled per round, in (0, 1]")  # FedBABU: symbol
+        help="f: fraction of clients sampled per round, in (0, 1]")
     g.add_argument("--rounds", type=positive_int, default=None,
         help="K: communication rounds (default: 320 // tau)")  # FedBABU: rounds x tau = 320
     g.add_argument("--local-epochs", type=positive_int, default=10,
@@ -111,7 +111,7 @@ def parse_args():
     g.add_argument("--checkpoint-every", type=positive_int, default=None,
         help="write checkpoint.pt every this many rounds (default: at each evaluation)")
     g.add_argument("--out", default=None,
-        help="run folder (default runs/fedbabu__<dataset>__<seed>__<time>)")  # FedBABU: name
+        help="run folder (default runs/fedbabu__<dataset>__<seed>__<time>)")
     g.add_argument("--overwrite", action="store_true",
         help="replace the run already in --out (without it, such an --out is refused)")
     g.add_argument("--save-model", action="store_true", help="write the final global state_dict to OUT/model.pt")
@@ -236,12 +236,9 @@ if __name__ == "__main__":
             acc, loss = evaluate(model, data.x_test, data.y_test, data, amp=args.amp)
             metrics = {"round": rnd + 1, "test_acc": acc, "test_loss": loss, "train_loss": train_loss, "lr": lr}
             if partition.test is not None:
-                accs = [
-                    evaluate(model, data.x_test[t], data.y_test[t], data, amp=args.amp)[0]
-                    for t in partition.test
-                    if len(t)
-                ]  # FedBABU: skip empty test sets
-                # FedBABU: the initial accuracy of this round's global model
+                # FedBABU: the initial accuracy of this round's global model; clients without test data skipped
+                tests = [t for t in partition.test if len(t)]
+                accs = [evaluate(model, data.x_test[t], data.y_test[t], data, amp=args.amp)[0] for t in tests]
                 metrics["client_test_acc_mean"] = float(np.mean(accs))
             run.log(metrics)
     # FedBABU: Algorithm 2 on the final global model, for every client: fine-tune, then test

@@ -47,11 +47,11 @@ def parse_args():
     g.add_argument("--augment", default="none", choices=AUGMENTATIONS,
         help="on-device augmentation of training batches (the paper: none, inputs are only normalized)")
     g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2)")
-    g.add_argument("--iid", action="store_true", help="uniform random split (the paper's IID)")  # FedNNNN: help
+    g.add_argument("--iid", action="store_true", help="uniform random split (the paper's IID)")
     g.add_argument("--shards", type=positive_int, default=None,
         help="S: sort by label, N*S shards, S per client (default: S=2, McMahan's recipe for the paper's non-IID '2 "
              "classes'; on CIFAR-10 5-9 of the 100 clients get 2 shards of one class; --classes-per-client 2 gives "
-             "exactly 2)")  # FedNNNN: help
+             "exactly 2)")
     g.add_argument("--classes-per-client", type=positive_int, default=None,
         help="C: each client holds C classes, each class split evenly among its holders")
     g.add_argument("--alpha", type=positive_float, default=None,
@@ -59,7 +59,7 @@ def parse_args():
     g.add_argument("--split2", action="store_true",
         help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
     g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"],
-        help="client sizes: equal (B), or power law (the paper's unbalanced UB)")  # FedNNNN: help
+        help="client sizes: equal (B), or power law (the paper's unbalanced UB)")
     g.add_argument("--client-test", action="store_true",
         help="also evaluate on per-client test sets with each client's label distribution")
     g.add_argument("--data-seed", type=seed_int, default=None,
@@ -74,7 +74,6 @@ def parse_args():
     g.add_argument("--local-steps", type=positive_int, default=None,
         help="local SGD steps per round instead of --local-epochs")
     g.add_argument("--batch-size", type=positive_int, default=50, help="B: local batch size")
-    # FedNNNN: help
     g.add_argument("--weighting", default="samples", choices=["samples", "uniform"],
         help="aggregation weights: n_k/n, or 1/m (the paper's unbalanced setting: sizes unknown to the server)")
     g = p.add_argument_group("optimization")
@@ -85,13 +84,13 @@ def parse_args():
     g.add_argument("--momentum", type=decay_rate, default=0.0,
         help="local SGD momentum (reset every round; the paper: none)")  # FedNNNN: plain SGD (Sec. 5.1)
     g.add_argument("--weight-decay", type=non_negative_float, default=5e-4,
-        help="lambda: local L2 weight decay (paper: 5e-4 on CIFAR-10, none on MNIST)")  # FedNNNN: help
+        help="lambda: local L2 weight decay (paper: 5e-4 on CIFAR-10, none on MNIST)")
     g.add_argument("--lr-decay-at", type=inner_fraction, nargs="*", default=[],
         help="fractions of the run at which lr is multiplied by --lr-decay, e.g. 0.5 0.75")
     g.add_argument("--lr-decay", type=fraction, default=0.1, help="lr multiplier at each --lr-decay-at")
     g.add_argument("--prox-mu", type=non_negative_float, default=0.0,
         help="mu: FedProx proximal term mu/2 ||w - w_t||^2 (0 = FedAvg); > 0 turns FedProx on, combined with the "
-             "server aggregation")  # FedNNNN: help
+             "server aggregation")
     g = p.add_argument_group("FedNNNN server aggregation (Algorithm 3)")  # FedNNNN: the method's flags
     g.add_argument("--beta", type=positive_float, default=0.6,
         help="beta: the normalized step has norm beta * E (Eqs. 8-9, 12)")  # FedNNNN
