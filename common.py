@@ -1041,7 +1041,8 @@ TRAIN_SIZE = {
     "svhn": 73257,
 }
 RUNTIME_FLAGS = ("resume", "stop_after", "overwrite")  # not part of a run's config: they belong to one invocation
-RESUME_FLAGS = ("resume", "stop_after", "rounds", "device")  # what may be given with --resume (--rounds: extend)
+# what may be given with --resume: --rounds extends; --device and --data-dir say where it runs and where the data lie
+RESUME_FLAGS = ("resume", "stop_after", "rounds", "device", "data_dir")
 RUN_FILES = ("config.json", "partition.json", "metrics.jsonl", "checkpoint.pt", "summary.json", "model.pt")
 
 
@@ -1158,8 +1159,9 @@ def finish_args(parser, args, script, default_partition):
 
 def resume_args(parser, args, script):
     """--resume DIR: the run's config.json replaces the command line, which may add only --stop-after,
-    --device, and a larger --rounds (to extend the run; decay points of --lr-decay-at, and anfr.py's
-    cosine, are then fractions of the new total). A finished run is left as it is."""
+    --device, --data-dir (the same data in another place, e.g. on another machine), and a larger --rounds
+    (to extend the run; decay points of --lr-decay-at, and anfr.py's cosine, are then fractions of the new
+    total). A finished run is left as it is."""
     err, folder = parser.error, args.resume
     try:
         with open(os.path.join(folder, "config.json")) as f:
@@ -1178,7 +1180,7 @@ def resume_args(parser, args, script):
     if extra:
         err(
             f"--{extra[0].replace('_', '-')}: a resumed run keeps the flags of its config.json; "
-            "with --resume give only --rounds (to extend it), --stop-after or --device"
+            "with --resume give only --rounds (to extend it), --stop-after, --device or --data-dir"
         )
     rounds = args.rounds if "rounds" in given else saved["rounds"]
     if rounds < saved["rounds"]:
@@ -1198,6 +1200,10 @@ def resume_args(parser, args, script):
             f"checkpoint); start it again with --out {folder} --overwrite"
         )
     device = check_device(args.device if "device" in given else saved["device"], err)
+    if "data_dir" in given:
+        saved["data_dir"] = args.data_dir
+        if saved["dataset"] == "folder":
+            check_image_folder(args.data_dir, err)
     keep = {"resume": folder, "stop_after": args.stop_after, "overwrite": False, "rounds": rounds, "device": device}
     args = argparse.Namespace(**{**vars(args), **saved, **keep, "script": script})
     args.out = folder

@@ -389,6 +389,8 @@ def test_resume_refuses_other_flags_and_other_scripts_runs(finished, tmp_path, m
     (run / "summary.json").unlink()
     code, last = parse("fedavg", ["--resume", run], monkeypatch, capsys)
     assert code is None
+    monkeypatch.setattr(sys, "argv", ["fedavg.py", "--resume", str(run), "--data-dir", str(tmp_path / "moved")])
+    assert importlib.import_module("fedavg").parse_args().data_dir == str(tmp_path / "moved")  # the data moved
 
 
 def test_resume_without_checkpoint_or_of_a_diverged_run_says_what_is_missing(tmp_path, monkeypatch, capsys):

@@ -50,7 +50,7 @@ _run_one() {
   shift 3
   if [ -f "$out/checkpoint.pt" ]; then
     echo "== $out: resuming"
-    "$PYTHON" "$script" --resume "$out" || { echo "!! $out: exited with status $?" | tee -a "$FAILURES" >&2; }
+    "$PYTHON" "$script" --resume "$out" --data-dir "$DATA_DIR" || { echo "!! $out: exited with status $?" | tee -a "$FAILURES" >&2; }
   else
     echo "== $out"
     echo "   $shown"
