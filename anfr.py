@@ -569,14 +569,14 @@ if __name__ == "__main__":
             client_steps[k] += out["steps"]
             dp_steps[k] += out["steps"] if args.dp_noise_multiplier is not None else 0
             train_loss += w * out["loss"]
-            state = out["state"]
-            accumulate(total, {key: state[key] for key in shared}, w)  # the shared entries (BN statistics too)
+            client_state = out["state"]
+            accumulate(total, {key: client_state[key] for key in shared}, w)  # the shared entries (BN statistics too)
             if local_keys:  # ANFR: FedPer / FedBN: these entries stay with client k
-                local[k] = {key: state[key].clone() for key in local_keys}
+                local[k] = {key: client_state[key].clone() for key in local_keys}
             if c is not None:  # ANFR: SCAFFOLD c_i+ (Eq. 4), and its change for the server
                 c_k = c_i[k] if c_i[k] is not None else zeros()
                 new = scaffold_control(
-                    c_k, c, x_params, {n: state[n].float() for n in shared_params}, max(out["lr_sum"], 1e-12)
+                    c_k, c, x_params, {n: client_state[n].float() for n in shared_params}, max(out["lr_sum"], 1e-12)
                 )
                 for n in shared_params:
                     dc_sum[n] += new[n] - c_k[n]

@@ -373,8 +373,8 @@ if __name__ == "__main__":
             for k, c_k in new_c.items():
                 server["c_k"][k] = c_k
         if args.agg == "fedyogi":  # FedLN: x <- Yogi(x, D = sum_k n_k/n y_k - x); buffers keep the average
-            state = model.state_dict()
-            x = {n: state[n].float() for n in names}
+            current = model.state_dict()
+            x = {n: current[n].float() for n in names}
             x, server["m"], server["v"] = fedyogi_step(
                 x, total, server["m"], server["v"], args.server_lr, args.yogi_beta1, args.yogi_beta2, args.yogi_tau
             )
