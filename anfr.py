@@ -36,7 +36,8 @@ from common import (AUGMENTATIONS, RESNET_LAYOUT, Run, accumulate, autocast, bui
                     client_weights, decay_rate, device_flag, each_client, evaluate, finish_args, flag_type, fraction,
                     load_average, load_data, make_partition, non_negative_float, positive_float, positive_int,
                     prepare_batch, prox_term, refuse, rng_state, sample_clients, seed_everything, seed_int,
-                    set_rng_state, setup_distributed)
+                    set_rng_state, setup_distributed,
+                    scaffold_control, scaffold_correction, scaffold_server)  # ANFR: SCAFFOLD
 
 # ANFR: --arch -> (norm, attention?)
 ARCHS = {"bn": ("bn", False), "gn": ("gn", False), "se": ("bn", True), "nf": ("nf", False), "anfr": ("nf", True)}
@@ -358,11 +359,6 @@ def dp_epsilon(q, sigma, steps, delta, orders=DP_ORDERS):  # ANFR: the accountan
     return float(np.nanmin(eps))
 
 
-def scaffold_control(c_i, c, x, y, lr_sum):  # ANFR: SCAFFOLD (Karimireddy et al. 2020) Eq. 4, option II
-    """c_i+ = c_i - c + (x - y_i) / (K eta); with a decaying lr, K eta = the sum of the K step sizes."""
-    return {n: c_i[n] - c[n] + (x[n] - y[n]) / lr_sum for n in c_i}
-
-
 def fedadam_step(x, delta, m, v, lr, betas, tau):  # ANFR: FedAdam (Reddi et al. 2021, Algorithm 2)
     """m = b1 m + (1-b1) Delta; v = b2 v + (1-b2) Delta^2; x + lr m / (sqrt(v) + tau). m, v updated in place."""
     for n in delta:
@@ -542,7 +538,8 @@ if __name__ == "__main__":
             prox_pairs = [(named[n], global_named[n].detach()) for n in shared_params]  # FedProx: not the local parts
             if c is not None:  # ANFR: SCAFFOLD
                 c_k = c_i[k] if c_i[k] is not None else zeros()
-                correction = ([named[n] for n in shared_params], [c[n] - c_k[n] for n in shared_params])
+                c_minus_c_k = scaffold_correction(c, c_k)
+                correction = ([named[n] for n in shared_params], [c_minus_c_k[n] for n in shared_params])
             loss, steps, lr_sum = local_train(
                 client,
                 opts[k],
@@ -573,7 +570,7 @@ if __name__ == "__main__":
             accumulate(total, {key: client_state[key] for key in shared}, w)  # the shared entries (BN statistics too)
             if local_keys:  # ANFR: FedPer / FedBN: these entries stay with client k
                 local[k] = {key: client_state[key].clone() for key in local_keys}
-            if c is not None:  # ANFR: SCAFFOLD c_i+ (Eq. 4), and its change for the server
+            if c is not None:  # ANFR: SCAFFOLD c_i+ (Eq. 4; K eta = the sum of the K cosine lrs), change for the server
                 c_k = c_i[k] if c_i[k] is not None else zeros()
                 new = scaffold_control(
                     c_k, c, x_params, {n: client_state[n].float() for n in shared_params}, max(out["lr_sum"], 1e-12)
@@ -596,8 +593,7 @@ if __name__ == "__main__":
         # w_{t+1} = sum_k n_k/n w_{t+1}^k (SCAFFOLD: eta_g = 1); local entries untouched
         load_average(model, total, strict=False)
         if c is not None:  # ANFR: SCAFFOLD c <- c + 1/N sum_{i in S} (c_i+ - c_i) (Eq. 5)
-            for n in shared_params:
-                c[n] += dc_sum[n] / n_clients
+            c = scaffold_server(c, dc_sum, n_clients)
         train_loss = run.check_loss(train_loss, rnd)  # NaN or inf: summary.json says diverged, exit
 
         if run.evaluates(rnd):  # every --eval-every rounds and the last

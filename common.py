@@ -298,7 +298,7 @@ def label_counts(labels, parts, num_classes):
 
 
 # ----------------------------------------------------------------------------------------------
-# Rounds and aggregation: client sampling, the lr schedule, weights, weighted sums, FedProx
+# Rounds and aggregation: client sampling, the lr schedule, weights, weighted sums, FedProx, SCAFFOLD
 # ----------------------------------------------------------------------------------------------
 def sample_clients(rng, num_clients, frac):
     """The clients of one round: m = max(floor(frac * N), 1) of them (McMahan et al., Alg. 1), without replacement."""
@@ -340,6 +340,34 @@ def prox_term(params, anchor, mu):
     pulls the local model toward w_t. anchor: the global parameters w_t, detached (no gradient may reach
     the global model)."""
     return mu / 2 * sum((w - w0).pow(2).sum() for w, w0 in zip(params, anchor))
+
+
+# SCAFFOLD (Karimireddy et al. 2020, Alg. 1 with option II), on dicts keyed by parameter name
+def scaffold_correction(c, c_i):
+    """c - c_i: the drift correction of every local step, y <- y - eta_l (g(y) - c_i + c) (Alg. 1 line 10)."""
+    return {n: c[n] - c_i[n] for n in c}
+
+
+def local_step_sum(steps, lr, momentum=0.0):
+    """K eta_l, option II's denominator, for K SGD steps at a constant lr. With heavy-ball momentum rho, K
+    steps of a constant gradient move the weights as far as K' plain ones: K' = (K - rho (1 - rho^K) / (1 - rho))
+    / (1 - rho) (FedNTD's code, which FedFN's Table 2 runs), K (K + 1) / 2 at rho = 1 (torch accepts it)."""
+    if momentum == 0:
+        return steps * lr
+    if momentum == 1:
+        return steps * (steps + 1) / 2 * lr
+    return (steps - momentum * (1 - momentum**steps) / (1 - momentum)) / (1 - momentum) * lr
+
+
+def scaffold_control(c_i, c, x, y, step_sum):
+    """Option II (Alg. 1 line 12): c_i+ = c_i - c + (x - y_i) / (K eta_l), x the global and y_i the client's
+    parameters after its K steps; step_sum = K eta_l (local_step_sum, or the sum of the lrs of a schedule)."""
+    return {n: c_i[n] - c[n] + (x[n] - y[n]) / step_sum for n in c_i}
+
+
+def scaffold_server(c, delta_sum, num_clients):
+    """c <- c + (1/N) sum_{i in S} (c_i+ - c_i) (Alg. 1 line 17; N all clients, not |S|); delta_sum: that sum."""
+    return {n: c[n] + delta_sum[n] / num_clients for n in c}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -427,7 +455,7 @@ def make_norm(kind, channels, groups=32, affine=True, conv=True):
     groups, fewer if the layer is narrower (32: Wu & He 2018; normcnn: 2, FedLN Section 5.3); ln = layer
     norm over (C, H, W) or the features, GroupNorm(1, C) with a per-channel affine (FedLN's code);
     none | nf | fn = nothing here (nf: the weight-standardized convolutions of make_conv, NF-ResNet,
-    Brock et al. 2021a; fn: FeatureNorm on the last feature). affine: learnable gamma, beta. eps 1e-5."""
+    Brock et al. 2021a; fn: ScaleNorm on the last feature). affine: learnable gamma, beta. eps 1e-5."""
     if kind == "bn":
         return (nn.BatchNorm2d if conv else nn.BatchNorm1d)(channels, affine=affine)
     if kind in ("gn", "ln"):
@@ -615,17 +643,25 @@ def vgg11_narrow(in_channels, num_classes, image_size, **_):
 
 
 # FedLN's CNN (Table 7) with normalization slots, and the scaled feature normalization
-class FeatureNorm(nn.Module):
-    """FedLN's scale normalization of the last feature (Zhang et al. 2024, Section 2 and Eq. 7):
-    n(z) = sqrt(d) * z / max(eps, ||z||), so ||n(z)|| = sqrt(d) (the norm an n_MV output has).
-    FedFN (fedfn.py, Kim et al. 2023) normalizes to unit norm instead; the two differ by the constant sqrt(d)."""
+def scale_norm(x, scale="sqrt-d", eps=1e-5):
+    """n(x) = s x / max(eps, ||x||_2), each sample over all its entries (a [B, d] feature, or a conv map's
+    (C, H, W), as layer norm's statistics). s = sqrt(d) ("sqrt-d"): FedLN's scale normalization (Zhang et al.
+    2024, Section 2, Eqs. 6-7), so ||n(x)|| = sqrt(d), the norm an n_MV output has; s = 1: FedFN's unit feature
+    (Kim et al. 2023, Section 4.1)."""
+    flat = x.flatten(1)
+    s = math.sqrt(flat.shape[1]) if scale == "sqrt-d" else scale
+    return s * (x / flat.norm(dim=1).clamp_min(eps).view(-1, *[1] * (x.dim() - 1)))
 
-    def __init__(self, eps=1e-5):
+
+class ScaleNorm(nn.Module):
+    """scale_norm as a layer (FedLN's n on the last feature, or in every normalization slot)."""
+
+    def __init__(self, scale="sqrt-d", eps=1e-5):
         super().__init__()
-        self.eps = eps
+        self.scale, self.eps = scale, eps
 
-    def forward(self, z):
-        return math.sqrt(z.shape[1]) * z / z.norm(dim=1, keepdim=True).clamp_min(self.eps)
+    def forward(self, x):
+        return scale_norm(x, self.scale, self.eps)
 
 
 @register_model("normcnn")
@@ -635,7 +671,7 @@ def normcnn(in_channels, num_classes, image_size, norm="none", ln_affine=True, n
     layer is 1600 -> 384 for 32 x 32 inputs, as in Table 7 (whose "(28, 28, 3)" input row would give 1024).
     norm (none | ln | gn | bn | fn) fills the slot after each ReLU, before pooling (Appendix C.1), or before
     each ReLU with norm_after_act=False (Table 6 "before"); ln_affine: learnable gamma, beta of ln/gn/bn
-    (Table 6 "learnable") or none ("static"). fn: no normalization inside, FeatureNorm on the 384-d feature.
+    (Table 6 "learnable") or none ("static"). fn: no normalization inside, ScaleNorm on the 384-d feature.
     width: channels of both convolutions (64 in Table 7; smaller only for quick tests)."""
 
     def layer(op, channels):
@@ -652,7 +688,7 @@ def normcnn(in_channels, num_classes, image_size, norm="none", ln_affine=True, n
         *layer(nn.Linear(width * side * side, 384, bias=False), 384),
     )
     if norm == "fn":
-        body.append(FeatureNorm())
+        body.append(ScaleNorm())
     return Classifier(body, 384, num_classes, head_bias=False)
 
 

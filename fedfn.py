@@ -32,6 +32,8 @@ from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, clien
                     lr_at, make_partition, non_negative_float, non_negative_int, positive_float, positive_int,
                     prepare_batch, prox_term, rng_state, sample_clients, seed_everything, seed_int, set_rng_state,
                     setup_distributed,
+                    local_step_sum, scaffold_control, scaffold_correction, scaffold_server,  # FedFN: SCAFFOLD
+                    scale_norm,  # FedFN: s f / ||f||_2
                     personalize)  # FedFN: FedFN-FT (Appendix D.3)
 
 
@@ -136,7 +138,7 @@ def parse_args():
 
 
 def fn_scale(value):  # FedFN: --fn-scale
-    """A positive number, or "sqrt-d" (resolved per model in fn_forward)."""
+    """A positive number, or "sqrt-d" (resolved per feature in scale_norm)."""
     if value == "sqrt-d":
         return value
     try:
@@ -155,8 +157,7 @@ def fn_forward(model, x, fn=True, scale=1.0):  # FedFN: Section 4.1, z = theta_c
     f = model.body(x)
     if not fn:
         return model.head(f), f
-    s = f.shape[1] ** 0.5 if scale == "sqrt-d" else scale
-    return model.head(s * F.normalize(f, dim=1)), f
+    return model.head(scale_norm(f, scale, eps=1e-12)), f  # eps: F.normalize's
 
 
 def local_train(model, indices, data, args, lr, global_params, correction=None):  # FedFN: + SCAFFOLD correction
@@ -178,40 +179,13 @@ def local_train(model, indices, data, args, lr, global_params, correction=None):
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if correction is not None:  # FedFN: SCAFFOLD, y_i <- y_i - eta_l (g_i(y_i) - c_i + c)
-            for w, c in zip(model.parameters(), correction):
-                w.grad.add_(c)
+            for name, w in model.named_parameters():
+                w.grad.add_(correction[name])
         opt.step()
         loss_sum += loss.detach() * len(batch)
         seen += len(batch)
         steps += 1  # FedFN
     return loss_sum / max(seen, 1), steps  # FedFN: + K
-
-
-def effective_steps(steps, momentum):  # FedFN: SCAFFOLD with heavy-ball momentum (FedNTD code, Table 2)
-    """K' with sum of the K momentum updates = K' * (constant gradient): (K - rho(1-rho^K)/(1-rho))/(1-rho)."""
-    if momentum == 0:
-        return float(steps)
-    if momentum == 1:  # the limit of the formula: 1 + 2 + ... + K (torch's SGD accepts momentum 1)
-        return steps * (steps + 1) / 2
-    return (steps - momentum * (1 - momentum**steps) / (1 - momentum)) / (1 - momentum)
-
-
-def scaffold_correction(c, c_i):  # FedFN: SCAFFOLD, y_i <- y_i - eta_l (g_i(y_i) - c_i + c)
-    """c - c_i per parameter, added to every local gradient (Karimireddy et al. 2020, Alg. 1 line 10)."""
-    return [cc - ci for cc, ci in zip(c, c_i)]
-
-
-def scaffold_client_update(c_i, c, x, y, steps, lr, momentum):  # FedFN: SCAFFOLD option II
-    """Karimireddy et al. 2020, Alg. 1, option II: c_i+ = c_i - c + (x - y_i) / (K eta_l), K -> K' with momentum.
-    Lists of tensors (one per parameter); returns (c_i+, delta c_i = c_i+ - c_i)."""
-    scale = 1.0 / (effective_steps(steps, momentum) * lr)
-    new = [ci - cc + (xx - yy) * scale for ci, cc, xx, yy in zip(c_i, c, x, y)]
-    return new, [n - ci for n, ci in zip(new, c_i)]
-
-
-def scaffold_server_update(c, delta_sum, num_clients):  # FedFN: SCAFFOLD server control variate
-    """SCAFFOLD Alg. 1, server: c <- c + |S|/N * (1/|S|) sum_i delta c_i = c + sum_i delta c_i / N."""
-    return [cc + d / num_clients for cc, d in zip(c, delta_sum)]
 
 
 def fedexp_server_lr(sq_norm_mean, avg_update_sq_norm, eps):  # FedFN: FedEXP step size
@@ -287,7 +261,8 @@ if __name__ == "__main__":
     sampler = np.random.default_rng(args.seed)  # client sampling, independent of the partition
     sizes = [len(p) for p in partition.train]
     scaffold, fedexp = args.agg == "scaffold", args.agg == "fedexp"  # FedFN
-    c_global = [torch.zeros_like(w) for w in model.parameters()] if scaffold else None  # FedFN: SCAFFOLD c
+    zeros = lambda: {n: torch.zeros_like(w) for n, w in model.named_parameters()}  # FedFN
+    c_global = zeros() if scaffold else None  # FedFN: SCAFFOLD c
     c_local = {}  # FedFN: SCAFFOLD c_i of each client that has trained (absent = zeros)
     param_names = [n for n, _ in model.named_parameters()]  # FedFN: y_i = these entries of client i's state
     if args.resume:
@@ -309,10 +284,10 @@ if __name__ == "__main__":
         total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items()}
         train_loss = torch.zeros((), device=args.device)
         x_old = [w.detach().clone() for w in model.parameters()]  # FedFN: w_t, for SCAFFOLD / FedEXP
-        delta_c_sum = [torch.zeros_like(w) for w in x_old] if scaffold else None  # FedFN
+        delta_c_sum = zeros() if scaffold else None  # FedFN: sum_i (c_i+ - c_i)
         sq_norm_mean = torch.zeros((), device=args.device)  # FedFN: FedEXP sum_i p_i ||Delta_i||^2
         # FedFN: SCAFFOLD c_i (0 until client i trains)
-        c_of = lambda k: c_local.get(k, [torch.zeros_like(v) for v in x_old])
+        c_of = lambda k: c_local.get(k) or zeros()
 
         def train_client(k):  # what client k does this round; returns what the server sums
             client.load_state_dict(model.state_dict())
@@ -324,16 +299,17 @@ if __name__ == "__main__":
         # own seed per client; torchrun: split over ranks, summed in order
         for k, w, out in each_client(clients, weights, train_client, args.seed, rnd):
             train_loss += w * out["loss"]
-            y = [out["state"][n] for n in param_names]  # FedFN: y_i
-            if scaffold:  # FedFN: c_i+ (option II) and the server's sum of delta c_i
-                c_local[k], delta = scaffold_client_update(c_of(k), c_global, x_old, y, out["steps"], lr, args.momentum)
-                delta_c_sum = [a + d for a, d in zip(delta_c_sum, delta)]
+            y = {n: out["state"][n] for n in param_names}  # FedFN: y_i
+            if scaffold:  # FedFN: c_i+ (option II, K -> K' with momentum) and the server's sum of c_i+ - c_i
+                c_i, step_sum = c_of(k), local_step_sum(out["steps"], lr, args.momentum)
+                c_local[k] = scaffold_control(c_i, c_global, dict(zip(param_names, x_old)), y, step_sum)
+                delta_c_sum = {n: delta_c_sum[n] + (c_local[k][n] - c_i[n]) for n in param_names}
             if fedexp:  # FedFN: ||Delta_i||^2 = ||w_t - y_i||^2
-                sq_norm_mean += w * sq_dist(x_old, y)
+                sq_norm_mean += w * sq_dist(x_old, y.values())
             accumulate(total, out["state"], w)  # batch-norm running statistics are averaged like weights
         load_average(model, total)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (McMahan et al. 2017, Alg. 1)
         if scaffold:  # FedFN: x <- x + (1/|S|) sum Delta y_i (server step 1, weighted as above); c update
-            c_global = scaffold_server_update(c_global, delta_c_sum, args.num_clients)
+            c_global = scaffold_server(c_global, delta_c_sum, args.num_clients)
         eval_model = model  # FedFN
         if fedexp:  # FedFN: w_{t+1} = w_t - eta_g Delta_bar, Delta_bar = w_t - sum_i p_i y_i
             with torch.no_grad():

@@ -21,11 +21,10 @@ against fedfn.py's unit norm, SCAFFOLD, FedYogi, FedProx and Figure 3's measurem
 """
 
 import argparse
-import math  # FedLN: sqrt(d) of ScaleNorm
 
 import numpy as np
 import torch
-import torch.nn as nn  # FedLN: nn.Sequential to append FeatureNorm
+import torch.nn as nn  # FedLN: nn.Sequential to append ScaleNorm
 import torch.nn.functional as F
 
 # fmt: off
@@ -34,7 +33,8 @@ from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, clien
                     lr_at, make_partition, non_negative_float, non_negative_int, positive_float, positive_int,
                     prepare_batch, prox_term, rng_state, sample_clients, seed_everything, seed_int, set_rng_state,
                     setup_distributed,
-                    FeatureNorm)  # FedLN: sqrt(d)-scaled feature normalization
+                    local_step_sum, scaffold_control, scaffold_correction, scaffold_server,  # FedLN: SCAFFOLD
+                    ScaleNorm)  # FedLN: sqrt(d)-scaled normalization n
 
 NORM_MODELS = ("normcnn", "resnet18", "resnet50")  # FedLN: models with normalization slots (--norm ln | gn | bn)
 
@@ -168,20 +168,6 @@ def parse_args():
 # fmt: on
 
 
-class ScaleNorm(nn.Module):
-    """FedLN: scale normalization n(x) = sqrt(d) x / max(eps, ||x||) of each sample over all its d entries
-    ((C, H, W) of a conv map, as LN's statistics), Section 2 and Eq. 6; for [B, d] it is common.FeatureNorm."""
-
-    def __init__(self, eps=1e-5):
-        super().__init__()
-        self.eps = eps
-
-    def forward(self, x):
-        flat = x.flatten(1)
-        scale = math.sqrt(flat.shape[1]) / flat.norm(dim=1).clamp_min(self.eps)
-        return x * scale.view(-1, *[1] * (x.dim() - 1))
-
-
 class MeanShift(nn.Module):
     """FedLN: the shift s(x) = x - mu(x) 1 of Prop. 2, mu over each sample's entries ((C, H, W) of a conv map)."""
 
@@ -198,7 +184,7 @@ def build(args, data):
         args.model, data, norm=base, ln_affine=args.ln_affine, norm_after_act=not args.norm_before_act, width=args.width
     )
     if args.norm == "fn":  # g(x) = n(vanilla body(x)): scale-normalizing the last feature only (Prop. 1, Eq. 7)
-        model.body = nn.Sequential(model.body, FeatureNorm(eps=1e-5))
+        model.body = nn.Sequential(model.body, ScaleNorm(eps=1e-5))
     if args.norm in ("fn-each", "ln-last"):  # Table 3: the slots are the GroupNorm(1, C) layers of --norm ln
         slots = [i for i, m in enumerate(model.body) if isinstance(m, nn.GroupNorm)]
         for i in slots if args.norm == "fn-each" else slots[:-1]:
@@ -223,34 +209,12 @@ def local_train(model, indices, data, args, lr, global_params, correction=None):
         loss.backward()
         # FedLN: SCAFFOLD y <- y - eta_l (g(y) - c_k + c) (Karimireddy et al., Alg. 1, local step)
         if correction is not None:
-            for w, c in zip(model.parameters(), correction):
-                w.grad.add_(c)
+            for name, w in model.named_parameters():
+                w.grad.add_(correction[name])
         opt.step()
         loss_sum += loss.detach() * len(batch)
         seen += len(batch)
     return loss_sum / max(seen, 1)
-
-
-def scaffold_correction(c, c_k, names):
-    """FedLN: SCAFFOLD's gradient correction c - c_k (Karimireddy et al. 2020, Alg. 1 line 10:
-    y <- y - eta_l (g(y) - c_k + c)), one tensor per parameter name; local_train adds it to each gradient."""
-    return [c[n] - c_k[n] for n in names]
-
-
-def scaffold_control(c_k, c, x, y, steps, lr):
-    """FedLN: SCAFFOLD Option II (Karimireddy et al. 2020, Alg. 1), per parameter name:
-    c_k+ = c_k - c + (x - y_k) / (K eta_l), with x the global and y_k the client's parameters."""
-    return {n: c_k[n] - c[n] + (x[n].float() - y[n].float()) / (steps * lr) for n in c_k}
-
-
-def scaffold_server_control(c, old, new, num_clients):
-    """FedLN: SCAFFOLD's server control c <- c + 1/N sum_{k in S} (c_k+ - c_k) (Alg. 1 line 17, N = all
-    clients, not |S|); old / new: the sampled clients' c_k and c_k+, in the same order."""
-    delta = {n: torch.zeros_like(v) for n, v in c.items()}
-    for before, after in zip(old, new):
-        for n in delta:
-            delta[n] += (after[n] - before[n]) / num_clients
-    return {n: c[n] + delta[n] for n in c}
 
 
 def yogi_update(x, delta, m, v, lr, beta1, beta2, tau):
@@ -352,7 +316,7 @@ if __name__ == "__main__":
         def train_client(k):  # what client k does this round; returns what the server sums
             client.load_state_dict(model.state_dict())
             # FedLN: c - c_k
-            correction = scaffold_correction(server["c"], server["c_k"][k], names) if args.agg == "scaffold" else None
+            correction = scaffold_correction(server["c"], server["c_k"][k]) if args.agg == "scaffold" else None
             loss = local_train(
                 client, partition.train[k], data, args, lr, [p.detach() for p in model.parameters()], correction
             )  # FedLN: + correction
@@ -362,14 +326,12 @@ if __name__ == "__main__":
         for k, w, out in each_client(clients, weights, train_client, args.seed, rnd):
             train_loss += w * out["loss"]
             accumulate(total, out["state"], w)  # batch-norm running statistics are averaged like weights
-            if args.agg == "scaffold":  # FedLN: Option II update of c_k (Alg. 1)
-                new_c[k] = scaffold_control(
-                    server["c_k"][k], server["c"], model.state_dict(), out["state"], args.local_steps, lr
-                )
+            if args.agg == "scaffold":  # FedLN: Option II update of c_k (Alg. 1), K = --local-steps
+                step_sum = local_step_sum(args.local_steps, lr)
+                new_c[k] = scaffold_control(server["c_k"][k], server["c"], model.state_dict(), out["state"], step_sum)
         if args.agg == "scaffold":  # FedLN: c <- c + 1/N sum_{k in S} (c_k+ - c_k), then c_k <- c_k+
-            server["c"] = scaffold_server_control(
-                server["c"], [server["c_k"][k] for k in new_c], list(new_c.values()), args.num_clients
-            )
+            delta_sum = {n: sum(new_c[k][n] - server["c_k"][k][n] for k in new_c) for n in names}
+            server["c"] = scaffold_server(server["c"], delta_sum, args.num_clients)
             for k, c_k in new_c.items():
                 server["c_k"][k] = c_k
         if args.agg == "fedyogi":  # FedLN: x <- Yogi(x, D = sum_k n_k/n y_k - x); buffers keep the average

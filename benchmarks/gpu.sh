@@ -37,8 +37,9 @@
 #                 torch import per run) [tiny 1, else 0: a fresh process per run, as on the GPU]
 #   TIMES_FLAGS   extra flags of benchmarks/gpu_times.py, e.g. "--variants all --fedavg-precisions fp32 amp"
 #   DEADLINE      seconds for all stages; each stage's cap is cut to what is left [full 500; tiny 900]
-#   CAP_ENV CAP_DATA CAP_SMOKE CAP_TIMES CAP_FEDBABU   per-stage caps in seconds [60 90 90 200; fedbabu:
-#                 the rest of DEADLINE]. A stage over its cap is stopped (timeout, whole process group).
+#   CAP_ENV CAP_DATA CAP_SMOKE CAP_TIMES CAP_FEDBABU   per-stage caps in seconds [60 90 90 200 (tiny: smoke and
+#                 times 300); fedbabu: the rest of DEADLINE]. A stage over its cap is stopped (timeout, whole
+#                 process group).
 #   PYTHON        [python3, else python]
 set -euo pipefail
 
@@ -68,6 +69,7 @@ DATA_ARCHIVE=$(abs "${DATA_ARCHIVE:-data/cifar10-jpg.tar.gz}")
 FEDBABU_RUNS=$(abs "${FEDBABU_RUNS:-$WORK/fedbabu}")
 if [ "$MODE" = tiny ]; then
   SEEDS=${SEEDS:-0}; JOBS=${JOBS:-2}; SMOKE_JOBS=${SMOKE_JOBS:-2}; SMOKE_BATCH=${SMOKE_BATCH:-1}; DEADLINE=${DEADLINE:-900}
+  CAP_SMOKE=${CAP_SMOKE:-300}; CAP_TIMES=${CAP_TIMES:-300}  # a busy CI machine: the caps only catch a hang
 else
   SEEDS=${SEEDS:-"0 1 2"}; JOBS=${JOBS:-6}; SMOKE_JOBS=${SMOKE_JOBS:-6}; SMOKE_BATCH=${SMOKE_BATCH:-0}; DEADLINE=${DEADLINE:-500}
 fi

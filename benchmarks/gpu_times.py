@@ -45,7 +45,7 @@ TINY = {
     "fedfn": ["--model", "convnet4-tiny", "--local-steps", "2"],
     "fedbabu": ["--model", "convnet4-tiny", "--local-steps", "2", "--ft-epochs", "1", "--ft-eval-epochs", "0", "1"],
     "fedln": ["--width", "8", "--local-steps", "2"],
-    "fednnnn": ["--model", "cnn6-narrow", "--local-steps", "1"],
+    "fednnnn": ["--model", "cnn6-narrow", "--local-steps", "1", "--frac", "0.05"],  # 5 of the 100 clients
     "anfr": ["--depth", "18", "--width", "8", "--image-size", "16", "--local-steps", "2"],
 }
 TINY_ROUND_TIME = [

@@ -1,6 +1,7 @@
 """common.py: partitions, models, batches, folder datasets."""
 
 import argparse
+import math
 import os
 
 import numpy as np
@@ -202,6 +203,21 @@ def test_resnet18_cifar_parameter_count():
     data = Data(torch.zeros(1, 3, 32, 32, dtype=torch.uint8), None, None, None, 10, None, None)
     n = sum(p.numel() for p in build_model("resnet18", data).parameters())
     assert n == 11_173_962  # the standard CIFAR ResNet-18 (kuangliu/pytorch-cifar)
+
+
+def test_scale_norm_by_hand_on_non_square_inputs():
+    """n(x) = s x / ||x|| per sample: B = 3 features of d = 4 (norms 5, 2, 2), and 2 conv maps of (C, H, W) =
+    (2, 1, 3), each normalized over its 6 entries; s = sqrt(d) by default, or a number (FedFN's s = 1)."""
+    z = torch.tensor([[3.0, 4.0, 0.0, 0.0], [0.0, 0.0, 0.0, 2.0], [1.0, 1.0, 1.0, 1.0]])
+    unit = torch.tensor([[0.6, 0.8, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5]])
+    assert torch.allclose(common.scale_norm(z, 1.0), unit)
+    assert torch.allclose(common.scale_norm(z), 2 * unit)  # sqrt(4), not sqrt(3) of the batch
+    assert torch.allclose(common.ScaleNorm(scale=0.5)(z), 0.5 * unit)
+    maps = torch.stack([torch.arange(1.0, 7.0), torch.full((6,), -2.0)]).view(2, 2, 1, 3)  # norms sqrt(91), sqrt(24)
+    want = torch.stack([torch.arange(1.0, 7.0) / math.sqrt(91), torch.full((6,), -2.0 / math.sqrt(24))])
+    assert torch.allclose(common.scale_norm(maps), math.sqrt(6) * want.view(2, 2, 1, 3))
+    tiny = torch.tensor([[1e-7, 0.0, 0.0, 0.0]])  # ||x|| below eps: divided by eps, no blow-up
+    assert torch.allclose(common.scale_norm(tiny, 1.0, eps=1e-5), torch.tensor([[1e-2, 0.0, 0.0, 0.0]]))
 
 
 # ------------------------------------------------------------------ batches
@@ -591,6 +607,104 @@ def test_powerlaw_weights_follow_a_pareto_law():
     ratio = w / w.min()
     assert np.median(ratio) == pytest.approx(2 ** (2 / 3), abs=0.05)
     assert np.quantile(ratio, 0.9) == pytest.approx(10 ** (2 / 3), abs=0.25)
+
+
+# ------------------------------------------------------------------ SCAFFOLD (Karimireddy et al. 2020, Alg. 1)
+def test_local_step_sum_of_momentum():
+    assert common.local_step_sum(3, 0.1) == pytest.approx(0.3)
+    assert common.local_step_sum(1, 0.1, 0.9) == pytest.approx(0.1)  # one step: momentum changes nothing
+    assert common.local_step_sum(2, 1.0, 0.5) == pytest.approx(2.5)  # lr g + lr (0.5 g + g)
+    assert common.local_step_sum(3, 2.0, 0.5) == pytest.approx(2 * (1 + 1.5 + 1.75))
+    assert common.local_step_sum(4, 0.5, 1.0) == pytest.approx(0.5 * (1 + 2 + 3 + 4))
+
+
+def test_local_step_sum_matches_k_momentum_steps_on_a_constant_gradient():
+    """K' eta is defined by: K steps of torch's heavy-ball SGD on a constant gradient g move w by -K' eta g."""
+    g = torch.tensor([0.5, -2.0])
+    for rho in (0.0, 0.5, 0.9, 1.0):  # 1.0: the limit K (K + 1) / 2
+        for steps in (1, 2, 3, 7):
+            w = torch.zeros(2, requires_grad=True)
+            opt = torch.optim.SGD([w], lr=0.1, momentum=rho)
+            for _ in range(steps):
+                opt.zero_grad()
+                (g * w).sum().backward()  # d/dw = g, whatever w is
+                opt.step()
+            assert torch.allclose(w.detach(), -common.local_step_sum(steps, 0.1, rho) * g, rtol=1e-5), (rho, steps)
+
+
+def test_scaffold_round_by_hand_several_clients():
+    """N = 3 clients, S = {0, 2} sampled, c != any c_k, two parameters of different shapes. Corrections c - c_k;
+    option II c_k+ = c_k - c + (x - y_k) / (K eta_l) with K eta_l = 0.2; c+ = c + ((c_0+ - c_0) + (c_2+ - c_2)) / 3."""
+    t = lambda w, b: {"w": torch.tensor(w), "b": torch.tensor(b)}
+    c, c_k = t([0.3, -0.1], [[0.5]]), [t([0.1, 0.2], [[0.0]]), t([-0.4, 0.5], [[1.0]]), t([0.0, -0.3], [[0.2]])]
+    x, y = t([1.0, 2.0], [[0.5]]), {0: t([0.8, 2.2], [[0.3]]), 2: t([1.1, 1.6], [[0.5]])}
+    corr = common.scaffold_correction(c, c_k[0])
+    assert torch.allclose(corr["w"], torch.tensor([0.2, -0.3])) and torch.allclose(corr["b"], torch.tensor([[0.5]]))
+    assert torch.allclose(common.scaffold_correction(c, c_k[2])["w"], torch.tensor([0.3, 0.2]))
+    new = {k: common.scaffold_control(c_k[k], c, x, y[k], common.local_step_sum(4, 0.05)) for k in (0, 2)}
+    assert torch.allclose(new[0]["w"], torch.tensor([0.8, -0.7]))  # (0.1 - 0.3 + 1.0, 0.2 + 0.1 - 1.0)
+    assert torch.allclose(new[0]["b"], torch.tensor([[0.5]]))  # 0.0 - 0.5 + 0.2 / 0.2
+    assert torch.allclose(new[2]["w"], torch.tensor([-0.8, 1.8]))  # (0.0 - 0.3 - 0.5, -0.3 + 0.1 + 2.0)
+    delta_sum = {n: (new[0][n] - c_k[0][n]) + (new[2][n] - c_k[2][n]) for n in c}
+    c_next = common.scaffold_server(c, delta_sum, num_clients=3)
+    assert torch.allclose(c_next["w"], torch.tensor([0.3 - 0.1 / 3, -0.1 + 1.2 / 3]))  # divided by N = 3, not |S| = 2
+    assert torch.allclose(c_next["b"], torch.tensor([[0.5 + (0.5 - 0.5) / 3]]))
+
+
+def test_scaffold_three_clients_of_four_on_quadratics_by_hand():
+    """One round on 1-d quadratics f_i(y) = (y - b_i)^2 / 2, N = 4 clients with different c_i (c = their mean,
+    0.1), clients 0-2 sampled, K = 2 local steps at lr 0.5 from x = 0, every step y <- y - lr (g_i(y) + c - c_i):
+      client 0: b = 1, c - c_0 = -0.1: y = 0 -> 0.55 -> 0.825
+      client 1: b = 2, c - c_1 = +0.5: y = 0 -> 0.75 -> 1.125
+      client 2: b = 6, c - c_2 = -0.4: y = 0 -> 3.2  -> 4.8
+    c_i+ = c_i - c + (x - y_i) / (K lr) = the mean true gradient along the client's path: -0.725, -1.625, -4.4;
+    c+ = c + sum_i (c_i+ - c_i) / N = 0.1 + (-0.925 - 1.225 - 4.9) / 4 = -1.6625 (= the mean of all four c_i)."""
+    b, c_all = [1.0, 2.0, 6.0], [0.2, -0.4, 0.5, 0.1]
+    t = lambda v: {"y": torch.tensor([v])}
+    c, x, delta_sum = t(0.1), t(0.0), t(0.0)
+    for i, (want_y, want_c) in enumerate([(0.825, -0.725), (1.125, -1.625), (4.8, -4.4)]):
+        corr = common.scaffold_correction(c, t(c_all[i]))["y"]
+        assert corr.item() == pytest.approx([-0.1, 0.5, -0.4][i])
+        y = x["y"].clone()
+        for _ in range(2):
+            y = y - 0.5 * ((y - b[i]) + corr)
+        assert y.item() == pytest.approx(want_y)
+        new = common.scaffold_control(t(c_all[i]), c, x, {"y": y}, common.local_step_sum(2, 0.5))
+        assert new["y"].item() == pytest.approx(want_c)
+        delta_sum = {"y": delta_sum["y"] + new["y"] - c_all[i]}
+    assert common.scaffold_server(c, delta_sum, num_clients=4)["y"].item() == pytest.approx(-1.6625)
+
+
+def quadratic_rounds(scaffold, rounds=100, steps=5, lr=0.1):
+    """FedAvg / SCAFFOLD on f_k(y) = a_k/2 ||y - b_k||^2, 3 clients, all every round."""
+    a, b = [1.0, 3.0, 0.5], torch.tensor([[1.0, 0.0], [0.0, 2.0], [-3.0, 1.0]], dtype=torch.float64)
+    x, zero = torch.zeros(2, dtype=torch.float64), {"w": torch.zeros(2, dtype=torch.float64)}
+    c, c_k = zero, [zero] * 3
+    for _ in range(rounds):
+        ys, delta_sum = [], {"w": torch.zeros(2, dtype=torch.float64)}
+        for k in range(3):
+            y = x.clone()
+            corr = common.scaffold_correction(c, c_k[k])["w"] if scaffold else 0.0
+            for _ in range(steps):
+                y = y - lr * (a[k] * (y - b[k]) + corr)  # local_train: the correction added to the gradient
+            ys.append(y)
+            if scaffold:
+                new = common.scaffold_control(c_k[k], c, {"w": x}, {"w": y}, common.local_step_sum(steps, lr))
+                delta_sum["w"] += new["w"] - c_k[k]["w"]
+                c_k[k] = new
+        if scaffold:
+            c = common.scaffold_server(c, delta_sum, 3)
+        x = sum(ys) / 3
+    return x, (torch.tensor(a, dtype=torch.float64)[:, None] * b).sum(0) / sum(a)  # x and x* = sum a_k b_k / sum a_k
+
+
+def test_scaffold_reaches_the_optimum_of_heterogeneous_quadratics():
+    """Closed form: the minimizer of sum_k f_k is x* = sum a_k b_k / sum a_k. SCAFFOLD's corrections remove the
+    client drift and reach it; FedAvg with 5 local steps stops at a biased point (the test can tell them apart)."""
+    x, x_star = quadratic_rounds(scaffold=True)
+    assert torch.allclose(x, x_star, atol=1e-9)
+    x_avg, _ = quadratic_rounds(scaffold=False)
+    assert (x_avg - x_star).norm() > 0.05
 
 
 # ------------------------------------------------------------------ clients' random streams (issue 18)

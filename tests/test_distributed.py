@@ -139,6 +139,8 @@ EXTRA = {  # other per-client state: FedEXP's norms, FedYogi's moments, DP-SGD's
 }
 VOLATILE = ("wall_time_s", "elapsed_s", "processes", "device")
 RESUMED = {"fedfn-2-3": ("fedfn", 2, 3), "anfr-3-2": ("anfr", 3, 2)}  # stopped under K, resumed under K'
+# K = 3 as well for these (every case runs under K = 2, which already leaves rank 1 idle in a wave of 5 clients)
+THREE_RANKS = ("fedavg", "fedavg-one-client", "fedln", "anfr")
 # (resumed alone after torchrun: test_failing_rank_stops_every_rank_and_leaves_whole_files)
 
 
@@ -170,14 +172,14 @@ def batch(runs):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every case alone (k1), under torchrun with 2 and 3 ranks (k2, k3), and the resume pairs:
+    """Every case alone (k1), under torchrun with 2 ranks (k2; THREE_RANKS with 3 too, k3), the resume pairs:
     one process per K runs its whole list (tests/run_batch.py), so torch is imported once per rank."""
     tmp = tmp_path_factory.mktemp("torchrun")
     cases = {name: EXTRA.get(name, (name, CASES.get(name))) for name in [*CASES, *EXTRA]}
     cases["fedavg-one-client"] = ("fedavg", [*CASES["fedavg"], "--frac", "0.2"])  # 1 client a round: ranks idle
     # an image folder not yet cached, one copy per K: rank 0 decodes and caches it, the others wait and read
     cases["fedavg-folder"] = ("fedavg", [*CASES["fedavg"], "--dataset", "folder", "--data-dir", "{images}", "--iid"])
-    for k in ("k1", "k2", "k3"):
+    for k in ("k1", "k2"):
         write_folder(tmp / f"images-{k}", per_class=20)
     run = lambda name, k, *more: [
         f"{cases[name][0]}.py",
@@ -189,7 +191,7 @@ def runs(tmp_path_factory):
     for name, (script, _, _) in RESUMED.items():
         cases[name] = (script, [*CASES[script], "--rounds", "4", "--eval-every", "1"])
     alone = [run(name, "k1") for name in cases]
-    by_k = {k: [run(name, f"k{k}") for name in cases if name not in RESUMED] for k in (2, 3)}
+    by_k = {2: [run(name, "k2") for name in cases if name not in RESUMED], 3: [run(name, "k3") for name in THREE_RANKS]}
     for name, (_, first, _) in RESUMED.items():
         by_k[first].append(run(name, "resumed", "--stop-after", "2"))
     outs = finish(start([sys.executable, RUN_BATCH, batch(alone)]), start(torchrun_cmd(2, RUN_BATCH, batch(by_k[2]))))
@@ -213,24 +215,22 @@ def assert_same_run(one, other):
 
 @pytest.mark.parametrize("case", [*CASES, *EXTRA, "fedavg-one-client", "fedavg-folder"])
 def test_torchrun_equals_one_process(case, runs):
-    """Metrics, summary and final model of 2 and 3 ranks equal those of one process, bit for bit."""
+    """Metrics, summary and final model of 2 (and for some, 3) ranks equal those of one process, bit for bit."""
     tmp, _, _ = runs
-    for k in (2, 3):
+    for k in (2, 3) if case in THREE_RANKS else (2,):
         assert summary(tmp / case / f"k{k}")["processes"] == k
         assert_same_run(tmp / case / "k1", tmp / case / f"k{k}")
 
 
 def test_one_cache_of_a_new_image_folder(runs):
     tmp, _, _ = runs
-    for k in ("k2", "k3"):
-        assert sorted(os.listdir(tmp / f"images-{k}")) == [".cleanfl-cache.pt", "test", "train"]  # no *.tmp left
+    assert sorted(os.listdir(tmp / "images-k2")) == [".cleanfl-cache.pt", "test", "train"]  # no *.tmp left
 
 
 def test_only_rank_0_prints(runs):
     _, outs, _ = runs
-    runs_per_k = len(CASES) + len(EXTRA) + 2
-    assert outs[1].count("final test accuracy") == runs_per_k  # K = 2: rank 0's lines, not rank 1's
-    assert outs[2].count("final test accuracy") == runs_per_k
+    assert outs[1].count("final test accuracy") == len(CASES) + len(EXTRA) + 2  # K = 2: rank 0's lines, not rank 1's
+    assert outs[2].count("final test accuracy") == len(THREE_RANKS)  # K = 3: rank 0's
 
 
 @pytest.mark.parametrize("case", RESUMED)
@@ -297,7 +297,7 @@ common.each_client = each_client
 sys.argv = sys.argv[1:]
 g = runpy.run_path(sys.argv[0], run_name="__main__")
 digest = lambda ts: hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes() for t in ts)).hexdigest()
-c_local = [t for k in sorted(g["c_local"]) for t in g["c_local"][k]]
+c_local = [t for k in sorted(g["c_local"]) for t in g["c_local"][k].values()]
 print("INSPECT", json.dumps({"rank": dist.get_rank(), "trained": trained, "sampled": g["clients"],
       "model": digest(g["model"].state_dict().values()), "c_local": digest(c_local)}), file=sys.stderr)
 """

@@ -74,18 +74,23 @@ def test_fn_logits_by_hand_axis_and_scale():
     with torch.no_grad():
         model.head.weight.copy_(torch.tensor([[1.0, 0.0], [1.0, 2.0]]))
         model.head.bias.copy_(torch.tensor([0.5, -1.0]))
-    f = torch.tensor([[3.0, 4.0], [0.0, 2.0]])  # norms 5 and 2: unit rows [0.6, 0.8], [0, 1]
+    # 3 samples of d = 2 (not square, so the batch size cannot stand in for d): norms 5, 2, 1,
+    # unit rows [0.6, 0.8], [0, 1], [-1, 0]
+    f = torch.tensor([[3.0, 4.0], [0.0, 2.0], [-1.0, 0.0]])
+    r2 = 2**0.5
     expect = {
-        1.0: [[1.1, 1.2], [0.5, 1.0]],
-        5.0: [[3.5, 10.0], [0.5, 9.0]],  # s = 1 (paper), s = 5
-        "sqrt-d": [[0.5 + 0.6 * 2**0.5, -1 + 2.2 * 2**0.5], [0.5, -1 + 2 * 2**0.5]],
-    }  # s = sqrt(2)
+        1.0: [[1.1, 1.2], [0.5, 1.0], [-0.5, -2.0]],  # s = 1 (the paper)
+        5.0: [[3.5, 10.0], [0.5, 9.0], [-4.5, -6.0]],
+        "sqrt-d": [[0.5 + 0.6 * r2, -1 + 2.2 * r2], [0.5, -1 + 2 * r2], [0.5 - r2, -1 - r2]],  # s = sqrt(2)
+    }
     for scale, z in expect.items():
         logits, feat = fedfn.fn_forward(model, f, fn=True, scale=scale)
         assert torch.allclose(logits, torch.tensor(z), atol=1e-6), scale
         assert torch.equal(feat, f)
     assert torch.allclose(fedfn.fn_forward(model, f)[0], torch.tensor(expect[1.0]))  # the defaults: FN, s = 1
-    assert torch.allclose(fedfn.fn_forward(model, f, fn=False)[0], torch.tensor([[3.5, 10.0], [0.5, 3.0]]))
+    assert torch.allclose(
+        fedfn.fn_forward(model, f, fn=False)[0], torch.tensor([[3.5, 10.0], [0.5, 3.0], [-0.5, -2.0]])
+    )
     assert fedfn.fn_scale("sqrt-d") == "sqrt-d" and fedfn.fn_scale("2.5") == 2.5
     for bad in ("0", "-1", "big"):
         with pytest.raises(argparse.ArgumentTypeError):
@@ -127,39 +132,13 @@ def test_vgg11_layout():
 # ---------------------------------------------------------------------------------------------
 # In-process: SCAFFOLD and FedEXP math on hand-made tensors
 # ---------------------------------------------------------------------------------------------
-def test_effective_steps_of_momentum():
-    assert fedfn.effective_steps(3, 0.0) == 3.0
-    assert fedfn.effective_steps(1, 0.9) == pytest.approx(1.0)  # one step: momentum changes nothing
-    assert fedfn.effective_steps(2, 0.5) == pytest.approx(2.5)  # lr*g + lr*(0.5g + g)
-    assert fedfn.effective_steps(3, 0.5) == pytest.approx(1 + 1.5 + 1.75)
-
-
-def test_scaffold_control_variates_on_hand_made_example():
-    x = [torch.tensor([1.0, 2.0]), torch.tensor([[0.5]])]
-    y = [torch.tensor([0.8, 2.4]), torch.tensor([[0.3]])]
-    c = [torch.tensor([0.1, -0.2]), torch.tensor([[0.05]])]
-    c_i = [torch.tensor([0.3, 0.1]), torch.tensor([[-0.1]])]
-    new, delta = fedfn.scaffold_client_update(c_i, c, x, y, steps=4, lr=0.05, momentum=0.0)
-    # c_i+ = c_i - c + (x - y) / (K lr) = c_i - c + (x - y) * 5
-    assert torch.allclose(new[0], torch.tensor([0.3 - 0.1 + 1.0, 0.1 + 0.2 - 2.0]))
-    assert torch.allclose(new[1], torch.tensor([[-0.1 - 0.05 + 1.0]]))
-    assert torch.allclose(delta[0], new[0] - c_i[0]) and torch.allclose(delta[1], new[1] - c_i[1])
-    # server: c + |S|/N mean_i delta_i = c + sum_i delta_i / N; two clients of N = 10
-    d2 = [torch.tensor([1.0, 1.0]), torch.tensor([[2.0]])]
-    total = [a + b for a, b in zip(delta, d2)]
-    c_new = fedfn.scaffold_server_update(c, total, num_clients=10)
-    assert torch.allclose(c_new[0], c[0] + (delta[0] + d2[0]) / 10)
-    assert torch.allclose(c_new[1], torch.tensor([[0.05 + (0.85 - (-0.1) + 2.0) / 10]]))
-    # with momentum the divisor is K' lr, not K lr
-    new_m, _ = fedfn.scaffold_client_update(c_i, c, x, y, steps=2, lr=0.1, momentum=0.5)
-    assert torch.allclose(new_m[0], c_i[0] - c[0] + (x[0] - y[0]) / (2.5 * 0.1))
-
-
 def test_scaffold_correction_is_added_to_the_gradient():
     data, steps = tiny_data(), []
     for corr in (False, True):
         model = tiny_model()
-        correction = [torch.full_like(p, 0.3) for p in model.parameters()] if corr else None
+        # a different c - c_i per parameter, so a correction that lands on another parameter shows
+        correction = {n: torch.full_like(p, 0.3 * (i + 1)) for i, (n, p) in enumerate(model.named_parameters())}
+        correction = correction if corr else None
         torch.manual_seed(1)
         steps.append(
             (
@@ -168,85 +147,23 @@ def test_scaffold_correction_is_added_to_the_gradient():
             )
         )
     assert steps[0][0] == steps[1][0] == 1
-    for a, b in zip(steps[0][1], steps[1][1]):  # y <- y - lr (g - c_i + c)
-        assert torch.allclose(b - a, torch.full_like(a, -0.5 * 0.3), atol=1e-6)
+    for i, (a, b) in enumerate(zip(steps[0][1], steps[1][1])):  # y <- y - lr (g - c_i + c)
+        assert torch.allclose(b - a, torch.full_like(a, -0.5 * 0.3 * (i + 1)), atol=1e-6)
 
 
-def test_effective_steps_match_k_momentum_steps_on_a_constant_gradient():
-    """K' is defined by: K steps of PyTorch's heavy-ball SGD on a constant gradient g move w by -lr K' g."""
-    g = torch.tensor([0.5, -2.0])
-    for rho in (0.0, 0.5, 0.9, 1.0):  # 1.0: the limit K (K + 1) / 2
-        for steps in (1, 2, 3, 7):
-            w = torch.zeros(2, requires_grad=True)
-            opt = torch.optim.SGD([w], lr=0.1, momentum=rho)
-            for _ in range(steps):
-                opt.zero_grad()
-                (g * w).sum().backward()  # d/dw = g, whatever w is
-                opt.step()
-            k_eff = fedfn.effective_steps(steps, rho)
-            assert torch.allclose(w.detach(), -0.1 * k_eff * g, rtol=1e-5), (rho, steps)
+def test_scaffold_loop_divides_by_the_momentum_step_sum(monkeypatch, tmp_path):
+    """fedfn.py's loop hands local_step_sum the client's K and --momentum (option II divides by K' lr, not K lr);
+    the step sum's own formula is tested in test_common."""
+    import runpy
 
-
-def test_scaffold_three_clients_by_hand():
-    """One SCAFFOLD round (option II, Karimireddy et al. 2020, Alg. 1) on 1-d quadratics f_i(y) = (y - b_i)^2 / 2,
-    N = 4 clients with different c_i (c = their mean, 0.1), clients 0-2 sampled, K = 2 local steps at lr 0.5
-    from x = 0, every step y <- y - lr (g_i(y) + c - c_i), done here by hand:
-      client 0: b = 1, c - c_0 = -0.1: y = 0 -> 0.55 -> 0.825
-      client 1: b = 2, c - c_1 = +0.5: y = 0 -> 0.75 -> 1.125
-      client 2: b = 6, c - c_2 = -0.4: y = 0 -> 3.2  -> 4.8
-    c_i+ = c_i - c + (x - y_i) / (K lr) = the mean true gradient along the client's path: -0.725, -1.625, -4.4;
-    c+ = c + sum_i (c_i+ - c_i) / N = 0.1 + (-0.925 - 1.225 - 4.9) / 4 = -1.6625 (= the mean of all four c_i)."""
-    b = [1.0, 2.0, 6.0]
-    c_all = [0.2, -0.4, 0.5, 0.1]
-    t = lambda v: [torch.tensor([v])]
-    c, x = t(0.1), t(0.0)
-    ys = []
-    for i in range(3):
-        corr = fedfn.scaffold_correction(c, t(c_all[i]))
-        assert torch.allclose(corr[0], torch.tensor([[-0.1, 0.5, -0.4][i]]))
-        y = x[0].clone()
-        for _ in range(2):
-            y = y - 0.5 * ((y - b[i]) + corr[0])
-        ys.append(y)
-    assert torch.allclose(torch.cat(ys), torch.tensor([0.825, 1.125, 4.8]))
-    delta_sum = t(0.0)
-    for i, want in enumerate([-0.725, -1.625, -4.4]):
-        new, delta = fedfn.scaffold_client_update(t(c_all[i]), c, x, [ys[i]], steps=2, lr=0.5, momentum=0.0)
-        assert torch.allclose(new[0], torch.tensor([want])) and torch.allclose(
-            delta[0], torch.tensor([want - c_all[i]])
-        )
-        delta_sum = [delta_sum[0] + delta[0]]
-    c_new = fedfn.scaffold_server_update(c, delta_sum, num_clients=4)
-    assert torch.allclose(c_new[0], torch.tensor([-1.6625]))
-
-
-def test_scaffold_removes_client_drift_on_quadratics():
-    """Closed form: with f_i(y) = ||y - b_i||^2 / 2, a first round of K = 1 sets c_i = grad f_i(x_0) and c to their
-    mean, after which every client's corrected gradient is y - mean(b): all clients follow the same path,
-    y_K = b_bar + (1 - lr)^K (x_1 - b_bar), however different their b_i."""
-    b = [torch.tensor([1.0, -2.0]), torch.tensor([4.0, 0.0]), torch.tensor([-2.0, 5.0])]
-    b_bar, lr, n = sum(b) / 3, 0.1, 3
-    x = [torch.tensor([0.5, 0.5])]
-    c = [torch.zeros(2)]
-    c_local = [[torch.zeros(2)] for _ in b]
-    for rnd, steps in enumerate((1, 5)):
-        ys, delta_sum = [], [torch.zeros(2)]
-        for i in range(n):
-            corr = fedfn.scaffold_correction(c, c_local[i])
-            y = x[0].clone()
-            for _ in range(steps):  # plain SGD on the corrected gradient
-                y = y - lr * ((y - b[i]) + corr[0])
-            ys.append(y)
-            c_local[i], delta = fedfn.scaffold_client_update(c_local[i], c, x, [y], steps, lr, 0.0)
-            delta_sum = [delta_sum[0] + delta[0]]
-        if rnd == 1:
-            for y in ys:
-                assert torch.allclose(y, b_bar + (1 - lr) ** 5 * (x[0] - b_bar), atol=1e-6)
-        c = fedfn.scaffold_server_update(c, delta_sum, n)
-        x = [sum(ys) / n]
-        if rnd == 0:  # c_i = grad f_i(x_0), c = grad f(x_0)
-            assert all(torch.allclose(c_local[i][0], torch.tensor([0.5, 0.5]) - b[i]) for i in range(n))
-            assert torch.allclose(c[0], torch.tensor([0.5, 0.5]) - b_bar, atol=1e-6)
+    seen = []
+    real = common.local_step_sum
+    monkeypatch.setattr(common, "local_step_sum", lambda *a: seen.append(a) or real(*a))
+    flags = ["--dataset", "synthetic", "--device", "cpu", "--model", "mlp", "--num-clients", "2", "--frac", "1"]
+    flags += ["--local-steps", "3", "--rounds", "1", "--agg", "scaffold", "--momentum", "0.5", "--lr", "0.05"]
+    monkeypatch.setattr(sys, "argv", ["fedfn.py", *flags, "--out", str(tmp_path / "run")])
+    runpy.run_path(os.path.join(os.path.dirname(fedfn.__file__), "fedfn.py"), run_name="__main__")
+    assert seen == [(3, 0.05, 0.5), (3, 0.05, 0.5)]  # (K, lr, rho) for each of the two clients
 
 
 def test_fedexp_step_by_hand():
@@ -486,7 +403,7 @@ def test_resumed_equals_uninterrupted_and_learns(runs, agg):
     ckpt = torch.load(os.path.join(full, "checkpoint.pt"), weights_only=False)
     assert ckpt["round"] == 3  # --checkpoint-every 2 of 3 rounds: the final round is checkpointed too
     if agg == "scaffold":  # control variates travel with the checkpoint
-        assert len(ckpt["scaffold_c_local"]) == 4 and any(c.abs().max() > 0 for c in ckpt["scaffold_c"])
+        assert len(ckpt["scaffold_c_local"]) == 4 and any(c.abs().max() > 0 for c in ckpt["scaffold_c"].values())
     s = summary(full)
     assert s["test_acc"] > 0.25, f"{agg}: {s['test_acc']} is not clearly above chance (0.1)"
     untimed = lambda x: {k: v for k, v in x.items() if k not in ("elapsed_s", "wall_time_s")}
