@@ -206,12 +206,12 @@ def test_resnet18_cifar_parameter_count():
 
 
 def test_scale_norm_by_hand_on_non_square_inputs():
-    """n(x) = s x / ||x|| per sample: B = 3 features of d = 4 (norms 5, 2, 2), and 2 conv maps of (C, H, W) =
+    """n(x) = s x / ||x|| per sample: B = 4 features of d = 4 (norms 5, 2, 2, 0.03), and 2 conv maps of (C, H, W) =
     (2, 1, 3), each normalized over its 6 entries; s = sqrt(d) by default, or a number (FedFN's s = 1)."""
-    z = torch.tensor([[3.0, 4.0, 0.0, 0.0], [0.0, 0.0, 0.0, 2.0], [1.0, 1.0, 1.0, 1.0]])
-    unit = torch.tensor([[0.6, 0.8, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5]])
+    z = torch.tensor([[3.0, 4.0, 0.0, 0.0], [0.0, 0.0, 0.0, 2.0], [1.0, 1.0, 1.0, 1.0], [0.0, -0.03, 0.0, 0.0]])
+    unit = torch.tensor([[0.6, 0.8, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5], [0.0, -1.0, 0.0, 0.0]])
     assert torch.allclose(common.scale_norm(z, 1.0), unit)
-    assert torch.allclose(common.scale_norm(z), 2 * unit)  # sqrt(4), not sqrt(3) of the batch
+    assert torch.allclose(common.scale_norm(z), 2 * unit)  # sqrt(4) of d, whatever the batch size
     assert torch.allclose(common.ScaleNorm(scale=0.5)(z), 0.5 * unit)
     maps = torch.stack([torch.arange(1.0, 7.0), torch.full((6,), -2.0)]).view(2, 2, 1, 3)  # norms sqrt(91), sqrt(24)
     want = torch.stack([torch.arange(1.0, 7.0) / math.sqrt(91), torch.full((6,), -2.0 / math.sqrt(24))])

@@ -88,6 +88,8 @@ def test_fn_logits_by_hand_axis_and_scale():
         assert torch.allclose(logits, torch.tensor(z), atol=1e-6), scale
         assert torch.equal(feat, f)
     assert torch.allclose(fedfn.fn_forward(model, f)[0], torch.tensor(expect[1.0]))  # the defaults: FN, s = 1
+    # a feature of norm 1e-7 is still made a unit vector (the norm is clamped at 1e-12, as F.normalize does)
+    assert torch.allclose(fedfn.fn_forward(model, torch.tensor([[1e-7, 0.0]]))[0], torch.tensor([[1.5, 0.0]]))
     assert torch.allclose(
         fedfn.fn_forward(model, f, fn=False)[0], torch.tensor([[3.5, 10.0], [0.5, 3.0], [-0.5, -2.0]])
     )
