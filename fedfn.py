@@ -219,7 +219,8 @@ def four_factors(weight, feats, labels, num_classes, fn=True):  # FedFN: Section
     weight_sim: mean off-diagonal of N(theta_cls)^T N(theta_cls); inter_class_sim: mean off-diagonal over
     class prototypes (mean feature of the test samples of a class); intra_class_sim: mean over classes of
     the mean cos(f(x), prototype); proto_weight_align: mean over classes of cos(theta_cls,c, prototype_c);
-    feature_norm: mean ||f(x)||_2. Prototypes average the features the head sees (f/||f|| with FN)."""
+    feature_norm: mean ||f(x)||_2; head_row_norm: mean ||theta_cls,c||_2. Prototypes average the features the head
+    sees (f/||f|| with FN)."""
     w = F.normalize(weight.float(), dim=1)
     head_in = F.normalize(feats, dim=1) if fn else feats
     classes = [c for c in range(num_classes) if bool((labels == c).any())]
@@ -232,6 +233,7 @@ def four_factors(weight, feats, labels, num_classes, fn=True):  # FedFN: Section
         "intra_class_sim": float(torch.stack(intra).mean()),
         "proto_weight_align": float((w[classes] * protos).sum(1).mean()),
         "feature_norm": float(feats.norm(dim=1).mean()),
+        "head_row_norm": float(weight.float().norm(dim=1).mean()),  # with FN it bounds the logits: |z_c| <= ||theta_c||
     }
 
 

@@ -244,6 +244,7 @@ def test_four_factors_on_hand_built_model():
         "intra_class_sim": (float((p0[0] + (p0[0] + p0[1]) / s2) / 2) + 1.0) / 2,
         "proto_weight_align": (float(p0[0]) + 1 / s2) / 2,
         "feature_norm": (3 + s2 + 2 + 4) / 4,
+        "head_row_norm": (1 + s2) / 2,  # rows [1, 0] and [1, 1]
     }
     got = fedfn.analyze(model, data, argparse.Namespace(fn=True, fn_scale=1.0))
     for k, v in want.items():
