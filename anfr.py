@@ -33,8 +33,8 @@ from torch.func import functional_call, grad_and_value, vmap  # ANFR: per-sample
 
 # fmt: off
 from common import (AUGMENTATIONS, RESNET_LAYOUT, Run, accumulate, autocast, build_model, client_batches,
-                    client_weights, decay_rate, device_flag, each_client, evaluate, finish_args, flag_type, fraction,
-                    load_average, load_data, make_partition, non_negative_float, positive_float, positive_int,
+                    client_weights, decay_rate, device_flag, each_client, eval_metrics, finish_args, flag_type,
+                    fraction, load_average, load_data, make_partition, non_negative_float, positive_float, positive_int,
                     prepare_batch, prox_term, refuse, rng_state, sample_clients, seed_everything, seed_int,
                     set_rng_state, setup_distributed,
                     scaffold_control, scaffold_correction, scaffold_server)  # ANFR: SCAFFOLD
@@ -49,14 +49,16 @@ def parse_args():
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default="cifar10",
-        help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | synthetic")
+        help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | tinyimagenet | synthetic")
     g.add_argument("--data-dir", default="./data",
-        help="download folder, or the image folder (train/<class>/*, test/<class>/*) for --dataset folder")
+        help="download folder, the image folder of --dataset folder (train/<class>/*, test/<class>/*; in groups: "
+             "train/<group>/<class>/*), or tiny-imagenet-200/")
     g.add_argument("--augment", default="crop-flip", choices=AUGMENTATIONS,
         help="on-device augmentation of training batches (at the stored size)")
     g.add_argument("--image-size", type=flag_type(int, 8), default=None,
         help="ANFR: resize every batch to this size after augmentation (the paper: 224; default: keep)")  # ANFR
-    g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2)")
+    g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2, "
+                             "--disjoint-classes, --natural)")
     g.add_argument("--iid", action="store_true", help="uniform random split")
     g.add_argument("--shards", type=positive_int, default=None, help="S: sort by label, N*S shards, S per client")
     g.add_argument("--classes-per-client", type=positive_int, default=None,
@@ -65,10 +67,18 @@ def parse_args():
         help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
     g.add_argument("--split2", action="store_true",
         help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each; the default, Appendix A.1)")
+    g.add_argument("--disjoint-classes", action="store_true",
+        help="each client holds its own classes: N disjoint sets (7 classes, 3 clients: 2, 2, 3; FedLN Table 5)")
+    g.add_argument("--natural", action="store_true",
+        help="the clients are the folders of an image folder, train/<client>/<class>/* (N: their number)")
+    g.add_argument("--clients-per-domain", type=positive_int, default=None,
+        help="M: an image folder train/<domain>/<class>/*, each domain split over M clients by the partition flag")
     g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"],
         help="client sizes: equal, or power law (unbalanced)")
     g.add_argument("--client-test", action="store_true",
         help="also evaluate on per-client test sets with each client's label distribution (always on with --pfl)")
+    g.add_argument("--balanced-acc", action="store_true",
+        help="also log the balanced accuracy (mean per-class recall) of the global and per-client tests")
     g.add_argument("--data-seed", type=seed_int, default=None,
         help="seed of the partition (default: --seed); client sampling uses --seed")
     g = p.add_argument_group("federation")
@@ -110,6 +120,11 @@ def parse_args():
         help="eta: local AdamW learning rate, cosine-decayed over the run (Appendix B.3: 1e-3)")  # ANFR
     g.add_argument("--weight-decay", type=non_negative_float, default=0.01,
         help="AdamW decoupled weight decay (not given in the paper; PyTorch's default)")  # ANFR
+    g.add_argument("--loss", default="ce", choices=["ce", "focal"],
+        help="ANFR: cross-entropy, or Fed-ISIC2019's focal loss weighted by each client's inverse class shares "
+             "(App. A.1, FLamby)")  # ANFR
+    g.add_argument("--focal-gamma", type=non_negative_float, default=2.0,
+        help="ANFR: gamma of --loss focal (FLamby's 2; 0 with weights 1 is cross-entropy)")  # ANFR
     g.add_argument("--clip", type=non_negative_float, default=1.0,
         help="ANFR: local gradient-norm clipping (Appendix A.1: 1.0; 0 = off)")  # ANFR
     g.add_argument("--prox-mu", type=non_negative_float, default=None,
@@ -276,14 +291,14 @@ def clip_per_sample(grads, max_norm):  # ANFR: DP-SGD clipping (Abadi et al. 201
     return {n: g * factor.view(-1, *[1] * (g.dim() - 1)) for n, g in grads.items()}
 
 
-def dp_gradients(model, x, y, sigma, max_norm, expected_batch):  # ANFR: DP-SGD step gradient into p.grad
-    """Per-sample gradients with torch.func, clipped to C, summed, plus N(0, sigma^2 C^2) noise, divided by the
-    expected batch size q|D_i| (as Opacus). Returns the batch's mean loss."""
+def dp_gradients(model, x, y, sigma, max_norm, expected_batch, loss_fn=F.cross_entropy):  # ANFR: DP-SGD step
+    """Per-sample gradients of loss_fn(logits, y) with torch.func, clipped to C, summed, plus N(0, sigma^2 C^2)
+    noise, divided by the expected batch size q|D_i| (as Opacus), into p.grad. Returns the batch's mean loss."""
     params = {n: p.detach() for n, p in model.named_parameters()}
     buffers = dict(model.named_buffers())
 
     def loss_one(prm, xi, yi):
-        return F.cross_entropy(functional_call(model, (prm, buffers), (xi[None],)), yi[None])
+        return loss_fn(functional_call(model, (prm, buffers), (xi[None],)), yi[None])
 
     if len(y) > 0:
         grads, losses = vmap(grad_and_value(loss_one), in_dims=(None, 0, 0))(params, x, y)
@@ -359,6 +374,21 @@ def dp_epsilon(q, sigma, steps, delta, orders=DP_ORDERS):  # ANFR: the accountan
     return float(np.nanmin(eps))
 
 
+def class_weights(labels, num_classes):  # ANFR: --loss focal's weights, from one client's training labels
+    """alpha_c = n_k / n_{k,c}, the inverse of the client's share of class c (Fed-ISIC2019's focal loss is
+    "weighted by the local class percentages at each client", App. A.1; FLamby's fixed weights are the same
+    inverse shares over the whole training set); 0 for a class the client lacks (it is never a target)."""
+    counts = torch.bincount(labels, minlength=num_classes).float()
+    return torch.where(counts > 0, counts.sum() / counts.clamp_min(1), torch.zeros_like(counts))
+
+
+def focal_loss(logits, y, alpha, gamma):  # ANFR: Fed-ISIC2019's loss (FLamby's; Lin et al. 2017, Eq. 5)
+    """mean_i -alpha_{y_i} (1 - p_i)^gamma log p_i with p_i = softmax(logits_i)_{y_i}, a mean over the batch
+    as FLamby's (not normalized by the weights); gamma = 0 with alpha = 1 is the cross-entropy."""
+    log_p = F.log_softmax(logits, 1).gather(1, y[:, None]).squeeze(1)
+    return (-alpha[y] * (1 - log_p.exp()).pow(gamma) * log_p).mean()
+
+
 def fedadam_step(x, delta, m, v, lr, betas, tau):  # ANFR: FedAdam (Reddi et al. 2021, Algorithm 2)
     """m = b1 m + (1-b1) Delta; v = b2 v + (1-b2) Delta^2; x + lr m / (sqrt(v) + tau). m, v updated in place."""
     for n in delta:
@@ -415,10 +445,12 @@ def analyze(model, data, image_size, batch_size=500):  # ANFR: --analyze, on the
     return out
 
 
-def local_train(model, opt, batches, data, args, first_step, total, prox_pairs, correction, dp_batch=None):
-    """Local AdamW steps continuing the client's optimizer and cosine schedule; FedProx pulls the shared
-    parameters to w_t (`prox_pairs`: (w, w_t)); SCAFFOLD `correction` (params, c - c_i) is applied after
-    each step. Returns (mean training loss, steps taken, sum of step lrs)."""
+def local_train(
+    model, opt, batches, data, args, first_step, total, prox_pairs, correction, dp_batch=None, loss_fn=F.cross_entropy
+):
+    """Local AdamW steps on loss_fn(logits, y) continuing the client's optimizer and cosine schedule; FedProx
+    pulls the shared parameters to w_t (`prox_pairs`: (w, w_t)); SCAFFOLD `correction` (params, c - c_i) is
+    applied after each step. Returns (mean training loss, steps taken, sum of step lrs)."""
     model.train()
     loss_sum = torch.zeros((), device=args.device)
     step, lr_sum, seen = first_step, 0.0, 0
@@ -429,7 +461,7 @@ def local_train(model, opt, batches, data, args, first_step, total, prox_pairs, 
         x, y = resize(prepare_batch(data.x_train[batch], data, args.augment), args.image_size), data.y_train[batch]
         if args.dp_noise_multiplier is None:
             with autocast(args.device, args.amp):
-                loss = F.cross_entropy(model(x).float(), y)
+                loss = loss_fn(model(x).float(), y)
             if args.agg == "fedprox":  # FedProx: + mu/2 ||w - w_t||^2 (Li et al. 2020, Eq. 2)
                 loss = loss + prox_term(*zip(*prox_pairs), args.prox_mu)  # the (w, w_t) pairs as two lists
             opt.zero_grad(set_to_none=True)
@@ -438,7 +470,7 @@ def local_train(model, opt, batches, data, args, first_step, total, prox_pairs, 
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         else:  # ANFR: DP-SGD (Section 4.3); the proximal term touches no data, so it is added after the noise
             # dp_batch = q |D_i|
-            loss = dp_gradients(model, x, y, args.dp_noise_multiplier, args.dp_max_grad_norm, dp_batch)
+            loss = dp_gradients(model, x, y, args.dp_noise_multiplier, args.dp_max_grad_norm, dp_batch, loss_fn)
             if args.agg == "fedprox":
                 for w, w0 in prox_pairs:
                     w.grad += args.prox_mu * (w.detach() - w0)
@@ -482,6 +514,10 @@ if __name__ == "__main__":
     total_steps = [args.rounds * steps_per_round(n, args) for n in sizes]
     client_steps, dp_steps = [0] * n_clients, [0] * n_clients
     local_keys = personal_keys(model, args.pfl)
+    loss_fns = [F.cross_entropy] * n_clients  # ANFR: --loss focal: each client's weights from its own labels
+    if args.loss == "focal":
+        alphas = [class_weights(data.y_train[p], data.num_classes) for p in partition.train]
+        loss_fns = [lambda z, y, a=a: focal_loss(z, y, a, args.focal_gamma) for a in alphas]
     local = [None] * n_clients
     shared = [k for k in model.state_dict() if k not in local_keys]  # averaged entries (BN running stats too)
     shared_params = [n for n, _ in model.named_parameters() if n not in local_keys]
@@ -551,6 +587,7 @@ if __name__ == "__main__":
                 prox_pairs,
                 correction,
                 dp_batch=min(args.batch_size, sizes[k]),
+                loss_fn=loss_fns[k],
             )
             return {
                 "loss": loss,
@@ -600,22 +637,24 @@ if __name__ == "__main__":
             model.eval()
             fwd = lambda net: lambda x: net(resize(x, args.image_size))  # ANFR: --image-size
             eval_bs = 2000 if (args.image_size or data.image_size) <= 64 else 200
-            acc, loss = evaluate(fwd(model), data.x_test, data.y_test, data, batch_size=eval_bs, amp=args.amp)
+            personal = lambda k: fwd(load_client(k) or client.eval())  # ANFR: personalized model of client k
+            # test_acc, test_loss; per-client mean, std, worst 10% and each client's; --balanced-acc: also balanced
+            tests = eval_metrics(
+                fwd(model),
+                data,
+                partition.test,
+                args.balanced_acc,
+                args.amp,
+                eval_bs,
+                client_forward=personal if local_keys else None,
+                lists=True,
+            )
             lr_now = cosine_lr(args.lr, client_steps[clients[0]], total_steps[clients[0]])
-            metrics = {"round": rnd + 1, "test_acc": acc, "test_loss": loss, "train_loss": train_loss, "lr": lr_now}
-            if partition.test is not None:
-                accs = []
-                for k, t in enumerate(partition.test):
-                    if local_keys:  # ANFR: personalized model of client k
-                        load_client(k)
-                    net = client.eval() if local_keys else model
-                    accs.append(
-                        evaluate(fwd(net), data.x_test[t], data.y_test[t], data, batch_size=eval_bs, amp=args.amp)[0]
-                    )
-                metrics["client_test_acc_mean"] = float(np.mean(accs))
-                metrics["client_test_acc"] = accs
-                if local_keys:  # ANFR: pFL reports the personalized models (the global one lacks the local parts)
-                    metrics["global_test_acc"], metrics["test_acc"] = acc, float(np.mean(accs))
+            metrics = {"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr_now}
+            if local_keys:  # ANFR: pFL reports the personalized models (the global one lacks the local parts)
+                for name in ("acc", "bacc") if args.balanced_acc else ("acc",):
+                    metrics[f"global_test_{name}"] = metrics[f"test_{name}"]
+                    metrics[f"test_{name}"] = metrics[f"client_test_{name}_mean"]
             if args.dp_noise_multiplier is not None:  # ANFR: epsilon at delta = 0.1/|D_i| for each client
                 eps = [
                     dp_epsilon(min(1.0, args.batch_size / n), args.dp_noise_multiplier, s, 0.1 / n)

@@ -43,6 +43,12 @@ class Data:
     num_classes: int
     mean: torch.Tensor  # float [1, C, 1, 1], in [0, 1] pixel units, from the training split
     std: torch.Tensor
+    # image folders in groups (train/<group>/<class>/*: clients or domains): each sample's group, on the CPU;
+    # group_test is None when test/ is one shared test/<class>/*
+    group_train: torch.Tensor = None
+    group_test: torch.Tensor = None
+    groups: list = None  # group names (sorted folder names)
+    classes: list = None  # class names of an image folder (sorted folder names)
 
     @property
     def in_channels(self):
@@ -55,31 +61,44 @@ class Data:
 
 def load_data(args):
     """Load args.dataset into a Data on args.device (downloaded to / cached in args.data_dir)."""
-    x_tr, y_tr, x_te, y_te = read_dataset(args)  # uint8 [N, C, H, W] and int64 labels, on the CPU
+    d = read_dataset(args)  # uint8 [N, C, H, W] and int64 labels (and groups), on the CPU
     # An image folder stores its images class by class. Evaluation cuts the test set into consecutive
     # batches, and a model whose batch norm keeps no running statistics normalizes each batch with its
     # own statistics, so a class-sorted test set would be scored on batches of one or two classes.
     # One fixed permutation (its own seed, not --seed or --data-seed) mixes the classes the way
-    # torchvision's files are mixed; partitions select by label, so they are unaffected in distribution.
-    x_tr, y_tr = unsort(x_tr, y_tr)
-    x_te, y_te = unsort(x_te, y_te)
+    # torchvision's files are mixed; partitions select by label (and group), so they are unaffected.
+    x_tr, y_tr, g_tr = unsort(d["x_train"], d["y_train"], d.get("group_train"))
+    x_te, y_te, g_te = unsort(d["x_test"], d["y_test"], d.get("group_test"))
     num_classes = int(max(y_tr.max(), y_te.max())) + 1
     xf = x_tr.float() / 255
     mean, std = xf.mean(dim=(0, 2, 3), keepdim=True), xf.std(dim=(0, 2, 3), keepdim=True)
     dev = args.device
-    return Data(x_tr.to(dev), y_tr.to(dev), x_te.to(dev), y_te.to(dev), num_classes, mean.to(dev), std.to(dev))
+    return Data(
+        x_tr.to(dev),
+        y_tr.to(dev),
+        x_te.to(dev),
+        y_te.to(dev),
+        num_classes,
+        mean.to(dev),
+        std.to(dev),
+        g_tr,
+        g_te,
+        d.get("groups"),
+        d.get("classes"),
+    )
 
 
 STORAGE_ORDER_SEED = 20240101  # the one fixed permutation of class-sorted datasets (see load_data)
 
 
-def unsort(x, y):
-    """Return (x, y) in one fixed random order if the labels are stored grouped (non-decreasing),
-    else unchanged: torchvision's files are already mixed, and their order is kept."""
-    if len(y) < 2 or not bool((y[1:] >= y[:-1]).all()):
-        return x, y
+def unsort(x, y, g=None):
+    """Return (x, y, g) in one fixed random order if the samples are stored grouped (by label, or by group
+    and label within a group: non-decreasing), else unchanged: torchvision's files are already mixed."""
+    key = y if g is None else g * (int(y.max()) + 1 if len(y) else 1) + y
+    if len(y) < 2 or not bool((key[1:] >= key[:-1]).all()):
+        return x, y, g
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(STORAGE_ORDER_SEED))
-    return x[perm], y[perm]
+    return x[perm], y[perm], None if g is None else g[perm]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -133,16 +152,72 @@ def autocast(device, enabled):
 
 
 @torch.no_grad()
-def evaluate(forward, x, y, data, batch_size=2000, amp=False):
-    """Accuracy and mean cross-entropy of `forward` (a callable on normalized images)."""
+def evaluate(forward, x, y, data, batch_size=2000, amp=False, balanced=False):
+    """Accuracy and mean cross-entropy of `forward` (a callable on normalized images); balanced=True adds a
+    third value, the balanced accuracy (see balanced_accuracy)."""
     correct, loss = 0, 0.0
+    hits = torch.zeros(data.num_classes, device=y.device)
     for i in range(0, len(x), batch_size):
-        xb = prepare_batch(x[i : i + batch_size], data)
+        xb, yb = prepare_batch(x[i : i + batch_size], data), y[i : i + batch_size]
         with autocast(xb.device, amp):
             logits = forward(xb).float()
-        loss += F.cross_entropy(logits, y[i : i + batch_size], reduction="sum")
-        correct += (logits.argmax(1) == y[i : i + batch_size]).sum()
-    return float(correct) / len(x), float(loss) / len(x)
+        loss += F.cross_entropy(logits, yb, reduction="sum")
+        right = logits.argmax(1) == yb
+        correct += right.sum()
+        if balanced:
+            hits += torch.bincount(yb[right], minlength=data.num_classes)
+    acc, loss = float(correct) / len(x), float(loss) / len(x)
+    if not balanced:
+        return acc, loss
+    return acc, loss, balanced_accuracy(hits, torch.bincount(y, minlength=data.num_classes))
+
+
+def balanced_accuracy(hits, counts):
+    """Mean per-class recall over the classes present: mean_c hits_c / counts_c for counts_c > 0 (FLamby's
+    and scikit-learn's balanced accuracy; Fed-ISIC2019's metric). hits, counts: per class."""
+    present = counts > 0
+    return float((hits[present].cpu().double() / counts[present].cpu().double()).mean())
+
+
+def spread(values):
+    """Mean, standard deviation (ddof 0) and the mean of the worst 10% (the ceil(n/10) lowest values, at least
+    one) of per-client scores: how evenly a model serves the clients."""
+    v = np.asarray(values, dtype=float)  # in client order: the mean equals np.mean of the list, to the bit
+    worst = np.sort(v)[: math.ceil(len(v) / 10)]
+    return {"mean": float(v.mean()), "std": float(v.std()), "worst10": float(worst.mean())}
+
+
+def eval_metrics(
+    forward, data, tests=None, balanced=False, amp=False, batch_size=2000, client_forward=None, lists=False
+):
+    """The test keys of an evaluation row: test_acc and test_loss of `forward` on the test set; with
+    per-client test sets `tests`, client_test_acc_{mean,std,worst10} over the clients that have test data
+    (see spread); with balanced, the same of the balanced accuracy: test_bacc, client_test_bacc_*.
+    client_forward(k): client k's callable when clients are tested on their own models (default: forward);
+    lists: also each client's score, client_test_acc (None for a client without test data)."""
+    scores = evaluate(forward, data.x_test, data.y_test, data, batch_size, amp, balanced)
+    row = {"test_acc": scores[0], "test_loss": scores[1]}
+    if balanced:
+        row["test_bacc"] = scores[2]
+    if tests is not None:
+        per_client = {
+            k: evaluate(
+                (client_forward or (lambda _: forward))(k),
+                data.x_test[t],
+                data.y_test[t],
+                data,
+                batch_size,
+                amp,
+                balanced,
+            )
+            for k, t in enumerate(tests)
+            if len(t)
+        }
+        for name, i in [("acc", 0)] + [("bacc", 2)] * balanced:
+            row.update({f"client_test_{name}_{s}": v for s, v in spread([r[i] for r in per_client.values()]).items()})
+            if lists:
+                row[f"client_test_{name}"] = [per_client[k][i] if k in per_client else None for k in range(len(tests))]
+    return row
 
 
 # ----------------------------------------------------------------------------------------------
@@ -156,16 +231,57 @@ class Partition:
     train: list  # per client: LongTensor of indices into data.x_train
     test: list  # per client: LongTensor into data.x_test (with --client-test), else None
     scheme: str
+    names: list = None  # per client: its folder (--natural) or domain (--clients-per-domain), else None
 
 
 def make_partition(args, data):
-    """Split the training set over args.num_clients with the one partition flag the run has.
+    """Split the training set over args.num_clients with the one partition flag the run has: the groups of an
+    image folder as they are (--natural), or that flag within each group (--clients-per-domain M).
 
     Uses its own generator seeded by args.data_seed, so client sampling never changes it.
     """
     labels = data.y_train.cpu().numpy()
     rng = np.random.default_rng(args.data_seed)
     n, c = args.num_clients, data.num_classes
+    groups = data.group_train.numpy() if data.group_train is not None else None
+    own_test = getattr(args, "client_test", False) and data.group_test is not None  # test/<group>/<class>/
+    test_groups = data.group_test.numpy() if own_test else None
+    names, test = None, None
+    if getattr(args, "natural", False):  # the clients are the folders train/<client>/
+        parts, scheme, names = [np.flatnonzero(groups == g) for g in range(len(data.groups))], "natural", data.groups
+        if own_test:
+            test = [np.flatnonzero(test_groups == g) for g in range(len(data.groups))]
+    elif getattr(args, "clients_per_domain", None):  # the partition flag within each domain, M clients each
+        m, parts, test, names = args.clients_per_domain, [], [] if own_test else None, []
+        test_labels = data.y_test.cpu().numpy()
+        for g, name in enumerate(data.groups):
+            idx = np.flatnonzero(groups == g)
+            sub, scheme = split_by_flag(args, labels[idx], m, c, rng)
+            parts += [idx[p] for p in sub]
+            names += [name] * m
+            if own_test:  # the domain's test images, dealt to its clients by their label distributions
+                t_idx = np.flatnonzero(test_groups == g)
+                test += [t_idx[t] for t in client_test_split(test_labels[t_idx], labels[idx], sub, c, rng)]
+        scheme = f"{len(data.groups)} domains x {m} clients, {scheme}"
+    else:
+        parts, scheme = split_by_flag(args, labels, n, c, rng)
+    empty = [k for k, p in enumerate(parts) if len(p) == 0]
+    if empty:  # bad input found only now that the data is known: exit 2 with one line, as parser.error
+        more = f" (and {len(empty) - 1} more)" if len(empty) > 1 else ""
+        flag = "--clients-per-domain" if getattr(args, "clients_per_domain", None) else "--num-clients"
+        msg = (
+            f"{flag}: client {empty[0]} of {len(parts)}{more} received no training data under {scheme} "
+            f"({len(labels)} training samples); use fewer clients"
+        )
+        refuse(msg)
+    if test is None and getattr(args, "client_test", False):
+        test = client_test_split(data.y_test.cpu().numpy(), labels, parts, c, rng)
+    to_dev = lambda ps: [torch.as_tensor(np.sort(p), dtype=torch.long, device=data.y_train.device) for p in ps]
+    return Partition(to_dev(parts), to_dev(test) if test is not None else None, scheme, names)
+
+
+def split_by_flag(args, labels, n, c, rng):
+    """(parts, scheme): labels split over n clients by the run's partition flag (and --quantity)."""
     weights = powerlaw_weights(n, rng) if args.quantity == "powerlaw" else np.full(n, 1.0 / n)
     if args.iid:
         parts, scheme = split_iid(len(labels), weights, rng), "iid"
@@ -178,23 +294,11 @@ def make_partition(args, data):
         parts, scheme = split_dirichlet(labels, n, c, args.alpha, weights, rng), f"dirichlet alpha={args.alpha}"
     elif args.split2:
         parts, scheme = split_classes(labels, 5, c, None, weights, rng, holders=SPLIT2_CLASSES), "split-2"
+    elif getattr(args, "disjoint_classes", False):
+        parts, scheme = split_disjoint(labels, n, rng), "disjoint-classes"
     else:
         raise ValueError("no partition flag set")
-    if args.quantity == "powerlaw":
-        scheme += " powerlaw"
-    empty = [k for k, p in enumerate(parts) if len(p) == 0]
-    if empty:  # bad input found only now that the data is known: exit 2 with one line, as parser.error
-        more = f" (and {len(empty) - 1} more)" if len(empty) > 1 else ""
-        msg = (
-            f"--num-clients: client {empty[0]} of {n}{more} received no training data under {scheme} "
-            f"({len(labels)} training samples); use fewer --num-clients"
-        )
-        refuse(msg)
-    test = None
-    if getattr(args, "client_test", False):
-        test = client_test_split(data.y_test.cpu().numpy(), labels, parts, c, rng)
-    to_dev = lambda ps: [torch.as_tensor(np.sort(p), dtype=torch.long, device=data.y_train.device) for p in ps]
-    return Partition(to_dev(parts), to_dev(test) if test is not None else None, scheme)
+    return parts, scheme + (" powerlaw" if args.quantity == "powerlaw" else "")
 
 
 def powerlaw_weights(n, rng, exponent=1.5):
@@ -250,6 +354,16 @@ def split_classes(labels, n, c, per_client, weights, rng, holders=None):
         for k, piece in zip(owners, _cut(idx, weights[owners])):
             parts[k].append(piece)
     return [np.concatenate(p) if p else np.array([], dtype=int) for p in parts]
+
+
+def split_disjoint(labels, n, rng):
+    """FedLN's "2-2-3 classes" (Table 5, App. C.2): the classes present, in a random order, cut into n disjoint
+    sets, the first clients floor(c'/n) classes, the last c' mod n clients one more (PACS: 7 classes over 3
+    clients: 2, 2, 3); each client holds every sample of its classes."""
+    present = rng.permutation(np.unique(labels))
+    sizes = [len(present) // n + (k >= n - len(present) % n) for k in range(n)]
+    sets = np.split(present, np.cumsum(sizes)[:-1])
+    return [np.flatnonzero(np.isin(labels, s)) for s in sets]
 
 
 def split_dirichlet(labels, n, c, alpha, weights, rng, min_size=10, max_tries=100):
@@ -1051,13 +1165,15 @@ register_model("resnet")(resnet)
 
 # --- Flag checks: exit status 2 and one line naming the flag, before any work -----------------
 TORCHVISION_DATASETS = ["mnist", "fashionmnist", "emnist", "cifar10", "cifar100", "svhn"]
-DATASETS = TORCHVISION_DATASETS + ["folder", "synthetic"]
+DATASETS = TORCHVISION_DATASETS + ["folder", "tinyimagenet", "synthetic"]
 PARTITION_FLAGS = {
     "iid": "--iid",
     "shards": "--shards",
     "classes_per_client": "--classes-per-client",
     "alpha": "--alpha",
     "split2": "--split2",
+    "disjoint_classes": "--disjoint-classes",
+    "natural": "--natural",
 }
 NUM_CLASSES = {
     "mnist": 10,
@@ -1066,6 +1182,7 @@ NUM_CLASSES = {
     "cifar10": 10,
     "cifar100": 100,
     "svhn": 10,
+    "tinyimagenet": 200,
     "synthetic": 10,
 }
 TRAIN_SIZE = {
@@ -1075,6 +1192,7 @@ TRAIN_SIZE = {
     "cifar10": 50000,
     "cifar100": 50000,
     "svhn": 73257,
+    "tinyimagenet": 100000,
 }
 RUNTIME_FLAGS = ("resume", "stop_after", "overwrite")  # not part of a run's config: they belong to one invocation
 # what may be given with --resume: --rounds extends; --device and --data-dir say where it runs and where the data lie
@@ -1149,18 +1267,24 @@ def finish_args(parser, args, script, default_partition):
         err(f"--dataset: unknown dataset '{args.dataset}'; choose one of {', '.join(DATASETS)}")
     if args.model not in MODELS:
         err(f"--model: unknown model '{args.model}'; choose one of {', '.join(sorted(MODELS))}")
-    if args.dataset == "folder":
-        check_image_folder(args.data_dir, err)
-    given = [k for k in PARTITION_FLAGS if getattr(args, k) not in (None, False)]
+    check_data_dir(args, err)
+    given = [k for k in PARTITION_FLAGS if getattr(args, k, None) not in (None, False)]
     if len(given) > 1:
         err(
             "partition: give at most one of "
             + ", ".join(PARTITION_FLAGS.values())
             + f" (got {' and '.join(PARTITION_FLAGS[k] for k in given)})"
         )
+    if not given and getattr(args, "clients_per_domain", None):
+        err(
+            "--clients-per-domain: give the partition within each domain: --iid, --shards S, "
+            "--classes-per-client C, --alpha A or --disjoint-classes"
+        )
     if not given:
         setattr(args, default_partition[0], default_partition[1])
     classes = _num_classes_hint(args)
+    if grouped_layout(args):
+        classes = check_groups(parser, args, err)  # the fewest classes of a domain, or None
     if args.shards is not None:
         if classes is not None and args.shards > classes:
             err(f"--shards: S={args.shards} is more than the {classes} classes of {args.dataset}")
@@ -1171,8 +1295,15 @@ def finish_args(parser, args, script, default_partition):
         err(f"--classes-per-client: C must be in 1..{classes}, got {args.classes_per_client}")
     if args.split2 and args.num_clients != 5:
         err(f"--split2: split-2 has exactly 5 clients; pass --num-clients 5 (got {args.num_clients})")
-    if args.quantity == "powerlaw" and args.split2:
-        err("--quantity: powerlaw works with --iid, --shards, --classes-per-client or --alpha, not --split2")
+    if args.quantity == "powerlaw" and (args.split2 or getattr(args, "natural", False)):
+        err(
+            "--quantity: powerlaw works with --iid, --shards, --classes-per-client or --alpha, not "
+            + ("--split2" if args.split2 else "--natural (its clients' sizes are the data's)")
+        )
+    if getattr(args, "disjoint_classes", False) and classes is not None:
+        n = getattr(args, "clients_per_domain", None) or args.num_clients
+        if n > classes:
+            err(f"--disjoint-classes: {n} clients cannot each hold their own of {classes} classes; use fewer clients")
     if args.data_seed is None:
         args.data_seed = args.seed
     args.device = check_device(args.device, err)
@@ -1238,8 +1369,7 @@ def resume_args(parser, args, script):
     device = check_device(args.device if "device" in given else saved["device"], err)
     if "data_dir" in given:
         saved["data_dir"] = args.data_dir
-        if saved["dataset"] == "folder":
-            check_image_folder(args.data_dir, err)
+        check_data_dir(argparse.Namespace(**{**saved, "data_dir": args.data_dir}), err)
     keep = {"resume": folder, "stop_after": args.stop_after, "overwrite": False, "rounds": rounds, "device": device}
     args = argparse.Namespace(**{**vars(args), **saved, **keep, "script": script})
     args.out = folder
@@ -1258,6 +1388,120 @@ def check_device(device, err):
     if device == "mps" and not torch.backends.mps.is_available():
         err("--device: 'mps' asked for but Apple's MPS is not available; use --device cpu")
     return device
+
+
+def grouped_layout(args):
+    """Whether the image folder is read in groups, train/<group>/<class>/*: clients (--natural) or domains."""
+    return bool(getattr(args, "natural", False) or getattr(args, "clients_per_domain", None))
+
+
+def check_data_dir(args, err):
+    """The folder of --dataset folder (flat, or in groups with --natural / --clients-per-domain) or
+    tinyimagenet is in its layout; folder layouts need --dataset folder."""
+    if grouped_layout(args) and args.dataset != "folder":
+        flag = "--natural" if getattr(args, "natural", False) else "--clients-per-domain"
+        err(
+            f"{flag}: clients or domains come from an image folder: --dataset folder --data-dir DIR with "
+            "DIR/train/<group>/<class>/*"
+        )
+    if args.dataset == "folder" and grouped_layout(args):
+        check_group_folder(args.data_dir, err)
+    elif args.dataset == "folder":
+        check_image_folder(args.data_dir, err)
+    elif args.dataset == "tinyimagenet":
+        check_tinyimagenet(args.data_dir, err)
+
+
+def check_groups(parser, args, err):
+    """--natural / --clients-per-domain M: the number of clients is the data's (N groups, or N*M; a different
+    --num-clients given is refused); per-group test folders give --natural its per-client test sets. Returns
+    the fewest classes of a domain (for --shards, --classes-per-client, --disjoint-classes)."""
+    root = args.data_dir
+    groups, _, per_group = folder_layout(root)
+    natural, m = getattr(args, "natural", False), getattr(args, "clients_per_domain", None)
+    if natural and m:
+        err("--clients-per-domain: --natural makes each folder one client; give one of the two")
+    if m and args.split2:
+        err(
+            "--clients-per-domain: --split2 has its own 5 clients; give --iid, --shards, --classes-per-client, "
+            "--alpha or --disjoint-classes within each domain"
+        )
+    n = len(groups) * (m or 1)
+    if "num_clients" in given_flags(parser) and args.num_clients != n:
+        kind = "client" if natural else "domain"
+        err(
+            f"--num-clients: {root}/train has {len(groups)} {kind} folders, so the run has {n} clients; "
+            f"leave --num-clients out or give {n}"
+        )
+    args.num_clients = n
+    if natural and per_group:
+        args.client_test = True  # test/<client>/<class>/*: each client's own test set
+    fewest = min(groups, key=lambda g: len(_subdirs(os.path.join(root, "train", g))))
+    count = len(_subdirs(os.path.join(root, "train", fewest)))
+    if m and args.classes_per_client is not None and args.classes_per_client > count:
+        err(f"--classes-per-client: the domain {fewest} has {count} classes, fewer than C={args.classes_per_client}")
+    if m and args.shards is not None and args.shards > count:
+        err(f"--shards: the domain {fewest} has {count} classes, fewer than S={args.shards}")
+    if m and getattr(args, "disjoint_classes", False) and m > count:
+        err(f"--disjoint-classes: the domain {fewest} has {count} classes, too few for {m} clients with their own")
+    return count if m else None
+
+
+def check_group_folder(root, err):
+    """root/train/<group>/<class>/ with an image in each class folder, and test/ either one folder per group
+    (test/<group>/<class>/*, classes among the training ones) or one shared test/<class>/* with every class."""
+    train, test = (os.path.join(root, split) for split in ("train", "test"))
+    layout = "DIR/train/<group>/<class>/*images*"
+    for split in (train, test):
+        if not os.path.isdir(split):
+            err(f"--data-dir: clients or domains from folders need {split}/ ({layout})")
+    groups = _subdirs(train)
+    if not groups:
+        err(f"--data-dir: {train} has no group folders; clients or domains from folders need {layout}")
+    for g in groups:
+        base = os.path.join(train, g)
+        if _images(base) or not _subdirs(base):
+            err(
+                f"--data-dir: {base} holds {'images' if _images(base) else 'no class folders'}; clients or domains "
+                f"from folders need {layout} (a folder of train/<class>/*: leave out --natural and "
+                "--clients-per-domain)"
+            )
+        empty = [c for c in _subdirs(base) if not _images(os.path.join(base, c))]
+        if empty:
+            err(
+                f"--data-dir: the class folder(s) {', '.join(empty[:3])} of {base} hold no images; remove them or "
+                "add images"
+            )
+    groups, classes, per_group = folder_layout(root)
+    if per_group:
+        extra = sorted(
+            {f"{g}/{c}" for g in groups for c in _subdirs(os.path.join(test, g))}
+            - {f"{g}/{c}" for g in groups for c in classes}
+        )
+        if extra:
+            err(f"--data-dir: {test} has class folder(s) {', '.join(extra[:3])} of no class in {train}")
+    else:
+        missing = [c for c in classes if not os.path.isdir(os.path.join(test, c))]
+        if missing:
+            err(
+                f"--data-dir: {test} is neither one folder per group of {train} ({', '.join(groups[:3])}"
+                f"{' ...' if len(groups) > 3 else ''}) nor one per class: it lacks the class folder(s) "
+                f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
+            )
+
+
+def check_tinyimagenet(root, err):
+    """root (tiny-imagenet-200/) holds train/<wnid>/images/ and val/images/ with val/val_annotations.txt."""
+    train = os.path.join(root, "train")
+    needed = [os.path.join(root, "val", "images"), os.path.join(root, "val", "val_annotations.txt")]
+    if not os.path.isdir(train) or not _subdirs(train) or not all(map(os.path.exists, needed)):
+        err(
+            f"--data-dir: Tiny-ImageNet needs {root}/train/<wnid>/images/*.JPEG, {root}/val/images/ and "
+            f"{root}/val/val_annotations.txt (the unpacked tiny-imagenet-200.zip)"
+        )
+    bad = [w for w in _subdirs(train) if not os.path.isdir(os.path.join(train, w, "images"))]
+    if bad:
+        err(f"--data-dir: {train}/{bad[0]} has no images/ folder (Tiny-ImageNet's layout: train/<wnid>/images/)")
 
 
 def check_image_folder(root, err):
@@ -1283,9 +1527,13 @@ def check_image_folder(root, err):
         c for c in classes if not any(f.lower().endswith(IMAGE_EXTENSIONS) for f in os.listdir(os.path.join(train, c)))
     ]
     if empty:
+        nested = all(_subdirs(os.path.join(train, c)) for c in empty)  # train/<group>/<class>/*
+        hint = (
+            "; folders in groups, train/<group>/<class>/*, need --natural or --clients-per-domain M" if nested else ""
+        )
         err(
             f"--data-dir: the class folder(s) {', '.join(empty[:3])}{' ...' if len(empty) > 3 else ''} of {train} "
-            "hold no images; remove them or add images"
+            f"hold no images; remove them or add images{hint}"
         )
 
 
@@ -1336,8 +1584,7 @@ def _read_json(path):
 
 def _num_classes_hint(args):
     if args.dataset == "folder":
-        path = os.path.join(args.data_dir, "train")
-        return len([d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d))])
+        return len(folder_layout(args.data_dir)[1] if grouped_layout(args) else folder_classes(args.data_dir))
     return NUM_CLASSES.get(args.dataset)
 
 
@@ -1359,21 +1606,29 @@ def seed_everything(seed):
 
 # --- Dataset files: torchvision downloads, image folders (decoded once, cached), synthetic data -----
 def read_dataset(args):
-    """(x_train, y_train, x_test, y_test) of args.dataset, as stored. Under torchrun one process per
-    machine downloads or decodes (and caches) first, then the others read its files."""
+    """{x_train, y_train, x_test, y_test (, group_train, group_test, groups, classes)} of args.dataset, as
+    stored. Under torchrun one process per machine downloads or decodes (and caches) first, then the others
+    read its files."""
     world = rank_and_world()[1]
     first = world == 1 or int(os.environ["LOCAL_RANK"]) == 0
     if not first:
         dist.barrier()  # wait for the first process of this machine
+    extra = {}
     if args.dataset == "synthetic":
         tensors = synthetic_dataset(args.data_seed)
+    elif args.dataset == "folder" and grouped_layout(args):
+        *tensors, g_tr, g_te = group_folder_dataset(args.data_dir)
+        groups, classes, _ = folder_layout(args.data_dir)
+        extra = {"group_train": g_tr, "group_test": g_te, "groups": groups, "classes": classes}
     elif args.dataset == "folder":
-        tensors = folder_dataset(args.data_dir)
+        tensors, extra = folder_dataset(args.data_dir), {"classes": folder_classes(args.data_dir)}
+    elif args.dataset == "tinyimagenet":
+        tensors = tinyimagenet_dataset(args.data_dir)
     else:
         tensors = torchvision_dataset(args.dataset, args.data_dir)
     if first and world > 1:
         dist.barrier()
-    return tensors
+    return {**dict(zip(("x_train", "y_train", "x_test", "y_test"), tensors)), **extra}
 
 
 def synthetic_dataset(seed, n_train=3000, n_test=1000, num_classes=10, size=32):
@@ -1428,12 +1683,89 @@ def torchvision_dataset(name, root):
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".ppm", ".webp", ".tif", ".tiff")
 
 
+def _subdirs(path):
+    return sorted(d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d)))
+
+
+def _images(path):
+    return sorted(f for f in os.listdir(path) if f.lower().endswith(IMAGE_EXTENSIONS))
+
+
+def folder_classes(root):
+    return _subdirs(os.path.join(root, "train"))
+
+
 def folder_dataset(root):
-    """Read root/{train,test}/<class>/* once and cache the decoded uint8 tensors.
+    """Read root/{train,test}/<class>/* once and cache the decoded uint8 tensors (see _decode_cached).
+    Class index = position of the folder name in sorted order."""
+    classes = folder_classes(root)
+    files = {
+        split: [
+            (c, 0, os.path.join(root, split, classes[c], f))
+            for c in range(len(classes))
+            for f in _images(os.path.join(root, split, classes[c]))
+        ]
+        for split in ("train", "test")
+    }
+    return _decode_cached(root, files, "flat")[:4]
+
+
+def folder_layout(root):
+    """An image folder in groups, root/train/<group>/<class>/*: (groups, classes, test_per_group), with the
+    sorted group names, the sorted union of the groups' class names, and whether test/ is test/<group>/<class>/*
+    (its folders are the groups) rather than one shared test/<class>/*."""
+    groups = _subdirs(os.path.join(root, "train"))
+    classes = sorted({c for g in groups for c in _subdirs(os.path.join(root, "train", g))})
+    return groups, classes, set(_subdirs(os.path.join(root, "test"))) == set(groups)
+
+
+def group_folder_dataset(root):
+    """Read root/train/<group>/<class>/* and root/test/<group>/<class>/* (or one shared root/test/<class>/*)
+    once, cached: [x_train, y_train, x_test, y_test, group_train, group_test]; group_test is None for a shared
+    test/. Group and class index = position of the name in sorted order (classes: over all groups)."""
+    groups, classes, per_group = folder_layout(root)
+    label = {c: i for i, c in enumerate(classes)}
+
+    def listing(g, base):  # (label, group, path) of base/<class>/*
+        return [(label[c], g, os.path.join(base, c, f)) for c in _subdirs(base) for f in _images(os.path.join(base, c))]
+
+    train, test = os.path.join(root, "train"), os.path.join(root, "test")
+    files = {"train": [item for g, name in enumerate(groups) for item in listing(g, os.path.join(train, name))]}
+    if per_group:
+        files["test"] = [item for g, name in enumerate(groups) for item in listing(g, os.path.join(test, name))]
+    else:
+        files["test"] = listing(-1, test)
+    tensors = _decode_cached(root, files, "groups")
+    return tensors if per_group else tensors[:5] + [None]
+
+
+def tinyimagenet_dataset(root):
+    """Tiny-ImageNet as distributed (tiny-imagenet-200/): train/<wnid>/images/*.JPEG (500 per class) and
+    val/images/*.JPEG labelled by val/val_annotations.txt (50 per class, the test split here; test/ has no
+    labels). 64x64; the few grayscale images become RGB. Class index = position of the wnid in sorted order."""
+    wnids = _subdirs(os.path.join(root, "train"))
+    label = {w: i for i, w in enumerate(wnids)}
+    train = [
+        (label[w], 0, os.path.join(root, "train", w, "images", f))
+        for w in wnids
+        for f in _images(os.path.join(root, "train", w, "images"))
+    ]
+    with open(os.path.join(root, "val", "val_annotations.txt")) as f:
+        rows = sorted(line.split("\t")[:2] for line in f if line.strip())
+    unknown = sorted({w for _, w in rows} - set(label))
+    if unknown:
+        refuse(f"--data-dir: {root}/val/val_annotations.txt names classes without a train/ folder: {unknown[:3]}")
+    test = [(label[w], 0, os.path.join(root, "val", "images", name)) for name, w in rows]
+    return _decode_cached(root, {"train": train, "test": test}, "tinyimagenet")[:4]
+
+
+def _decode_cached(root, files, layout):
+    """files: {"train": [(label, group, path)], "test": [...]} -> [x_train, y_train, x_test, y_test, group_train,
+    group_test], decoded once and cached.
 
     The cache sits in root (root/.cleanfl-cache.pt), or in ~/.cache/cleanfl when root is read-only. It is
-    keyed on the folder's contents (every image's path, size and modification time), so added, removed
-    or replaced images are decoded anew. Class index = position of the folder name in sorted order.
+    keyed on the layout and the folder's contents (every image's path, size and modification time), so added,
+    removed or replaced images are decoded anew.
     """
     root = os.path.abspath(root)
     key = hashlib.sha1(root.encode()).hexdigest()[:16]
@@ -1441,36 +1773,21 @@ def folder_dataset(root):
         os.path.join(root, ".cleanfl-cache.pt"),
         os.path.join(os.path.expanduser("~"), ".cache", "cleanfl", f"folder-{key}.pt"),
     ]
-    classes = sorted(
-        d for d in os.listdir(os.path.join(root, "train")) if os.path.isdir(os.path.join(root, "train", d))
-    )
-    files = {
-        split: [
-            (c, os.path.join(root, split, classes[c], f))
-            for c in range(len(classes))
-            for f in sorted(os.listdir(os.path.join(root, split, classes[c])))
-            if f.lower().endswith(IMAGE_EXTENSIONS)
-        ]
-        for split in ("train", "test")
-    }
-    stamp = _fingerprint([path for split in files.values() for _, path in split], root)
+    stamp = _fingerprint([path for split in files.values() for _, _, path in split], root)
+    stamp = stamp if layout == "flat" else f"{layout}:{stamp}"  # a flat folder's cache keeps its old key
     for path in caches:
         if os.path.isfile(path):
             cached = torch.load(path)
             if cached.get("stamp") == stamp:
                 return cached["tensors"]
-    tensors = []
+    tensors, groups = [], []
     for split in ("train", "test"):
-        xs = [_decode_image(path) for _, path in _progress(files[split], desc=f"decoding {split}/")]
+        xs = [_decode_image(path) for _, _, path in _progress(files[split], desc=f"decoding {split}/")]
         if not xs:
             refuse(f"--data-dir: no images found under {os.path.join(root, split)}/<class>/")
-        shapes = {tuple(x.shape) for x in xs}
-        if len(shapes) > 1:
-            refuse(
-                f"--data-dir: images under {root}/{split} differ in size ({sorted(shapes)[:3]}...); "
-                "resize them to one size first"
-            )
-        tensors += [torch.stack(xs), torch.tensor([c for c, _ in files[split]])]
+        tensors += [_stack(xs, os.path.join(root, split)), torch.tensor([y for y, _, _ in files[split]])]
+        groups.append(torch.tensor([g for _, g, _ in files[split]]))
+    tensors += groups
     for path in caches:  # first writable place wins
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -1479,6 +1796,18 @@ def folder_dataset(root):
         except OSError:
             continue
     return tensors
+
+
+def _stack(xs, where):
+    """One uint8 [N, C, H, W] tensor; grayscale images among colour ones become 3-channel (Tiny-ImageNet has some)."""
+    if {x.shape[0] for x in xs} == {1, 3}:
+        xs = [x.expand(3, -1, -1) if x.shape[0] == 1 else x for x in xs]
+    shapes = {tuple(x.shape) for x in xs}
+    if len(shapes) > 1:
+        refuse(
+            f"--data-dir: images under {where} differ in size ({sorted(shapes)[:3]}...); resize them to one size first"
+        )
+    return torch.stack(xs)
 
 
 def _fingerprint(paths, root):
@@ -1555,6 +1884,10 @@ class Run:
         info = {"scheme": partition.scheme, "train": label_counts(data.y_train, partition.train, data.num_classes)}
         if partition.test is not None:
             info["test"] = label_counts(data.y_test, partition.test, data.num_classes)
+        if getattr(data, "classes", None) is not None:  # an image folder's class names
+            info["classes"] = data.classes
+        if partition.names is not None:  # each client's folder (--natural) or domain (--clients-per-domain)
+            info["clients"] = partition.names
         _atomic_save(info, os.path.join(self.dir, "partition.json"))
 
     def announce(self, model, partition, name=None):

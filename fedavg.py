@@ -26,9 +26,9 @@ import torch.nn.functional as F
 
 # fmt: off
 from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights, decay_rate,
-                    device_flag, each_client, evaluate, finish_args, fraction, inner_fraction, load_average, load_data,
-                    lr_at, make_partition, non_negative_float, positive_float, positive_int, prepare_batch, prox_term,
-                    rng_state, sample_clients, seed_everything, seed_int, set_rng_state, setup_distributed)
+                    device_flag, each_client, eval_metrics, finish_args, fraction, inner_fraction, load_average,
+                    load_data, lr_at, make_partition, non_negative_float, positive_float, positive_int, prepare_batch,
+                    prox_term, rng_state, sample_clients, seed_everything, seed_int, set_rng_state, setup_distributed)
 
 
 def parse_args():
@@ -36,12 +36,14 @@ def parse_args():
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default="cifar10",
-        help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | synthetic")
+        help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | tinyimagenet | synthetic")
     g.add_argument("--data-dir", default="./data",
-        help="download folder, or the image folder (train/<class>/*, test/<class>/*) for --dataset folder")
+        help="download folder, the image folder of --dataset folder (train/<class>/*, test/<class>/*; in groups: "
+             "train/<group>/<class>/*), or tiny-imagenet-200/")
     g.add_argument("--augment", default="crop-flip", choices=AUGMENTATIONS,
         help="on-device augmentation of training batches")
-    g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2)")
+    g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2, "
+                             "--disjoint-classes, --natural)")
     g.add_argument("--iid", action="store_true", help="uniform random split")
     g.add_argument("--shards", type=positive_int, default=None,
         help="S: sort by label, N*S shards, S per client (default: S=2, McMahan's pathological non-IID)")
@@ -51,10 +53,18 @@ def parse_args():
         help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
     g.add_argument("--split2", action="store_true",
         help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
+    g.add_argument("--disjoint-classes", action="store_true",
+        help="each client holds its own classes: N disjoint sets (7 classes, 3 clients: 2, 2, 3; FedLN Table 5)")
+    g.add_argument("--natural", action="store_true",
+        help="the clients are the folders of an image folder, train/<client>/<class>/* (N: their number)")
+    g.add_argument("--clients-per-domain", type=positive_int, default=None,
+        help="M: an image folder train/<domain>/<class>/*, each domain split over M clients by the partition flag")
     g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"],
         help="client sizes: equal, or power law (unbalanced)")
     g.add_argument("--client-test", action="store_true",
         help="also evaluate on per-client test sets with each client's label distribution")
+    g.add_argument("--balanced-acc", action="store_true",
+        help="also log the balanced accuracy (mean per-class recall) of the global and per-client tests")
     g.add_argument("--data-seed", type=seed_int, default=None,
         help="seed of the partition (default: --seed); client sampling uses --seed")
     g = p.add_argument_group("federation")
@@ -160,10 +170,7 @@ if __name__ == "__main__":
 
         if run.evaluates(rnd):  # every --eval-every rounds and the last
             model.eval()
-            acc, loss = evaluate(model, data.x_test, data.y_test, data, amp=args.amp)
-            metrics = {"round": rnd + 1, "test_acc": acc, "test_loss": loss, "train_loss": train_loss, "lr": lr}
-            if partition.test is not None:
-                accs = [evaluate(model, data.x_test[t], data.y_test[t], data, amp=args.amp)[0] for t in partition.test]
-                metrics["client_test_acc_mean"] = float(np.mean(accs))
-            run.log(metrics)
+            # test_acc, test_loss; per-client mean, std, worst 10%; --balanced-acc: the same of balanced accuracy
+            tests = eval_metrics(model, data, partition.test, args.balanced_acc, args.amp)
+            run.log({"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr})
     run.finish(model)  # summary.json: the final round's metrics

@@ -289,8 +289,9 @@ def _colors(plt, n):
 # partition: partition.json (common.Run.write_partition) as a clients x classes heatmap
 # ---------------------------------------------------------------------------------------------
 def load_partition(path, split="train"):
-    """(counts [clients, classes] int array, scheme, class names) from a run folder or its partition.json.
-    partition.json: {"scheme": str, "train": [[count per class] per client], "test": ... (--client-test)}."""
+    """(counts [clients, classes] int array, scheme, class names, client names or None) from a run folder or its
+    partition.json: {"scheme": str, "train": [[count per class] per client], "test": ... (--client-test),
+    "classes": [name] (image folders), "clients": [folder or domain per client] (--natural, --clients-per-domain)}."""
     run_dir = path if os.path.isdir(path) else os.path.dirname(path)
     file = os.path.join(path, "partition.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
@@ -300,7 +301,8 @@ def load_partition(path, split="train"):
     if split not in info:
         raise ValueError(f"{file}: no '{split}' counts (test counts exist only for runs with --client-test)")
     counts = np.asarray(info[split], dtype=int)
-    return counts, info.get("scheme", "?"), class_names(run_dir, counts.shape[1])
+    names = info.get("classes") or class_names(run_dir, counts.shape[1])  # an image folder's: in the file
+    return counts, info.get("scheme", "?"), names, info.get("clients")
 
 
 def class_names(run_dir, num_classes):
@@ -321,7 +323,7 @@ def class_names(run_dir, num_classes):
 
 def plot_partition(a, plt):
     try:
-        counts, scheme, names = load_partition(a.path, a.split)
+        counts, scheme, names, clients = load_partition(a.path, a.split)
     except ValueError as e:
         print(f"plot.py partition: {e}", file=sys.stderr)
         return 2
@@ -343,6 +345,8 @@ def plot_partition(a, plt):
     ax.set_xlabel(f"client (0-{n - 1})")
     if n <= 20:
         ax.set_xticks(range(n))
+        if clients:  # each client's folder or domain
+            ax.set_xticklabels(clients, fontsize=6, rotation=90)
     sizes = counts.sum(1)
     ax.set_title(
         a.title

@@ -125,3 +125,30 @@ def stand_in_folder(root, classes=CIFAR10_CLASSES):
             os.makedirs(os.path.join(root, split, c))
             Image.new("RGB", (2, 2)).save(os.path.join(root, split, c, "0.png"))
     return str(root)
+
+
+def stand_in_groups(root, groups=("art_painting", "cartoon", "photo", "sketch"), classes=CIFAR10_CLASSES[:7]):
+    """An image folder in groups (PACS-shaped: 4 domains of 7 classes, test/ per group), one 2x2 image per
+    class: enough for finish_args with --natural or --clients-per-domain."""
+    from PIL import Image
+
+    for split in ("train", "test"):
+        for g in groups:
+            for c in classes:
+                os.makedirs(os.path.join(root, split, g, c))
+                Image.new("RGB", (2, 2)).save(os.path.join(root, split, g, c, "0.png"))
+    return str(root)
+
+
+def stand_in_tinyimagenet(root):
+    """Tiny-ImageNet's layout (train/<wnid>/images/, val/images/, val/val_annotations.txt), one image a class."""
+    from PIL import Image
+
+    for w in ("n01443537", "n01629819"):
+        os.makedirs(os.path.join(root, "train", w, "images"))
+        Image.new("RGB", (64, 64)).save(os.path.join(root, "train", w, "images", f"{w}_0.JPEG"))
+    os.makedirs(os.path.join(root, "val", "images"))
+    Image.new("RGB", (64, 64)).save(os.path.join(root, "val", "images", "val_0.JPEG"))
+    with open(os.path.join(root, "val", "val_annotations.txt"), "w") as f:
+        f.write("val_0.JPEG\tn01443537\t0\t0\t63\t63\n")
+    return str(root)

@@ -324,7 +324,7 @@ def test_plot_partition_reads_what_run_writes(tmp_path, capsys):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     common.Run.write_partition(types.SimpleNamespace(dir=str(run_dir), main=True), part, data)
-    counts, scheme, names = plot.load_partition(str(run_dir))
+    counts, scheme, names, _ = plot.load_partition(str(run_dir))
     assert counts.tolist() == [[2, 1, 0], [1, 1, 3]] and scheme == "shards=2" and names == ["0", "1", "2"]
     assert plot.load_partition(str(run_dir / "partition.json"))[0].tolist() == counts.tolist()
     # class names: the image folder's sorted class folders, when config.json names one

@@ -399,7 +399,7 @@ def test_load_data_mixes_a_class_sorted_folder_with_one_fixed_permutation(tmp_pa
 def test_unsort_keeps_a_mixed_order_as_it_is():
     x, y = torch.arange(6).view(6, 1), torch.tensor([2, 0, 1, 2, 0, 1])
     assert common.unsort(x, y)[1] is y
-    xs, ys = common.unsort(x, torch.tensor([0, 0, 1, 1, 2, 2]))
+    xs, ys, _ = common.unsort(x, torch.tensor([0, 0, 1, 1, 2, 2]))
     assert ys.tolist() != [0, 0, 1, 1, 2, 2] and torch.equal(torch.tensor([0, 0, 1, 1, 2, 2])[xs.view(-1)], ys)
 
 

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from helpers import stand_in_folder
+from helpers import stand_in_folder, stand_in_groups, stand_in_tinyimagenet
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
@@ -134,7 +134,8 @@ def places(tmp_path_factory):
     folder = stand_in_folder(root / "cifar10")
     init = root / "init.pt"
     init.write_bytes(b"")
-    return {"data_dir": str(folder), "file": str(init), "root": root}
+    groups, tiny = stand_in_groups(root / "pacs"), stand_in_tinyimagenet(root / "tiny-imagenet-200")
+    return {"data_dir": str(folder), "groups": groups, "tinyimagenet": tiny, "file": str(init), "root": root}
 
 
 def resume_folder(module, name, places, monkeypatch):
@@ -151,12 +152,15 @@ def resume_folder(module, name, places, monkeypatch):
 
 
 def fill_placeholders(args, module, name, places, monkeypatch):
-    """--data-dir DIR / $DATA_DIR / ~/cifar10 -> the stand-in folder; --init-from -> a file; --resume -> a
-    run folder; --device cuda -> cpu (this machine may have no GPU)."""
+    """--data-dir DIR / $DATA_DIR / ~/cifar10 -> the stand-in folder (in groups with --natural or
+    --clients-per-domain; Tiny-ImageNet's layout with --dataset tinyimagenet); --init-from -> a file; --resume
+    -> a run folder; --device cuda -> cpu (this machine may have no GPU)."""
     args = list(args)
+    kind = "groups" if {"--natural", "--clients-per-domain"} & set(args) else "data_dir"
+    kind = "tinyimagenet" if "tinyimagenet" in args else kind
     for i, a in enumerate(args[:-1]):
         if a == "--data-dir":
-            args[i + 1] = places["data_dir"]
+            args[i + 1] = places[kind]
         elif a == "--init-from":
             args[i + 1] = places["file"]
         elif a == "--resume":

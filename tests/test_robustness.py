@@ -101,6 +101,8 @@ EXTRA = {
     "--stop-after": ["0"],
     "--shards": ["0"],
     "--classes-per-client": ["0"],
+    "--clients-per-domain": ["0"],
+    "--focal-gamma": [],
     "--alpha": ["0"],
     "--seed": ["4294967296"],
     "--data-seed": ["4294967296"],
