@@ -24,7 +24,7 @@ import sys
 
 import numpy as np
 
-SCALES = ("small", "paper")
+SCALES = ("small", "proxy", "paper")
 
 # Per claim: title, the paper's setting, variants in display order, and the reported quantities.
 # Each quantity: (column label, where: ("summary", key) or ("summary_by_epoch", epoch) or

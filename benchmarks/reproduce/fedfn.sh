@@ -2,7 +2,7 @@
 # Claim 1: FedFN beats FedAvg under heavy label skew on CIFAR-10
 # (fedfn.md Table 1, VGG11: s=2 77.77 vs 74.24; s=10 83.80 vs 81.97).
 #
-#   DATA_DIR=/path/to/cifar10 [SEEDS="0 1 2"] bash benchmarks/reproduce/fedfn.sh [small|paper]
+#   DATA_DIR=/path/to/cifar10 [SEEDS="0 1 2"] bash benchmarks/reproduce/fedfn.sh [small|proxy|paper]
 #
 # Runs go to runs/reproduce/fedfn-s{2,10}-<scale>/{fedavg,fedfn}/seed<k>; tables: benchmarks/collect.py.
 # Both variants run fedfn.py (FedAvg = --no-fn on the same code path), each with its paper lr.
@@ -18,6 +18,15 @@ if [ "$SCALE" = small ]; then
   #   --eval-every 5          every round -> every 5th (and the last)
   # Kept: N=100 clients, r=0.1, s shards per client, B=50, momentum 0.9, no weight decay, the lrs.
   COMMON=(--model convnet4-tiny --num-clients 100 --frac 0.1 --local-epochs 5 --rounds 50 --eval-every 5)
+elif [ "$SCALE" = proxy ]; then
+  # CPU, one thread: a model that keeps what FN acts on. vgg11-narrow (VGG11 at a quarter width, no batch norm,
+  # d = 512) starts with VGG11's feature norm (0.593 vs 0.597) and head-row norm (0.578 vs 0.575), where
+  # convnet4-tiny's batch-normed feature is 10.9x larger (benchmarks/proxy_properties.py); 0.77 ms/image.
+  #   --local-epochs 2 --rounds 200   E=15, R=320 -> 2, 200: more rounds than epochs, so the head's rows have
+  #                                   time to grow (--analyze every logs head_row_norm and feature_norm)
+  #   --eval-every 10                 every round -> every 10th (and the last)
+  # Kept: N=100, r=0.1, s shards, B=50, momentum 0.9, no weight decay, the lrs, lr x0.1 at 1/2 and 3/4.
+  COMMON=(--model vgg11-narrow --num-clients 100 --frac 0.1 --local-epochs 2 --rounds 200 --eval-every 10 --analyze every)
 else
   # GPU, the paper's setting (fedfn.md Sec. 5 / B.2): VGG11, N=100, r=0.1, E=15, R=320, B=50.
   COMMON=(--model vgg11 --num-clients 100 --frac 0.1 --local-epochs 15 --rounds 320)

@@ -18,8 +18,8 @@ set -euo pipefail
 setup() {
   SCALE=${1:-small}
   case "$SCALE" in
-    small|paper) ;;
-    *) echo "usage: DATA_DIR=/path/to/cifar10 [SEEDS=\"0 1 2\"] bash $0 [small|paper]" >&2; exit 2 ;;
+    small|proxy|paper) ;;
+    *) echo "usage: DATA_DIR=/path/to/cifar10 [SEEDS=\"0 1 2\"] bash $0 [small|proxy|paper]" >&2; exit 2 ;;
   esac
   SEEDS=${SEEDS:-"0 1 2"}
   VARIANTS=${VARIANTS:-}
@@ -38,8 +38,8 @@ setup() {
       echo "DATA_DIR must be an unpacked CIFAR-10 image folder with train/ and test/ (got '${DATA_DIR:-}')" >&2
       exit 2
     fi
-    if [ "$SCALE" = small ]; then
-      export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # the small configs were sized for one CPU thread per run
+    if [ "$SCALE" != paper ]; then
+      export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # the small and proxy configs were sized for one CPU thread per run
     fi
   fi
 }
