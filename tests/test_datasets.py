@@ -131,6 +131,17 @@ def test_pacs_disjoint_classes_two_two_three_per_domain(tmp_path, monkeypatch):
     assert sum(map(len, part.train)) == 4 * 7 * 4 and sum(map(len, part.test)) == 4 * 7 * 2
 
 
+def test_split_disjoint_class_counts_by_hand():
+    """c classes over n clients: floor(c/n) each, the last c mod n clients one more, every sample of a class with
+    its one client: 8 over 3 -> 2, 3, 3; 10 over 4 -> 2, 2, 3, 3; 6 over 3 -> 2, 2, 2."""
+    for c, n, want in [(8, 3, [2, 3, 3]), (10, 4, [2, 2, 3, 3]), (6, 3, [2, 2, 2])]:
+        labels = np.repeat(np.arange(c), 3)
+        parts = common.split_disjoint(labels, n, np.random.default_rng(0))
+        held = [sorted(set(labels[p].tolist())) for p in parts]
+        assert [len(h) for h in held] == want
+        assert sorted(sum(held, [])) == list(range(c)) and [len(p) for p in parts] == [3 * k for k in want]
+
+
 @pytest.mark.parametrize("flag", [["--iid"], ["--alpha", "0.5"], ["--classes-per-client", "7"], ["--shards", "2"]])
 def test_every_partition_flag_works_within_each_domain(flag, tmp_path, monkeypatch):
     root = domain_folder(tmp_path / "pacs", per_class=6)
@@ -288,6 +299,8 @@ def test_focal_loss_and_local_class_weights_by_hand():
 
     alpha = anfr.class_weights(torch.tensor([0, 0, 0, 2]), 3)  # shares 3/4, 0, 1/4 -> 4/3, 0 (absent), 4
     assert alpha.tolist() == pytest.approx([4 / 3, 0.0, 4.0])
+    # one weight per class of the dataset, also when the client lacks the last ones
+    assert anfr.class_weights(torch.tensor([0, 1, 1]), 4).tolist() == pytest.approx([3.0, 1.5, 0.0, 0.0])
     logits = torch.log(torch.tensor([[1.0, 1.0, 2.0], [3.0, 1.0, 1.0]]))  # softmax: (1/4, 1/4, 1/2), (3/5, 1/5, 1/5)
     y = torch.tensor([2, 0])
     expected = (4 * (1 - 0.5) ** 2 * math.log(2) + 4 / 3 * (1 - 0.6) ** 2 * -math.log(0.6)) / 2

@@ -163,6 +163,8 @@ def test_table3_variants_fill_the_ln_slots():
     last = fedln.build(model_args(norm="ln-last", ln_affine=False), data).body
     slots = [i for i, m in enumerate(fedln.build(model_args(norm="ln"), data).body) if isinstance(m, nn.GroupNorm)]
     assert len(slots) == 3 and all(isinstance(each[i], ScaleNorm) for i in slots)
+    fn = fedln.build(model_args(norm="fn"), data)  # fn: the plain CNN and one n on its last feature, none inside
+    assert sum(isinstance(m, ScaleNorm) for m in fn.modules()) == 1 and isinstance(fn.body[-1], ScaleNorm)
     assert [type(last[i]) for i in slots] == [fedln.MeanShift, fedln.MeanShift, nn.GroupNorm]
     assert last[slots[-1]].num_groups == 1 and not last[slots[-1]].affine
     tiny = torch.full((2, 16), 1e-4)  # ||x|| = 4e-4, above n's eps = 1e-5: scaled to sqrt(16) x / ||x|| = 1 per entry
