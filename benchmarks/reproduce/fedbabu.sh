@@ -21,7 +21,8 @@ if [ "$SCALE" = small ]; then
   # 5 epochs at lr 1e-3 per client, also reported after 0, 1, 2, 10 epochs).
   COMMON=(--model convnet4-tiny --num-clients 100 --shards 10 --frac 0.1 --local-epochs 10 --rounds 16 --eval-every 2)
 elif [ "$SCALE" = proxy ]; then
-  # CPU, one thread, about 45 min per run (6 runs: about 2.5 h on 2 cores): the paper's setting with one change,
+  # CPU, one thread: 40 s a round, about 27 min a run with fine-tuning (measured on the shared 2-core VM; 6 runs
+  # about 1.4 h with JOBS=2): the paper's setting with one change,
   #   --model convnet4-narrow  4convNet with 32 channels, head dimension d = 128 (paper: 64 channels, d = 256):
   #   the frozen random head's rows stay nearly orthogonal (mean |cos| 0.079, max 0.218; d = 256: 0.047, 0.147;
   #   convnet4-tiny, d = 32: 0.143, 0.475; benchmarks/proxy_properties.py), which FedBABU relies on (App. F.1).
