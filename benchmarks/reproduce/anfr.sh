@@ -21,7 +21,8 @@ if [ "$SCALE" = small ]; then
   # Kept: split-2, 5 clients, all every round, B=32, AdamW lr 1e-3, cosine decay, clipping 1.0, 32x32 input.
   COMMON=(--split2 --num-clients 5 --frac 1 --depth 18 --width 8 --local-steps 50 --rounds 25 --eval-every 5 --agg fedavg)
 elif [ "$SCALE" = proxy ]; then
-  # CPU, one thread: the small model with 4x the local steps (200 per round, 5,000 per client), so the NF
+  # CPU, one thread, 54 s a round, about 25 min a run (15 runs: about 3.1 h with JOBS=2; measured on the shared
+  # 2-core VM): the small model with 4x the local steps (200 per round, 5,000 per client), so the NF
   # blocks' last gains, which start at 0 and move by at most about lr per AdamW step, can open
   # (benchmarks/proxy_properties.py reads their mean from a run's checkpoint.pt; the paper's budget is
   # about 31,300 steps per client).

@@ -19,7 +19,8 @@ if [ "$SCALE" = small ]; then
   # Kept: N=100 clients, r=0.1, s shards per client, B=50, momentum 0.9, no weight decay, the lrs.
   COMMON=(--model convnet4-tiny --num-clients 100 --frac 0.1 --local-epochs 5 --rounds 50 --eval-every 5)
 elif [ "$SCALE" = proxy ]; then
-  # CPU, one thread: a model that keeps what FN acts on. vgg11-narrow (VGG11 at a quarter width, no batch norm,
+  # CPU, one thread, 8 s a round, about 28 min a run (12 runs: about 2.8 h with JOBS=2; measured on the shared
+  # 2-core VM): a model that keeps what FN acts on. vgg11-narrow (VGG11 at a quarter width, no batch norm,
   # d = 512) starts with VGG11's feature norm (0.593 vs 0.597) and head-row norm (0.578 vs 0.575), where
   # convnet4-tiny's batch-normed feature is 10.9x larger (benchmarks/proxy_properties.py); 0.77 ms/image.
   #   --local-epochs 2 --rounds 200   E=15, R=320 -> 2, 200: more rounds than epochs, so the head's rows have
