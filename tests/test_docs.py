@@ -2,7 +2,9 @@
 and inline code) is accepted by that script's own parser, called in-process without running anything;
 every `bash X.sh` / `pip install -r X` names an existing file; every relative link and image resolves
 (with its #anchor, for markdown targets); every table row has its header's number of cells; each
-method page has the fixed sections in order; the README stays short. Parsers only: about a second."""
+method page has the fixed sections in order; every code pointer `<script>.py: <name>` names a definition
+of that script, and each bullet of a method page's "Implementation details and deviations" holds one;
+the README stays short. Parsers only: about a second."""
 
 import argparse
 import glob
@@ -341,6 +343,55 @@ def test_method_page_has_the_fixed_sections(method):
     assert re.match(r"# .*`%s\.py`" % method, text), f"{doc}: the title names {method}.py"
     assert re.findall(r"^## (.+)$", text, re.M) == SECTIONS
     assert f"(docs/{method}.md)" in read("README.md"), f"the README's scripts table links {doc}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Code pointers: `fedfn.py: fn_forward`, `common.py: accumulate, load_average`, `common.py: Run.finish`,
+# `fedbabu.py: the __main__ block`; names, never line numbers
+# ---------------------------------------------------------------------------------------------
+POINTER_ITEM = r"(?:the __main__ (?:loop|block)|[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)?)"
+POINTER = re.compile(r"(\w+)\.py: (%s(?:, %s)*)" % (POINTER_ITEM, POINTER_ITEM))
+
+
+def defines(source, name):
+    """Whether a script defines name at its top level (def, class, NAME = ...), or Class.method."""
+    cls, _, attr = name.rpartition(".")
+    if cls:
+        body = re.search(r"^class %s\b.*?(?=^\S|\Z)" % cls, source, re.M | re.S)
+        return body is not None and re.search(r"^\s+def %s\(" % attr, body.group(0), re.M) is not None
+    return re.search(r"^(def %s\(|class %s\b|%s\s*[:=])" % (name, name, name), source, re.M) is not None
+
+
+def test_code_pointers_name_definitions():
+    """Every backticked `<script>.py: <name>[, <name>...]` in the docs (code blocks aside) names a script of
+    the repository root that defines each name (`the __main__ loop` / `block`: it has one); each bullet of
+    a method page's "Implementation details and deviations" points to its code so."""
+    sources, found = {}, 0
+    for doc in DOCS:
+        prose = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), read(doc))
+        for m in re.finditer(r"`([^`]+)`", prose):
+            ptr = POINTER.fullmatch(" ".join(m.group(1).split()))
+            if not ptr:
+                continue
+            found += 1
+            line, script = prose[: m.start()].count("\n") + 1, ptr.group(1) + ".py"
+            where = f"{doc}:{line}"
+            assert os.path.isfile(os.path.join(ROOT, script)), f"{where}: `{m.group(1)}`: no {script}"
+            if script not in sources:
+                sources[script] = read(script)
+            for name in re.findall(POINTER_ITEM, ptr.group(2)):
+                if name.startswith("the __main__"):
+                    assert 'if __name__ == "__main__":' in sources[script], f"{where}: {script} has no __main__"
+                else:
+                    assert defines(sources[script], name), f"{where}: `{m.group(1)}`: {script} defines no {name}"
+    assert found >= 5 * len(METHODS)  # the pattern still finds the pointers
+    for method in METHODS:
+        text = FENCE.sub("", read(f"docs/{method}.md"))
+        section = text.split("## Implementation details and deviations", 1)[1].split("\n## ", 1)[0]
+        for bullet in re.findall(r"^- .*(?:\n(?!- )(?!\S).*)*", section, re.M):
+            assert any(POINTER.fullmatch(" ".join(c.split())) for c in re.findall(r"`([^`]+)`", bullet)), (
+                f"docs/{method}.md: this bullet has no `<script>.py: <name>` pointer: {bullet[:80]}..."
+            )
 
 
 def test_readme_is_short():
