@@ -275,7 +275,8 @@ if __name__ == "__main__":
     scaffold, fedexp = args.agg == "scaffold", args.agg == "fedexp"  # FedFN
     zeros = lambda: {n: torch.zeros_like(w) for n, w in model.named_parameters()}  # FedFN
     c_global = zeros() if scaffold else None  # FedFN: SCAFFOLD c
-    c_local = {}  # FedFN: SCAFFOLD c_i of each client that has trained (absent = zeros)
+    c_local = {}  # FedFN: SCAFFOLD c_i of each client that has trained
+    c_of = lambda k: c_local.get(k) or zeros()  # FedFN: c_i, 0 until client i trains
     param_names = [n for n, _ in model.named_parameters()]  # FedFN: y_i = these entries of client i's state
     if args.resume:
         ckpt = run.load_checkpoint()  # run.rounds() continues after its round
@@ -298,8 +299,6 @@ if __name__ == "__main__":
         x_old = [w.detach().clone() for w in model.parameters()]  # FedFN: w_t, for SCAFFOLD / FedEXP
         delta_c_sum = zeros() if scaffold else None  # FedFN: sum_i (c_i+ - c_i)
         sq_norm_mean = torch.zeros((), device=args.device)  # FedFN: FedEXP sum_i p_i ||Delta_i||^2
-        # FedFN: SCAFFOLD c_i (0 until client i trains)
-        c_of = lambda k: c_local.get(k) or zeros()
 
         def train_client(k):  # what client k does this round; returns what the server sums
             client.load_state_dict(model.state_dict())
