@@ -7,6 +7,11 @@ seeds, the paper's number beside it, mean wall time, device, torch version and t
 
     python benchmarks/collect.py                    # runs/reproduce
     python benchmarks/collect.py RUNS_DIR --claim fedln
+    python benchmarks/collect.py RUNS_DIR --claim fedfn-s2 --scale proxy --trace head_row_norm
+
+--trace KEY adds, per claim, a second table: KEY at each evaluated round (mean over the finished seeds that
+logged it at that round) per variant, and its change over the last quarter of the run (from the last
+evaluation at or before 3/4 of the final round to the final one), which says whether it still grows.
 
 Accuracies are in percent; std is the sample standard deviation over seeds (ddof=1; "-" for one
 seed). Runs without summary.json (unfinished) are left out and listed; diverged runs
@@ -329,6 +334,41 @@ def table(claim, scale, variants):
     return lines
 
 
+def trace(variants, spec, key):
+    """Markdown lines: KEY per evaluated round (mean over finished seeds) per variant, then the change of the
+    mean over the last quarter: from the last evaluation at or before 3/4 of the final round to the final one."""
+    names = [v for v in variant_order(spec, variants) if variants[v]["runs"]]
+    per = {}  # variant -> {round: [values over seeds]}
+    for v in names:
+        for run in variants[v]["runs"]:
+            for row in run["metrics"]:
+                if row.get(key) is not None:
+                    per.setdefault(v, {}).setdefault(row["round"], []).append(float(row[key]))
+    names = [v for v in names if v in per]
+    if not names:
+        return [f"(no run logged {key})", ""]
+    rounds = sorted({r for v in names for r in per[v]})
+    lines = [f"{key} per evaluation (mean over seeds):", "", "| round | " + " | ".join(names) + " |"]
+    lines.append("|" + "---|" * (len(names) + 1))
+    for r in rounds:
+        cells = [f"{np.mean(per[v][r]):.4g}" if r in per[v] else "-" for v in names]
+        lines.append(f"| {r} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for v in names:
+        final = max(per[v])
+        earlier = [r for r in per[v] if r <= 0.75 * final]
+        if not earlier:
+            continue
+        start = max(earlier)
+        a, b = np.mean(per[v][start]), np.mean(per[v][final])
+        change = f"{100 * (b - a) / abs(a):+.1f}%" if a != 0 else "-"
+        lines.append(
+            f"- {v}: {key} {a:.4g} at round {start} -> {b:.4g} at round {final} ({change} in the last quarter)"
+        )
+    lines.append("")
+    return lines
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -336,6 +376,7 @@ def main(argv=None):
     )
     p.add_argument("--claim", default=None, help="only this claim (e.g. fedln, fedfn-s2)")
     p.add_argument("--scale", default=None, choices=SCALES, help="only this scale")
+    p.add_argument("--trace", default=None, metavar="KEY", help="also KEY (a metrics.jsonl key) per evaluation")
     a = p.parse_args(argv)
     found = gather(a.root)
     if not found:
@@ -347,6 +388,8 @@ def main(argv=None):
         if (a.claim and claim != a.claim) or (a.scale and scale != a.scale):
             continue
         print("\n".join(table(claim, scale, found[(claim, scale)])))
+        if a.trace:
+            print("\n".join(trace(found[(claim, scale)], CLAIMS.get(claim, DEFAULT_CLAIM), a.trace)))
     return 0
 
 

@@ -184,6 +184,24 @@ def test_collect_main_prints_all_claims(tmp_path, capsys):
     assert collect.main([str(tmp_path / "empty")]) == 1
 
 
+def test_trace_means_over_seeds_per_round_and_last_quarter_change(tmp_path, capsys):
+    root = str(tmp_path)
+    for seed, norms in [(0, [1.0, 2.0, 3.0, 4.0]), (1, [3.0, 4.0, 5.0, 8.0])]:
+        d = make_run(root, "fedfn-s2-proxy", "fedfn", seed, [0.1, 0.2, 0.3, 0.4], script="fedfn")
+        with open(os.path.join(d, "metrics.jsonl"), "w") as f:  # rounds 10, 20, 30, 40
+            for i, n in enumerate(norms):
+                f.write(json.dumps({"round": 10 * (i + 1), "test_acc": 0.1, "head_row_norm": n}) + "\n")
+    make_run(root, "fedfn-s2-proxy", "fedavg", 0, [0.1], script="fedfn")  # never logged the key: no column
+    lines = collect.trace(collect.gather(root)[("fedfn-s2", "proxy")], collect.CLAIMS["fedfn-s2"], "head_row_norm")
+    table = [line for line in lines if line.startswith("| ")]
+    assert table[0] == "| round | fedfn |"
+    assert table[1:] == ["| 10 | 2 |", "| 20 | 3 |", "| 30 | 4 |", "| 40 | 6 |"]  # means over the two seeds
+    # last quarter of 40 rounds: from round 30 (the last evaluation at or before 30) to 40: 4 -> 6, +50%
+    assert "- fedfn: head_row_norm 4 at round 30 -> 6 at round 40 (+50.0% in the last quarter)" in lines
+    assert collect.main([root, "--trace", "head_row_norm"]) == 0
+    assert "| 40 | 6 |" in capsys.readouterr().out
+
+
 def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch, capsys):
     import builtins
 
