@@ -26,6 +26,10 @@ The last gains of a run, from its checkpoint.pt (written at each evaluation) or 
     ckpt = torch.load("runs/anfr__.../checkpoint.pt", map_location="cpu", weights_only=False)
     print(ckpt["round"], last_gain_mean(ckpt["model"]))   # a whole checkpoint dict works too
 
+or, for whole run folders (their checkpoint.pt, else model.pt), one markdown row each:
+
+    python benchmarks/proxy_properties.py --runs benchmarks/results/anfr-proxy/*/seed*
+
 That is: the mean over torch.cat of the values of the keys body.stages.<i>.conv<k>.gain with the largest k of
 each block i (ANFR's blocks have no other conv<k>.gain; stem, shortcut and CBAM gains are not in it).
 """
@@ -57,12 +61,16 @@ ANFR_MODELS = [
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data-dir", required=True, help="the CIFAR-10 image folder (train/<class>/*, test/<class>/*)")
+    p.add_argument("--data-dir", help="the CIFAR-10 image folder (train/<class>/*, test/<class>/*)")
+    p.add_argument("--runs", nargs="+", metavar="DIR", help="only the mean last gain of these anfr.py run folders")
     p.add_argument("--images", type=int, default=256, help="the first N training images (in load_data's order)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="model-init seeds")
     p.add_argument("--steps", type=int, default=5, help="timed SGD steps per model (after one warm-up step)")
     p.add_argument("--batch-size", type=int, default=50, help="batch of the timed SGD steps")
-    return p.parse_args()
+    args = p.parse_args()
+    if not args.runs and not args.data_dir:
+        p.error("--data-dir is required (unless --runs)")
+    return args
 
 
 # ---------------------------------------------------------------------------------------- the measurements
@@ -204,6 +212,23 @@ def anfr_rows(data, seeds, models=ANFR_MODELS):
     return rows
 
 
+def run_gain_rows(run_dirs):
+    """(run folder, round, mean last gain) per run folder with an NF model, from checkpoint.pt, else model.pt."""
+    rows = []
+    for d in run_dirs:
+        for name in ("checkpoint.pt", "model.pt"):
+            path = os.path.join(d, name)
+            if os.path.isfile(path):
+                state = torch.load(path, map_location="cpu", weights_only=False)
+                rnd = state.get("round", "final") if name == "checkpoint.pt" else "final"
+                try:
+                    rows.append((d, rnd, f"{last_gain_mean(state):.4f}"))
+                except ValueError:  # a BN / GN model: no NF gains
+                    pass
+                break
+    return rows
+
+
 def table(rows):
     lines = ["| model | property | value |", "|---|---|---|"]
     return "\n".join(lines + [f"| `{m}` | {p} | {v} |" for m, p, v in rows])
@@ -212,6 +237,10 @@ def table(rows):
 if __name__ == "__main__":
     args = parse_args()
     torch.set_num_threads(1)
+    if args.runs:
+        print("| run | round | mean last gain |\n|---|---|---|")
+        print("\n".join(f"| {d} | {r} | {g} |" for d, r, g in run_gain_rows(args.runs)))
+        sys.exit(0)
     data = load_data(argparse.Namespace(dataset="folder", data_dir=args.data_dir, device="cpu", data_seed=0))
     x, y = prepare_batch(data.x_train[: args.images], data), data.y_train[: args.images]
     print(f"{len(x)} CIFAR-10 training images, seeds {args.seeds}, torch {torch.__version__}\n")

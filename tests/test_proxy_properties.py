@@ -67,6 +67,24 @@ def test_last_gain_mean_on_a_hand_made_state_dict():
         pp.last_gain_mean({"body.stages.0.conv1.weight": torch.ones(1)})
 
 
+def test_run_gain_rows_read_checkpoint_then_model_and_skip_bn(tmp_path):
+    nf = {"body.stages.0.conv2.gain": gain(1.0, 2.0)}
+    runs = {name: tmp_path / name for name in ("ckpt", "both", "final", "bn", "empty")}
+    for d in runs.values():
+        d.mkdir()
+    torch.save({"round": 7, "model": nf}, runs["ckpt"] / "checkpoint.pt")
+    torch.save({"round": 9, "model": {"body.stages.0.conv2.gain": gain(4.0)}}, runs["both"] / "checkpoint.pt")
+    torch.save(nf, runs["both"] / "model.pt")  # checkpoint.pt wins
+    torch.save({"body.stages.0.conv2.gain": gain(0.5)}, runs["final"] / "model.pt")
+    torch.save({"round": 3, "model": {"body.stages.0.bn1.weight": torch.ones(2)}}, runs["bn"] / "checkpoint.pt")
+    rows = pp.run_gain_rows([str(d) for d in runs.values()])
+    assert rows == [
+        (str(runs["ckpt"]), 7, "1.5000"),
+        (str(runs["both"]), 9, "4.0000"),
+        (str(runs["final"]), "final", "0.5000"),
+    ]
+
+
 @pytest.mark.parametrize("depth,last", [(18, "conv2"), (26, "conv3")])
 def test_last_gains_of_anfr_models_start_at_last_gain_init(depth, last):
     data = fake_data()
