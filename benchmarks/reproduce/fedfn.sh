@@ -2,7 +2,7 @@
 # Claim 1: FedFN beats FedAvg under heavy label skew on CIFAR-10
 # (fedfn.md Table 1, VGG11: s=2 77.77 vs 74.24; s=10 83.80 vs 81.97).
 #
-#   DATA_DIR=/path/to/cifar10 [SEEDS="0 1 2"] bash benchmarks/reproduce/fedfn.sh [small|proxy|paper]
+#   DATA_DIR=/path/to/cifar10 [SEEDS="0 1 2"] [SHARDS="2 10"] bash benchmarks/reproduce/fedfn.sh [small|proxy|paper]
 #
 # Runs go to runs/reproduce/fedfn-s{2,10}-<scale>/{fedavg,fedfn}/seed<k>; tables: benchmarks/collect.py.
 # Both variants run fedfn.py (FedAvg = --no-fn on the same code path), each with its paper lr.
@@ -33,7 +33,7 @@ else
   COMMON=(--model vgg11 --num-clients 100 --frac 0.1 --local-epochs 15 --rounds 320)
 fi
 
-for s in 2 10; do
+for s in ${SHARDS:-2 10}; do  # SHARDS: only these settings of s (default both)
   run "fedfn-s$s" fedavg fedfn.py "${COMMON[@]}" --shards "$s" --no-fn --lr 0.01  # FedAvg: lr 0.01 (paper's default for CIFAR-10)
   run "fedfn-s$s" fedfn  fedfn.py "${COMMON[@]}" --shards "$s" --lr 0.03          # FedFN: lr 0.03 (grid search, App. C)
   if [ "$SCALE" = small ]; then  # controls (ours): FedFN at FedAvg's lr, so lr alone does not decide the comparison;
