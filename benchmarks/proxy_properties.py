@@ -13,7 +13,8 @@ markdown table "model | property | value".
    rows in R^d have E|cos| ~ sqrt(2 / (pi d)): the smaller d, the less orthogonal the frozen head.
 3. ANFR (anfr.py: NF-ResNets). The mean of the last gains: the gain g (Eq. 5, common.ScaledStdConv2d) of the last
    conv of each residual branch (conv2 of a basic block, conv3 of a bottleneck), which --last-gain-init starts
-   (0, timm's NF-ResNets: each branch starts switched off). Pooled over all channels of all blocks.
+   (0, timm's NF-ResNets: each branch starts switched off). Pooled over all channels of all blocks; for trained
+   runs also the mean of |g| (the gains take both signs, so their plain mean stays near 0 however open).
 Plus, for sizing a budget, the time of one SGD step (momentum 0.9, batch 50, 1 thread, the median of a few
 steps after one warm-up) per image, for each FedFN and FedBABU model.
 
@@ -62,7 +63,9 @@ ANFR_MODELS = [
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data-dir", help="the CIFAR-10 image folder (train/<class>/*, test/<class>/*)")
-    p.add_argument("--runs", nargs="+", metavar="DIR", help="only the mean last gain of these anfr.py run folders")
+    p.add_argument(
+        "--runs", nargs="+", metavar="DIR", help="only the mean (and mean |.|) last gain of these anfr.py runs"
+    )
     p.add_argument("--images", type=int, default=256, help="the first N training images (in load_data's order)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="model-init seeds")
     p.add_argument("--steps", type=int, default=5, help="timed SGD steps per model (after one warm-up step)")
@@ -111,9 +114,12 @@ def last_gains(state_dict):
     return {block: value for block, (_, value) in found.items()}
 
 
-def last_gain_mean(state_dict):
-    """Mean of the last gains, over all channels of all NF blocks (see last_gains); a float."""
-    return torch.cat([g.detach().float().flatten() for g in last_gains(state_dict).values()]).mean().item()
+def last_gain_mean(state_dict, absolute=False):
+    """Mean of the last gains, over all channels of all NF blocks (see last_gains); a float. absolute=True: the
+    mean of |g|, the scale of the residual branches' output (a channel's sign is a symmetry: the gains of a
+    trained net have both signs, so their plain mean can stay near 0 while the branches are open)."""
+    g = torch.cat([g.detach().float().flatten() for g in last_gains(state_dict).values()])
+    return (g.abs() if absolute else g).mean().item()
 
 
 def step_ms_per_image(model, x, y, steps=5, batch_size=50):
@@ -213,7 +219,8 @@ def anfr_rows(data, seeds, models=ANFR_MODELS):
 
 
 def run_gain_rows(run_dirs):
-    """(run folder, round, mean last gain) per run folder with an NF model, from checkpoint.pt, else model.pt."""
+    """(run folder, round, mean last gain, mean |last gain|) per run folder with an NF model, from checkpoint.pt,
+    else model.pt."""
     rows = []
     for d in run_dirs:
         for name in ("checkpoint.pt", "model.pt"):
@@ -222,7 +229,7 @@ def run_gain_rows(run_dirs):
                 state = torch.load(path, map_location="cpu", weights_only=False)
                 rnd = state.get("round", "final") if name == "checkpoint.pt" else "final"
                 try:
-                    rows.append((d, rnd, f"{last_gain_mean(state):.4f}"))
+                    rows.append((d, rnd, f"{last_gain_mean(state):.4f}", f"{last_gain_mean(state, absolute=True):.4f}"))
                 except ValueError:  # a BN / GN model: no NF gains
                     pass
                 break
@@ -238,8 +245,8 @@ if __name__ == "__main__":
     args = parse_args()
     torch.set_num_threads(1)
     if args.runs:
-        print("| run | round | mean last gain |\n|---|---|---|")
-        print("\n".join(f"| {d} | {r} | {g} |" for d, r, g in run_gain_rows(args.runs)))
+        print("| run | round | mean last gain | mean \\|last gain\\| |\n|---|---|---|---|")
+        print("\n".join(f"| {d} | {r} | {g} | {a} |" for d, r, g, a in run_gain_rows(args.runs)))
         sys.exit(0)
     data = load_data(argparse.Namespace(dataset="folder", data_dir=args.data_dir, device="cpu", data_seed=0))
     x, y = prepare_batch(data.x_train[: args.images], data), data.y_train[: args.images]

@@ -60,6 +60,9 @@ def test_last_gain_mean_on_a_hand_made_state_dict():
         "body.stages.1.conv1.weight": torch.ones(4, 1, 3, 3),
     }
     assert pp.last_gain_mean(sd) == pytest.approx((0 + 3 + 1 + 1 + 1 + 1) / 6)  # pooled over channels
+    signed = {"body.stages.0.conv2.gain": gain(-2.0, 1.0, 0.5)}
+    assert pp.last_gain_mean(signed) == pytest.approx(-0.5 / 3)
+    assert pp.last_gain_mean(signed, absolute=True) == pytest.approx(3.5 / 3)  # |g|: the branch's scale
     assert pp.last_gain_mean({"model": sd, "round": 3}) == pytest.approx(7 / 6)  # a checkpoint.pt's dict
     bottleneck = {f"body.stages.0.conv{k}.gain": gain(float(k)) for k in (1, 2, 3)}
     assert pp.last_gain_mean(bottleneck) == 3.0
@@ -68,7 +71,7 @@ def test_last_gain_mean_on_a_hand_made_state_dict():
 
 
 def test_run_gain_rows_read_checkpoint_then_model_and_skip_bn(tmp_path):
-    nf = {"body.stages.0.conv2.gain": gain(1.0, 2.0)}
+    nf = {"body.stages.0.conv2.gain": gain(1.0, -2.0)}
     runs = {name: tmp_path / name for name in ("ckpt", "both", "final", "bn", "empty")}
     for d in runs.values():
         d.mkdir()
@@ -79,9 +82,9 @@ def test_run_gain_rows_read_checkpoint_then_model_and_skip_bn(tmp_path):
     torch.save({"round": 3, "model": {"body.stages.0.bn1.weight": torch.ones(2)}}, runs["bn"] / "checkpoint.pt")
     rows = pp.run_gain_rows([str(d) for d in runs.values()])
     assert rows == [
-        (str(runs["ckpt"]), 7, "1.5000"),
-        (str(runs["both"]), 9, "4.0000"),
-        (str(runs["final"]), "final", "0.5000"),
+        (str(runs["ckpt"]), 7, "-0.5000", "1.5000"),
+        (str(runs["both"]), 9, "4.0000", "4.0000"),
+        (str(runs["final"]), "final", "0.5000", "0.5000"),
     ]
 
 
