@@ -220,19 +220,19 @@ def anfr_rows(data, seeds, models=ANFR_MODELS):
 
 def run_gain_rows(run_dirs):
     """(run folder, round, mean last gain, mean |last gain|) per run folder with an NF model, from checkpoint.pt,
-    else model.pt."""
+    else model.pt; the folders skipped (no such file, or no NF gains) are named on stderr."""
     rows = []
     for d in run_dirs:
-        for name in ("checkpoint.pt", "model.pt"):
-            path = os.path.join(d, name)
-            if os.path.isfile(path):
-                state = torch.load(path, map_location="cpu", weights_only=False)
-                rnd = state.get("round", "final") if name == "checkpoint.pt" else "final"
-                try:
-                    rows.append((d, rnd, f"{last_gain_mean(state):.4f}", f"{last_gain_mean(state, absolute=True):.4f}"))
-                except ValueError:  # a BN / GN model: no NF gains
-                    pass
-                break
+        found = [n for n in ("checkpoint.pt", "model.pt") if os.path.isfile(os.path.join(d, n))]
+        if not found:
+            print(f"skipped {d}: neither checkpoint.pt nor model.pt", file=sys.stderr)
+            continue
+        state = torch.load(os.path.join(d, found[0]), map_location="cpu", weights_only=False)
+        rnd = state.get("round", "final") if found[0] == "checkpoint.pt" else "final"
+        try:
+            rows.append((d, rnd, f"{last_gain_mean(state):.4f}", f"{last_gain_mean(state, absolute=True):.4f}"))
+        except ValueError:  # a BN / GN model
+            print(f"skipped {d}: no NF block gains in its {found[0]}", file=sys.stderr)
     return rows
 
 

@@ -70,7 +70,7 @@ def test_last_gain_mean_on_a_hand_made_state_dict():
         pp.last_gain_mean({"body.stages.0.conv1.weight": torch.ones(1)})
 
 
-def test_run_gain_rows_read_checkpoint_then_model_and_skip_bn(tmp_path):
+def test_run_gain_rows_read_checkpoint_then_model_and_skip_bn(tmp_path, capsys):
     nf = {"body.stages.0.conv2.gain": gain(1.0, -2.0)}
     runs = {name: tmp_path / name for name in ("ckpt", "both", "final", "bn", "empty")}
     for d in runs.values():
@@ -85,6 +85,11 @@ def test_run_gain_rows_read_checkpoint_then_model_and_skip_bn(tmp_path):
         (str(runs["ckpt"]), 7, "-0.5000", "1.5000"),
         (str(runs["both"]), 9, "4.0000", "4.0000"),
         (str(runs["final"]), "final", "0.5000", "0.5000"),
+    ]
+    skipped = capsys.readouterr().err.splitlines()
+    assert skipped == [
+        f"skipped {runs['bn']}: no NF block gains in its checkpoint.pt",
+        f"skipped {runs['empty']}: neither checkpoint.pt nor model.pt",
     ]
 
 
