@@ -29,6 +29,7 @@ setup() {
   JOBS=${JOBS:-1}
   FAILED=0
   FAILURES=$(mktemp)  # background runs report failures here
+  trap 'rm -f "$FAILURES"' EXIT  # also when setup refuses its input or the script is interrupted
   if [ -n "${DATA_DIR:-}" ] && [ -d "$DATA_DIR" ]; then
     DATA_DIR=$(cd "$DATA_DIR" && pwd)  # absolute: we change directory next
   fi
