@@ -12,8 +12,8 @@ The paper's settings: CIFAR-100 with MobileNet (Tables 3-6), CIFAR-10 with 4conv
     python fedbabu.py --dataset cifar100
     python fedbabu.py --dataset cifar10 --model convnet4 --shards 10
 Measured (benchmarks/reproduce/fedbabu.sh paper: Table 13's configuration, real CIFAR-10, seeds 0-1, one thread
-of a 2-core x86_64 CPU, about 95 min a run): personalized 77.7 vs FedAvg 71.7, after one fine-tuning epoch
-77.0 vs 63.8, initial 66.1 vs 61.8 (Table 13: 76.25 vs 69.11; Table 12: initial 62.68 vs 57.32).
+of a 2-core x86_64 CPU, 95-100 min a run): personalized 77.7 vs FedAvg 71.7, after one fine-tuning epoch
+77.0 vs 63.7, initial 66.1 vs 61.7 (Table 13: 76.25 vs 69.11; Table 12: initial 62.68 vs 57.32).
 
 Docs: docs/fedbabu.md. Its "Implementation details and deviations" gives each choice with its reason:
 the frozen head, the body-only average, Algorithm 2's fine-tuning (the official code's settings), the
