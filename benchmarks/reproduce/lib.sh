@@ -100,7 +100,6 @@ finish() {
     FAILED=1
     [ "$JOBS" -gt 1 ] && cat "$FAILURES" >&2
   fi
-  rm -f "$FAILURES"
   if [ "$DRY_RUN" != 1 ]; then
     echo "runs are in $RUNS_DIR; tables: python benchmarks/collect.py $RUNS_DIR"
   fi
