@@ -34,9 +34,9 @@ from torch.func import functional_call, grad_and_value, vmap  # ANFR: per-sample
 # fmt: off
 from common import (AUGMENTATIONS, RESNET_LAYOUT, Run, accumulate, autocast, build_model, client_batches,
                     client_weights, decay_rate, device_flag, each_client, eval_metrics, finish_args, flag_type,
-                    fraction, load_average, load_data, make_partition, non_negative_float, positive_float, positive_int,
-                    prepare_batch, prox_term, refuse, rng_state, sample_clients, seed_everything, seed_int,
-                    set_rng_state, setup_distributed,
+                    fraction, load_average, load_data, make_partition, non_negative_float, non_negative_int,
+                    positive_float, positive_int, prepare_batch, prox_term, refuse, rng_state, sample_clients,
+                    seed_everything, seed_int, set_rng_state, setup_distributed,
                     scaffold_control, scaffold_correction, scaffold_server)  # ANFR: SCAFFOLD
 
 # ANFR: --arch -> (norm, attention?)
@@ -54,9 +54,16 @@ def parse_args():
         help="download folder, the image folder of --dataset folder (train/<class>/*, test/<class>/*; in groups: "
              "train/<group>/<class>/*), or tiny-imagenet-200/")
     g.add_argument("--augment", default="crop-flip", choices=AUGMENTATIONS,
-        help="on-device augmentation of training batches (at the stored size)")
+        help="on-device augmentation of training batches: crop-flip, flip, none at the stored size; rrc(-flip): "
+             "RandomResizedCrop to --image-size (Pieri et al. 2023, the paper's CIFAR-10 recipe: rrc, no flip)")
+    g.add_argument("--crop-scale", type=fraction, nargs=2, default=[0.08, 1.0], metavar=("LO", "HI"),
+        help="ANFR: area fraction range of --augment rrc (torchvision's 0.08 1; the paper's recipe: 0.05 1)")  # ANFR
     g.add_argument("--image-size", type=flag_type(int, 8), default=None,
-        help="ANFR: resize every batch to this size after augmentation (the paper: 224; default: keep)")  # ANFR
+        help="ANFR: the size the model sees (the paper: 224; default: keep): --augment rrc crops to it, other "
+             "augmentations are resized to it afterwards, test images are resized to it")  # ANFR
+    g.add_argument("--normalize", default="dataset", choices=["dataset", "half"],
+        help="ANFR: subtract the training split's per-channel mean and divide by its std, or (x - 0.5) / 0.5 "
+             "(the paper's recipe)")  # ANFR
     g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2, "
                              "--disjoint-classes, --natural)")
     g.add_argument("--iid", action="store_true", help="uniform random split")
@@ -81,6 +88,9 @@ def parse_args():
         help="also log the balanced accuracy (mean per-class recall) of the global and per-client tests")
     g.add_argument("--data-seed", type=seed_int, default=None,
         help="seed of the partition (default: --seed); client sampling uses --seed")
+    g.add_argument("--val-frac", type=decay_rate, default=0.0,
+        help="share of each client's training data held out for validation: val_acc, and test_acc_at_best_val "
+             "in summary.json (0: none)")
     g = p.add_argument_group("federation")
     g.add_argument("--num-clients", type=positive_int, default=5, help="C: number of clients (split-2: 5)")  # ANFR
     g.add_argument("--frac", type=fraction, default=1.0,
@@ -112,14 +122,19 @@ def parse_args():
     g.add_argument("--init-from", default=None, metavar="PATH",
         help="ANFR: start from this state dict, ours or timm's (the paper: timm's ImageNet weights; see the "
              "docstring); every entry but the head must load")  # ANFR
+    g.add_argument("--init", default="timm", choices=["timm", "torch"],
+        help="ANFR: start every --arch as timm's fresh ResNet-50s do (zero last norm weight or NF gain of each "
+             "branch, timm's conv and head init; common.timm_init), or with PyTorch's default layer init")  # ANFR
     g.add_argument("--last-gain-init", type=non_negative_float, default=0.0,
         help="ANFR: start value of the gain g (Eq. 5) of the last conv of each NF residual branch; 0 = timm's "
              "NF-ResNets, the paper's models")  # ANFR
     g = p.add_argument_group("optimization")
     g.add_argument("--lr", type=positive_float, default=1e-3,
         help="eta: local AdamW learning rate, cosine-decayed over the run (Appendix B.3: 1e-3)")  # ANFR
-    g.add_argument("--weight-decay", type=non_negative_float, default=0.01,
-        help="AdamW decoupled weight decay (not given in the paper; PyTorch's default)")  # ANFR
+    g.add_argument("--weight-decay", type=non_negative_float, default=0.05,
+        help="AdamW decoupled weight decay (the paper's CIFAR-10 recipe, Pieri et al. 2023: 0.05)")  # ANFR
+    g.add_argument("--warmup-steps", type=non_negative_int, default=100,
+        help="ANFR: linear warm-up from 0 over a client's first steps, then the cosine (Pieri et al.: 100)")  # ANFR
     g.add_argument("--loss", default="ce", choices=["ce", "focal"],
         help="ANFR: cross-entropy, or Fed-ISIC2019's focal loss weighted by each client's inverse class shares "
              "(App. A.1, FLamby)")  # ANFR
@@ -127,6 +142,12 @@ def parse_args():
         help="ANFR: gamma of --loss focal (FLamby's 2; 0 with weights 1 is cross-entropy)")  # ANFR
     g.add_argument("--clip", type=non_negative_float, default=1.0,
         help="ANFR: local gradient-norm clipping (Appendix A.1: 1.0; 0 = off)")  # ANFR
+    g.add_argument("--agc", type=non_negative_float, default=0.0,
+        help="ANFR: lambda of adaptive gradient clipping (Brock et al. 2021b; in the paper's grid, App. A.2): each "
+             "unit's gradient at most lambda max(||W||, 1e-3), the head unclipped; needs --clip 0 (0 = off)")  # ANFR
+    g.add_argument("--bn-stats", default="average", choices=["average", "local"],
+        help="ANFR: batch-norm running statistics averaged with the weights, or kept by each client (Pieri et al.: "
+             "the parameters are averaged, each client's model is evaluated and the scores averaged)")  # ANFR
     g.add_argument("--prox-mu", type=non_negative_float, default=None,
         help="mu: FedProx proximal term mu/2 ||w - w_t||^2, with --agg fedprox only (default 0.01; tuned in {1e-3, "
              "1e-2, ...})")  # ANFR
@@ -152,7 +173,8 @@ def parse_args():
         help="write checkpoint.pt every this many rounds (default: at each evaluation)")
     g.add_argument("--analyze", action="store_true",
         help="ANFR: class selectivity index and attention-weight spread of the last attention module (Sec. 3.4) in "
-             "summary.json")  # ANFR
+             "summary.json; at every evaluation the last gains of the residual branches and how their gradients "
+             "agree from step to step")  # ANFR
     g.add_argument("--out", default=None, help="run folder (default runs/anfr__<dataset>__<seed>__<time>)")
     g.add_argument("--overwrite", action="store_true",
         help="replace the run already in --out (without it, such an --out is refused)")
@@ -178,7 +200,15 @@ def parse_args():
             (args.init_from is not None and not os.path.isfile(args.init_from),
              f"--init-from: no file {args.init_from}"),
             (args.last_gain_init != 0 and ARCHS[args.arch][0] != "nf",
-             f"--last-gain-init: --arch {args.arch} has no NF gains; use --arch nf or anfr")]:
+             f"--last-gain-init: --arch {args.arch} has no NF gains; use --arch nf or anfr"),
+            (args.crop_scale[0] > args.crop_scale[1],
+             f"--crop-scale: LO {args.crop_scale[0]} is above HI {args.crop_scale[1]}"),
+            (args.agc > 0 and args.clip > 0,
+             "--agc: adaptive clipping replaces norm clipping (App. A.2 tries one or the other); add --clip 0"),
+            (args.bn_stats == "local" and args.pfl != "none",
+             f"--bn-stats local: --pfl {args.pfl} evaluates personalized models already; use --bn-stats average"),
+            (args.bn_stats == "local" and args.client_test,
+             "--bn-stats local: each client's model is scored on the whole test set; drop --client-test")]:
             if bad:
                 p.error(msg)
         # 0 = no proximal term
@@ -198,6 +228,7 @@ def build(args, data):  # ANFR: the architecture of --arch from the one ResNet i
         stem=args.stem,
         attention=args.attention if attention else None,
         last_gain_init=args.last_gain_init,
+        init=getattr(args, "init", "torch"),  # a run folder's config from before --init: PyTorch's
     )
 
 
@@ -252,8 +283,25 @@ def load_pretrained(model, src, layout):  # ANFR: --init-from
     return len(match), len(own)
 
 
-def cosine_lr(lr, step, total):  # ANFR: cosine decay over the run, at the client's own step counter
-    return lr * 0.5 * (1 + math.cos(math.pi * min(step, total) / max(total, 1)))
+def cosine_lr(lr, step, total, warmup=0):  # ANFR: cosine decay over the run, at the client's own step counter
+    """lr * step / warmup for the first `warmup` steps (0 at step 0), then the cosine from lr to 0 over the
+    remaining total - warmup steps (the warm-up cosine schedule of Pieri et al.'s code)."""
+    if step < warmup:
+        return lr * step / warmup
+    return lr * 0.5 * (1 + math.cos(math.pi * min(step - warmup, total - warmup) / max(total - warmup, 1)))
+
+
+def adaptive_clip_(params, clip, eps=1e-3):  # ANFR: --agc (Brock et al. 2021b, Eq. 3), in place
+    """Each unit's gradient G_i (a row of the weight: all but the first axis; a bias or gain as a whole)
+    scaled to norm at most clip * max(||W_i||, eps)."""
+    for p in params:
+        if p.grad is None:
+            continue
+        dims = tuple(range(1, p.dim())) if p.dim() > 1 else None
+        unit_norm = lambda t: torch.linalg.vector_norm(t, dim=dims, keepdim=True)
+        limit = unit_norm(p.detach()).clamp_min(eps) * clip
+        grad_norm = unit_norm(p.grad)
+        p.grad.mul_(torch.where(grad_norm > limit, limit / grad_norm.clamp_min(1e-6), torch.ones_like(grad_norm)))
 
 
 def steps_per_round(n, args):  # ANFR: the length of one client's local run (for its cosine schedule)
@@ -269,19 +317,37 @@ def poisson_batches(indices, q, steps):  # ANFR: DP-SGD sampling: each sample jo
         yield indices[torch.rand(len(indices), device=indices.device) < q]
 
 
-def personal_keys(model, pfl):  # ANFR: the state-dict entries each client keeps and the server never averages
+def personal_keys(model, pfl, bn_stats="average"):  # ANFR: the entries each client keeps, never averaged
     """FedPer (Arivazhagan et al. 2019): the head, found as model.head; FedBN (Li et al. 2021): every entry
-    (weight, bias, running mean/var, count) of every batch-norm module."""
+    (weight, bias, running mean/var, count) of every batch-norm module; --bn-stats local: the running
+    statistics (mean, var, count) of every batch-norm module."""
+    bn = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if pfl == "fedper":
         return {"head." + k for k in model.head.state_dict()}
     if pfl == "fedbn":
-        return {
-            f"{name}.{k}"
-            for name, m in model.named_modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm)
-            for k in m.state_dict()
-        }
+        return {f"{name}.{k}" for name, m in bn for k in m.state_dict()}
+    if bn_stats == "local":
+        return {f"{name}.{k}" for name, m in bn for k, _ in m.named_buffers()}
     return set()
+
+
+def last_gains(model):  # ANFR: --analyze, what closes each residual branch at the start
+    """Per residual block, the gain g of its last conv (NF, Eq. 5) or the weight of its last norm (BN, GN):
+    timm starts both at 0, so each block starts as its shortcut."""
+    gains = []
+    for block in model.body.stages:
+        conv, norm = (block.conv3, block.n3) if hasattr(block, "conv3") else (block.conv2, block.n2)
+        gains.append(conv.gain if hasattr(conv, "gain") else norm.weight)
+    return gains
+
+
+def gain_statistics(grads):  # ANFR: --analyze, [steps, gains] gradients of the last gains over one client's steps
+    """share of step pairs whose gradient keeps its sign (0.5: as a coin; 1: always the same way), and the
+    coherence |sum_t g_t| / sum_t |g_t| (1: one direction; about 1/sqrt(steps) for random signs), each averaged
+    over the gains."""
+    keep = (grads[1:].sign() == grads[:-1].sign()).float().mean() if len(grads) > 1 else grads.new_tensor(float("nan"))
+    coherence = (grads.sum(0).abs() / grads.abs().sum(0).clamp_min(1e-30)).mean()
+    return torch.stack([keep, coherence])
 
 
 def clip_per_sample(grads, max_norm):  # ANFR: DP-SGD clipping (Abadi et al. 2016), factor as Opacus
@@ -450,15 +516,18 @@ def local_train(
 ):
     """Local AdamW steps on loss_fn(logits, y) continuing the client's optimizer and cosine schedule; FedProx
     pulls the shared parameters to w_t (`prox_pairs`: (w, w_t)); SCAFFOLD `correction` (params, c - c_i) is
-    applied after each step. Returns (mean training loss, steps taken, sum of step lrs)."""
+    applied after each step. Returns (mean training loss, steps taken, sum of step lrs, with --analyze the
+    last gains' gradient statistics else None)."""
     model.train()
     loss_sum = torch.zeros((), device=args.device)
     step, lr_sum, seen = first_step, 0.0, 0
+    gain_grads = []  # ANFR: --analyze, the last gains' gradient at each step
     for batch in batches:
-        lr = cosine_lr(args.lr, step, total)  # ANFR: the client's own scheduler (Appendix A.2)
+        lr = cosine_lr(args.lr, step, total, args.warmup_steps)  # ANFR: the client's own scheduler (Appendix A.2)
         for group in opt.param_groups:
             group["lr"] = lr
-        x, y = resize(prepare_batch(data.x_train[batch], data, args.augment), args.image_size), data.y_train[batch]
+        x = prepare_batch(data.x_train[batch], data, args.augment, args.image_size, args.crop_scale)  # ANFR: rrc
+        x, y = resize(x, args.image_size), data.y_train[batch]
         if args.dp_noise_multiplier is None:
             with autocast(args.device, args.amp):
                 loss = loss_fn(model(x).float(), y)
@@ -466,8 +535,12 @@ def local_train(
                 loss = loss + prox_term(*zip(*prox_pairs), args.prox_mu)  # the (w, w_t) pairs as two lists
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            if args.analyze:  # ANFR: before clipping (which scales, and keeps every sign)
+                gain_grads.append(torch.cat([g.grad.detach().flatten() for g in last_gains(model)]))
             if args.clip > 0:  # ANFR: gradient-norm clipping (Appendix A.1)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            if args.agc > 0:  # ANFR: adaptive gradient clipping (App. A.2's grid), not on the head (Brock et al.)
+                adaptive_clip_(model.body.parameters(), args.agc)
         else:  # ANFR: DP-SGD (Section 4.3); the proximal term touches no data, so it is added after the noise
             # dp_batch = q |D_i|
             loss = dp_gradients(model, x, y, args.dp_noise_multiplier, args.dp_max_grad_norm, dp_batch, loss_fn)
@@ -481,7 +554,8 @@ def local_train(
                     p.sub_(lr * d)
         loss_sum += loss.detach() * len(batch)
         seen, step, lr_sum = seen + len(batch), step + 1, lr_sum + lr
-    return loss_sum / max(seen, 1), step - first_step, lr_sum
+    stats = gain_statistics(torch.stack(gain_grads)) if gain_grads else None  # ANFR
+    return loss_sum / max(seen, 1), step - first_step, lr_sum, stats
 
 
 if __name__ == "__main__":
@@ -489,6 +563,8 @@ if __name__ == "__main__":
     setup_distributed(args)  # torchrun: join the other ranks (nothing when run alone)
     seed_everything(args.seed)
     data = load_data(args)
+    if args.normalize == "half":  # ANFR: the recipe's (x - 0.5) / 0.5
+        data.mean, data.std = torch.full_like(data.mean, 0.5), torch.full_like(data.std, 0.5)
     partition = make_partition(args, data)  # uses its own generator seeded by --data-seed
     model = build(args, data).to(args.device)  # the global model w_t; ANFR: build() from --arch
     client = build(args, data).to(args.device)  # one client model, reloaded for every client
@@ -513,7 +589,7 @@ if __name__ == "__main__":
     ]
     total_steps = [args.rounds * steps_per_round(n, args) for n in sizes]
     client_steps, dp_steps = [0] * n_clients, [0] * n_clients
-    local_keys = personal_keys(model, args.pfl)
+    local_keys = personal_keys(model, args.pfl, args.bn_stats)  # ANFR: FedPer / FedBN / --bn-stats local
     loss_fns = [F.cross_entropy] * n_clients  # ANFR: --loss focal: each client's weights from its own labels
     if args.loss == "focal":
         alphas = [class_weights(data.y_train[p], data.num_classes) for p in partition.train]
@@ -561,6 +637,7 @@ if __name__ == "__main__":
         dc_sum = zeros() if c is not None else None
         train_loss = torch.zeros((), device=args.device)
         x_params = {n: p.detach().clone() for n, p in model.named_parameters() if n in shared_params}
+        gain_stats = []  # ANFR: --analyze, per client of the round
 
         def train_client(k):  # what client k does this round; returns what the server sums and what client k keeps
             load_client(k)
@@ -576,7 +653,7 @@ if __name__ == "__main__":
                 c_k = c_i[k] if c_i[k] is not None else zeros()
                 c_minus_c_k = scaffold_correction(c, c_k)
                 correction = ([named[n] for n in shared_params], [c_minus_c_k[n] for n in shared_params])
-            loss, steps, lr_sum = local_train(
+            loss, steps, lr_sum, gain_stats = local_train(
                 client,
                 opts[k],
                 batches,
@@ -595,6 +672,7 @@ if __name__ == "__main__":
                 "lr_sum": lr_sum,
                 "state": client.state_dict(),
                 "opt": opts[k].state_dict(),
+                "gain_stats": gain_stats,
             }
 
         # own seed per client; torchrun: split over ranks, summed in order
@@ -603,6 +681,8 @@ if __name__ == "__main__":
             client_steps[k] += out["steps"]
             dp_steps[k] += out["steps"] if args.dp_noise_multiplier is not None else 0
             train_loss += w * out["loss"]
+            if out["gain_stats"] is not None:  # ANFR
+                gain_stats.append(out["gain_stats"])
             client_state = out["state"]
             accumulate(total, {key: client_state[key] for key in shared}, w)  # the shared entries (BN statistics too)
             if local_keys:  # ANFR: FedPer / FedBN: these entries stay with client k
@@ -638,20 +718,34 @@ if __name__ == "__main__":
             fwd = lambda net: lambda x: net(resize(x, args.image_size))  # ANFR: --image-size
             eval_bs = 2000 if (args.image_size or data.image_size) <= 64 else 200
             personal = lambda k: fwd(load_client(k) or client.eval())  # ANFR: personalized model of client k
-            # test_acc, test_loss; per-client mean, std, worst 10% and each client's; --balanced-acc: also balanced
-            tests = eval_metrics(
-                fwd(model),
-                data,
-                partition.test,
-                args.balanced_acc,
-                args.amp,
-                eval_bs,
-                client_forward=personal if local_keys else None,
-                lists=True,
-            )
-            lr_now = cosine_lr(args.lr, client_steps[clients[0]], total_steps[clients[0]])
+            if args.bn_stats == "local" and local_keys:  # ANFR: each client's model (the averaged parameters, its
+                # own statistics) on the whole test and validation sets, then the mean over clients (Pieri et al.)
+                rows = [
+                    eval_metrics(personal(k), data, None, args.balanced_acc, args.amp, eval_bs, val=partition.val)
+                    for k in range(n_clients)
+                ]
+                tests = {key: float(np.mean([row[key] for row in rows])) for key in rows[0]}
+            else:  # test_acc, test_loss; per-client mean, std, worst 10% and each client's; --balanced-acc: balanced
+                tests = eval_metrics(
+                    fwd(model),
+                    data,
+                    partition.test,
+                    args.balanced_acc,
+                    args.amp,
+                    eval_bs,
+                    client_forward=personal if local_keys else None,
+                    lists=True,
+                    val=partition.val,
+                )
+            lr_now = cosine_lr(args.lr, client_steps[clients[0]], total_steps[clients[0]], args.warmup_steps)
             metrics = {"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr_now}
-            if local_keys:  # ANFR: pFL reports the personalized models (the global one lacks the local parts)
+            if args.analyze:  # ANFR: how far the residual branches have opened, and why (gain_statistics)
+                metrics["last_gain_abs_mean"] = float(
+                    torch.cat([g.detach().abs().flatten() for g in last_gains(model)]).mean()
+                )
+                keep, coherence = torch.stack(gain_stats).nanmean(0).tolist()
+                metrics.update(last_gain_grad_sign_keep=keep, last_gain_grad_coherence=coherence)
+            if args.pfl != "none":  # ANFR: pFL reports the personalized models (the global one lacks the local parts)
                 for name in ("acc", "bacc") if args.balanced_acc else ("acc",):
                     metrics[f"global_test_{name}"] = metrics[f"test_{name}"]
                     metrics[f"test_{name}"] = metrics[f"client_test_{name}_mean"]

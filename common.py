@@ -104,15 +104,18 @@ def unsort(x, y, g=None):
 # ----------------------------------------------------------------------------------------------
 # Batches on the device (normalization and augmentation, all batched) and evaluation
 # ----------------------------------------------------------------------------------------------
-AUGMENTATIONS = ["crop-flip", "flip", "none"]
+AUGMENTATIONS = ["crop-flip", "flip", "none", "rrc", "rrc-flip"]
 
 
-def prepare_batch(x, data, augment="none"):
-    """uint8 [B, C, H, W] -> normalized float, with random crop (4-pixel zero padding) and/or flip."""
+def prepare_batch(x, data, augment="none", size=None, crop_scale=(0.08, 1.0)):
+    """uint8 [B, C, H, W] -> normalized float, with random crop (4-pixel zero padding) and/or flip, or a
+    RandomResizedCrop of area fraction in crop_scale resized to size x size (default: the stored size)."""
     x = x.float().div_(255)
     if augment == "crop-flip":
         x = random_crop(x, padding=4)
-    if augment in ("crop-flip", "flip"):
+    if augment in ("rrc", "rrc-flip"):
+        x = random_resized_crop(x, size or x.shape[-1], crop_scale)
+    if augment in ("crop-flip", "flip", "rrc-flip"):
         flip = torch.rand(x.shape[0], 1, 1, 1, device=x.device) < 0.5
         x = torch.where(flip, x.flip(3), x)
     return (x - data.mean) / data.std
@@ -128,6 +131,53 @@ def random_crop(x, padding):
     batch = torch.arange(b, device=x.device)[:, None, None, None]
     chan = torch.arange(x.shape[1], device=x.device)[None, :, None, None]
     return x[batch, chan, rows, cols]
+
+
+def random_resized_crop(x, size, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
+    """torchvision's RandomResizedCrop, batched on the device: a box per image (rrc_boxes), resized to
+    size x size (crop_resize)."""
+    return crop_resize(x, *rrc_boxes(x.shape[0], *x.shape[2:], scale, ratio, x.device), size)
+
+
+def rrc_boxes(b, h, w, scale, ratio, device, tries=10):
+    """torchvision's RandomResizedCrop.get_params for b images of h x w: up to `tries` draws of an area
+    s ~ U(scale) * h * w and an aspect ratio r = exp(U(log ratio)); the first box (bw, bh) = (round(sqrt(s r)),
+    round(sqrt(s / r))) that fits is placed uniformly at random, else the whole image is cut centrally to the
+    nearest allowed ratio. Returns LongTensors top, left, bh, bw [b]."""
+    area = torch.empty(b, tries, device=device).uniform_(*scale) * (h * w)
+    r = torch.empty(b, tries, device=device).uniform_(math.log(ratio[0]), math.log(ratio[1])).exp()
+    bw, bh = (area * r).sqrt().round(), (area / r).sqrt().round()
+    fits = (bw > 0) & (bw <= w) & (bh > 0) & (bh <= h)
+    pick = fits.float().argmax(1, keepdim=True)  # the first box that fits
+    bw, bh, found = bw.gather(1, pick)[:, 0], bh.gather(1, pick)[:, 0], fits.any(1)
+    fw, fh = w, h  # the fallback
+    if w / h < min(ratio):
+        fh = round(w / min(ratio))
+    elif w / h > max(ratio):
+        fw = round(h * max(ratio))
+    bw, bh = torch.where(found, bw, fw).long(), torch.where(found, bh, fh).long()
+    top = torch.where(found, (torch.rand(b, device=device) * (h - bh + 1)).long(), (h - bh) // 2)
+    left = torch.where(found, (torch.rand(b, device=device) * (w - bw + 1)).long(), (w - bw) // 2)
+    return top, left, bh, bw
+
+
+def crop_resize(x, top, left, bh, bw, size):
+    """Box [top, top + bh) x [left, left + bw) of each image resized to size x size, bilinear as torch's
+    interpolate (align_corners=False, no antialiasing): source = (i + 0.5) * box / size - 0.5, clamped to the box."""
+    i = torch.arange(size, device=x.device, dtype=torch.float)
+
+    def axis(start, length):  # [B, size]: lower and upper source index, weight of the upper one
+        src = ((i + 0.5) * (length[:, None] / size) - 0.5).clamp_min(0)
+        lo = src.floor().long().clamp_max(length[:, None] - 1)
+        return start[:, None] + lo, start[:, None] + torch.minimum(lo + 1, length[:, None] - 1), src - lo
+
+    (y0, y1, wy), (x0, x1, wx) = axis(top, bh), axis(left, bw)
+    n = torch.arange(x.shape[0], device=x.device)[:, None, None, None]
+    c = torch.arange(x.shape[1], device=x.device)[None, :, None, None]
+    rows, cols = (lambda t: t[:, None, :, None]), (lambda t: t[:, None, None, :])
+    upper = x[n, c, rows(y0), cols(x0)] * (1 - cols(wx)) + x[n, c, rows(y0), cols(x1)] * cols(wx)
+    lower = x[n, c, rows(y1), cols(x0)] * (1 - cols(wx)) + x[n, c, rows(y1), cols(x1)] * cols(wx)
+    return upper * (1 - rows(wy)) + lower * rows(wy)
 
 
 def client_batches(indices, batch_size, epochs=None, steps=None):
@@ -188,15 +238,21 @@ def spread(values):
 
 
 def eval_metrics(
-    forward, data, tests=None, balanced=False, amp=False, batch_size=2000, client_forward=None, lists=False
+    forward, data, tests=None, balanced=False, amp=False, batch_size=2000, client_forward=None, lists=False, val=None
 ):
-    """The test keys of an evaluation row: test_acc and test_loss of `forward` on the test set; with
+    """The test keys of an evaluation row: test_acc and test_loss of `forward` on the test set; with validation
+    samples `val` (per client, indices into the training split: --val-frac), val_acc and val_loss on all of them; with
     per-client test sets `tests`, client_test_acc_{mean,std,worst10} over the clients that have test data
     (see spread); with balanced, the same of the balanced accuracy: test_bacc, client_test_bacc_*.
     client_forward(k): client k's callable when clients are tested on their own models (default: forward);
     lists: also each client's score, client_test_acc (None for a client without test data)."""
     scores = evaluate(forward, data.x_test, data.y_test, data, batch_size, amp, balanced)
     row = {"test_acc": scores[0], "test_loss": scores[1]}
+    if val is not None:
+        held = torch.cat(val)
+        row["val_acc"], row["val_loss"] = evaluate(
+            forward, data.x_train[held], data.y_train[held], data, batch_size, amp
+        )
     if balanced:
         row["test_bacc"] = scores[2]
     if tests is not None:
@@ -232,13 +288,15 @@ class Partition:
     test: list  # per client: LongTensor into data.x_test (with --client-test), else None
     scheme: str
     names: list = None  # per client: its folder (--natural) or domain (--clients-per-domain), else None
+    val: list = None  # per client: LongTensor into data.x_train held out of its training data (--val-frac), else None
 
 
 def make_partition(args, data):
     """Split the training set over args.num_clients with the one partition flag the run has: the groups of an
     image folder as they are (--natural), or that flag within each group (--clients-per-domain M).
 
-    Uses its own generator seeded by args.data_seed, so client sampling never changes it.
+    Uses its own generator seeded by args.data_seed, so client sampling never changes it. With --val-frac F,
+    round(F n_k) random samples of each client's n_k (at most n_k - 1) are held out as its validation samples.
     """
     labels = data.y_train.cpu().numpy()
     rng = np.random.default_rng(args.data_seed)
@@ -276,8 +334,12 @@ def make_partition(args, data):
         refuse(msg)
     if test is None and getattr(args, "client_test", False):
         test = client_test_split(data.y_test.cpu().numpy(), labels, parts, c, rng)
+    val = None
+    if getattr(args, "val_frac", 0) > 0:  # drawn last: the partition itself does not depend on --val-frac
+        val = [rng.permutation(p)[: min(int(args.val_frac * len(p) + 0.5), len(p) - 1)] for p in parts]
+        parts = [np.setdiff1d(p, v) for p, v in zip(parts, val)]
     to_dev = lambda ps: [torch.as_tensor(np.sort(p), dtype=torch.long, device=data.y_train.device) for p in ps]
-    return Partition(to_dev(parts), to_dev(test) if test is not None else None, scheme, names)
+    return Partition(to_dev(parts), to_dev(test) if test is not None else None, scheme, names, val and to_dev(val))
 
 
 def split_by_flag(args, labels, n, c, rng):
@@ -1135,12 +1197,40 @@ def resnet(
     stem="cifar",
     norm_after_act=False,
     last_gain_init=0.0,
+    init="timm",
     **_,
 ):
+    """The one ResNet (ResNetBody, a linear head), started as timm's (init="timm", see timm_init) or with
+    PyTorch's default init of each layer (init="torch")."""
     body = ResNetBody(
         in_channels, depth, width, norm, attention, stem, norm_after_act=norm_after_act, last_gain_init=last_gain_init
     )
-    return Classifier(body, body.out_dim, num_classes)
+    model = Classifier(body, body.out_dim, num_classes)
+    if init == "timm" and not norm_after_act:  # FedLN's ResNet (norm after the activation) keeps PyTorch's init
+        timm_init(model, norm)
+    return model
+
+
+def timm_init(model, norm):
+    """Start a ResNet as timm's fresh ones start. Activation-normed (resnet50, resnet50_gn, seresnet50:
+    ResNet.init_weights(zero_init_last=True)): every Conv2d weight (SE's and CBAM's too) kaiming-normal,
+    fan-out, gain sqrt(2), their biases PyTorch's; the last norm of each residual branch with weight 0, so
+    every block starts as its shortcut; the head PyTorch's. NF (nf_resnet50, nf_seresnet50: NormFreeNet's
+    init): every Conv2d weight kaiming-normal, fan-in, gain 1, bias 0; the head's weight N(0, 0.01^2), bias 0;
+    the last conv's gain of each branch is last_gain_init (0 in timm). ECA's Conv1d keeps PyTorch's in both."""
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d) and norm == "nf":
+            nn.init.kaiming_normal_(m.weight, mode="fan_in", nonlinearity="linear")
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+    if norm == "nf":
+        nn.init.normal_(model.head.weight, 0.0, 0.01)
+        nn.init.zeros_(model.head.bias)
+        return
+    for block in model.body.stages:
+        nn.init.zeros_(block.n3.weight if hasattr(block, "n3") else block.n2.weight)
 
 
 @register_model("resnet18")
@@ -1232,7 +1322,7 @@ seed_int = flag_type(int, 0, 2**32 - 1)  # numpy's legacy seeding takes at most 
 positive_float = flag_type(float, 0, open_low=True)  # learning rates, alpha, tau
 non_negative_float = flag_type(float, 0)  # weight decay, mu (0 = off)
 fraction = flag_type(float, 0, 1, open_low=True)  # (0, 1]: --frac, --lr-decay
-decay_rate = flag_type(float, 0, 1, open_high=True)  # [0, 1): momentum and moment decays
+decay_rate = flag_type(float, 0, 1, open_high=True)  # [0, 1): momentum and moment decays, --val-frac
 inner_fraction = flag_type(float, 0, 1, open_low=True, open_high=True)  # (0, 1): --lr-decay-at
 
 
@@ -1851,6 +1941,7 @@ class Run:
         self.elapsed_before = 0.0
         self.first_round = 0  # a resumed run starts after its checkpoint's round
         self.last_eval = {}  # the latest evaluation row: the summary's metrics
+        self.best_val = {}  # --val-frac: the first evaluation row with the highest val_acc
         self.bar = None
         self.metrics_path = os.path.join(self.dir, "metrics.jsonl")
         if self.main:
@@ -1886,6 +1977,8 @@ class Run:
             info["test"] = label_counts(data.y_test, partition.test, data.num_classes)
         if getattr(data, "classes", None) is not None:  # an image folder's class names
             info["classes"] = data.classes
+        if partition.val is not None:  # --val-frac: each client's held-out validation samples
+            info["val"] = label_counts(data.y_train, partition.val, data.num_classes)
         if partition.names is not None:  # each client's folder (--natural) or domain (--clients-per-domain)
             info["clients"] = partition.names
         _atomic_save(info, os.path.join(self.dir, "partition.json"))
@@ -1959,6 +2052,8 @@ class Run:
             _atomic_save(before + json.dumps(_json_safe(metrics), allow_nan=False) + "\n", self.metrics_path)
         if "test_acc" in metrics:
             self.last_eval = metrics
+        if "val_acc" in metrics and metrics["val_acc"] > self.best_val.get("val_acc", -math.inf):
+            self.best_val = metrics
             if self.bar is not None:
                 self.bar.set_postfix(acc=f"{metrics['test_acc']:.4f}", loss=f"{metrics['train_loss']:.3f}")
         return metrics
@@ -1980,14 +2075,23 @@ class Run:
             rows = [json.loads(line) for line in f if line.strip()]
         rows = [row for row in rows if row["round"] <= ckpt["round"]]
         self.last_eval = next((row for row in reversed(rows) if "test_acc" in row), {})
+        self.best_val = max(
+            (row for row in rows if row.get("val_acc") is not None), key=lambda r: r["val_acc"], default={}
+        )
         if self.main:
             _atomic_save("".join(json.dumps(row) + "\n" for row in rows), self.metrics_path)
         return ckpt
 
     def finish(self, model=None, **extra):
-        """summary.json: the final round's evaluation (never the best round's) and `extra`; model.pt with
-        --save-model; the closing line."""
+        """summary.json: the final round's evaluation (never the best round's; with --val-frac also
+        test_acc_at_best_val, best_val_acc, best_val_round) and `extra`; model.pt with --save-model; the closing
+        line."""
         final = {k: v for k, v in self.last_eval.items() if k != "round"}
+        if self.best_val:  # --val-frac: the protocol that reports the test accuracy at the best validation round
+            best = self.best_val
+            final.update(
+                best_val_acc=best["val_acc"], best_val_round=best["round"], test_acc_at_best_val=best["test_acc"]
+            )
         summary = self._write_summary({"final_round": self.args.rounds, **final, **extra})
         if self.main and model is not None and self.args.save_model:
             _atomic_save(model.state_dict(), os.path.join(self.dir, "model.pt"))

@@ -67,6 +67,9 @@ def parse_args():
         help="also log the balanced accuracy (mean per-class recall) of the global and per-client tests")
     g.add_argument("--data-seed", type=seed_int, default=None,
         help="seed of the partition (default: --seed); client sampling uses --seed")
+    g.add_argument("--val-frac", type=decay_rate, default=0.0,
+        help="share of each client's training data held out for validation: val_acc, and test_acc_at_best_val "
+             "in summary.json (0: none)")
     g = p.add_argument_group("federation")
     g.add_argument("--num-clients", type=positive_int, default=100, help="K: number of clients")
     g.add_argument("--frac", type=fraction, default=0.1, help="C: fraction of clients sampled per round, in (0, 1]")
@@ -171,6 +174,6 @@ if __name__ == "__main__":
         if run.evaluates(rnd):  # every --eval-every rounds and the last
             model.eval()
             # test_acc, test_loss; per-client mean, std, worst 10%; --balanced-acc: the same of balanced accuracy
-            tests = eval_metrics(model, data, partition.test, args.balanced_acc, args.amp)
+            tests = eval_metrics(model, data, partition.test, args.balanced_acc, args.amp, val=partition.val)
             run.log({"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr})
     run.finish(model)  # summary.json: the final round's metrics

@@ -74,6 +74,9 @@ def parse_args():
         help="also log the balanced accuracy (mean per-class recall) of the global and per-client tests")
     g.add_argument("--data-seed", type=seed_int, default=None,
         help="seed of the partition (default: --seed); client sampling uses --seed")
+    g.add_argument("--val-frac", type=decay_rate, default=0.0,
+        help="share of each client's training data held out for validation: val_acc, and test_acc_at_best_val "
+             "in summary.json (0: none)")
     g = p.add_argument_group("federation")
     g.add_argument("--num-clients", type=positive_int, default=100, help="K: number of clients")
     g.add_argument("--frac", type=fraction, default=1.0,
@@ -292,7 +295,7 @@ if __name__ == "__main__":
             client.eval()  # FedNNNN: evaluate the evaluation model, not the broadcast one
             # test_acc, test_loss; per-client mean, std, worst 10%; --balanced-acc: the same of balanced accuracy
             tests = eval_metrics(
-                client, data, partition.test, args.balanced_acc, args.amp
+                client, data, partition.test, args.balanced_acc, args.amp, val=partition.val
             )  # FedNNNN: the evaluation model
             run.log({"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr, **norms})  # FedNNNN: + norms
         else:  # FedNNNN

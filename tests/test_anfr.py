@@ -47,6 +47,8 @@ TINY = [
     "16",
     "--lr",
     "0.03",
+    "--warmup-steps",  # 15 steps in all: the recipe's 100-step warm-up would leave them no lr
+    "0",
 ]
 CHANCE = 0.1
 
@@ -243,6 +245,112 @@ def test_personal_keys():
     )
     assert len(bn) == 5 * sum(isinstance(m, torch.nn.BatchNorm2d) for m in se.modules())
     assert anfr.personal_keys(nf, "fedbn") == set() and anfr.personal_keys(se, "none") == set()
+
+
+def test_personal_keys_of_bn_stats_local_are_the_running_statistics_only():
+    se = common.resnet(3, 10, 32, depth=18, width=4, norm="bn", attention="se")
+    nf = common.resnet(3, 10, 32, depth=18, width=4, norm="nf", attention="se")
+    keys = anfr.personal_keys(se, "none", "local")
+    n_bn = sum(isinstance(m, torch.nn.BatchNorm2d) for m in se.modules())
+    assert len(keys) == 3 * n_bn and all(
+        k.endswith(("running_mean", "running_var", "num_batches_tracked")) for k in keys
+    )
+    assert keys < anfr.personal_keys(se, "fedbn") and anfr.personal_keys(nf, "none", "local") == set()
+
+
+# timm's fresh models (the paper's, and ResNet-18 for the BasicBlock path) -> (our norm, attention, depth)
+FRESH = {
+    "resnet18": ("bn", None, 18),
+    "resnet50": ("bn", None, 50),
+    "resnet50_gn": ("gn", None, 50),
+    "seresnet50": ("bn", "se", 50),
+    "nf_resnet50": ("nf", None, 50),
+    "nf_seresnet50": ("nf", "se", 50),
+}
+
+
+def init_differences(name, init):
+    """Entries where our fresh model starts otherwise than timm's: which are all zero, a weight's std off by more
+    than 10% (convs, the head, attention convs), a gain or norm weight (vectors of ones and zeros) not equal."""
+    timm = pytest.importorskip("timm")
+    norm, attention, depth = FRESH[name]
+    torch.manual_seed(0)
+    ref = timm.create_model(name).state_dict()
+    ref = {anfr.timm_name(k, common.RESNET_LAYOUT[depth][1]): v for k, v in ref.items()}
+    ours = common.resnet(3, 1000, 224, depth=depth, norm=norm, attention=attention, stem="imagenet", init=init)
+    ours = ours.state_dict()
+    assert ours.keys() == ref.keys()
+    bad = []
+    for k, v in ours.items():
+        want = ref[k]
+        if not v.is_floating_point() or k.endswith(("running_mean", "running_var")):
+            continue
+        if bool((v == 0).all()) != bool((want == 0).all()):
+            bad.append(f"{k}: zero {bool((v == 0).all())}, timm {bool((want == 0).all())}")
+        elif k.endswith("gain") or (v.dim() == 1 and k.endswith("weight")):
+            if not torch.equal(v, want):
+                bad.append(f"{k}: values")
+        elif v.dim() > 1 and not (v == 0).all() and abs(float(v.std() / want.std()) - 1) > 0.1:
+            bad.append(f"{k}: std {float(v.std()):.4g}, timm {float(want.std()):.4g}")
+    return bad
+
+
+@pytest.mark.parametrize("name", list(FRESH))
+def test_fresh_models_start_as_timms(name):
+    """Layer by layer: the entries that start at zero (the last norm weight or NF gain of every residual branch,
+    timm's NF biases) and each weight's init std within 10% (convs fan-out in activation-normed nets, fan-in in
+    NF ones; SE convs; the head: PyTorch's in ResNets, N(0, 0.01^2) in NF-ResNets), against timm's fresh models."""
+    assert init_differences(name, "timm") == []
+
+
+def test_pytorch_default_init_differs_from_timms_where_the_issue_found_it():
+    """The check above can fail: --init torch leaves every branch open and the convs about 2.45x narrower."""
+    bad = init_differences("resnet50", "torch")
+    assert any("n3.weight: zero False, timm True" in b for b in bad)
+    assert any("conv1.weight: std" in b for b in bad)
+    assert any("head.weight: std" in b for b in init_differences("nf_resnet50", "torch"))
+
+
+def test_last_gains_are_the_last_nf_gain_or_norm_weight_of_each_block():
+    nf = common.resnet(3, 10, 32, depth=50, width=4, norm="nf")
+    bn = common.resnet(3, 10, 32, depth=18, width=4, norm="bn")
+    assert [g is b.conv3.gain for g, b in zip(anfr.last_gains(nf), nf.body.stages)] == [True] * 16
+    assert [g is b.n2.weight for g, b in zip(anfr.last_gains(bn), bn.body.stages)] == [True] * 8
+    assert all(not g.any() for g in anfr.last_gains(nf) + anfr.last_gains(bn))  # timm: every branch starts shut
+
+
+def test_gain_statistics_by_hand():
+    grads = torch.tensor([[1.0, -1.0], [2.0, 1.0], [3.0, -1.0]])  # 3 steps, 2 gains
+    keep, coherence = anfr.gain_statistics(grads).tolist()
+    assert keep == pytest.approx(2 / 4)  # gain 0 keeps its sign twice, gain 1 never
+    assert coherence == pytest.approx((6 / 6 + 1 / 3) / 2)
+
+
+def test_cosine_with_warmup_by_hand():
+    lr = lambda step: anfr.cosine_lr(2.0, step, 110, warmup=10)
+    assert [lr(0), lr(5), lr(10)] == [0.0, 1.0, 2.0]  # linear from 0, as Pieri et al.'s LambdaLR
+    assert lr(60) == pytest.approx(1.0) and lr(110) == pytest.approx(0.0) and lr(35) == pytest.approx(2 * 0.8535534)
+    assert anfr.cosine_lr(2.0, 5, 110) == anfr.cosine_lr(2.0, 5, 110, warmup=0) != lr(5)
+
+
+def test_adaptive_clipping_equals_timms():
+    """Brock et al. 2021b, unit-wise, against timm's adaptive_clip_grad (an independent implementation), on
+    gradients whose units range over four orders of magnitude: some are clipped, some are not."""
+    agc = pytest.importorskip("timm.utils.agc")
+    torch.manual_seed(0)
+    params = [p for m in (torch.nn.Conv2d(4, 6, 3), torch.nn.Linear(5, 3)) for p in m.parameters()]
+    grads = [torch.randn_like(p) * torch.logspace(-3, 1, p.shape[0]).view(-1, *[1] * (p.dim() - 1)) for p in params]
+    results = []
+    for clip in (lambda: anfr.adaptive_clip_(params, 0.05), lambda: agc.adaptive_clip_grad(params, 0.05, eps=1e-3)):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        clip()
+        results.append([p.grad.clone() for p in params])
+    ours, ref = results
+    assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-12) for a, b in zip(ours, ref))
+    units = [(a == g).flatten(1).all(1) if g.dim() > 1 else (a == g).all()[None] for a, g in zip(ours, grads)]
+    kept = torch.cat(units)
+    assert kept.any() and not kept.all()
 
 
 # ---------------------------------------------------------------------------------------------- aggregation math
@@ -588,6 +696,10 @@ def test_analyze_reports_the_final_model(runs):
     assert a.keys() == again.keys() and sum(a["csi_hist"]) == 8 * 8
     for key in a:  # (pytest.approx takes no nested values such as the histogram)
         assert a[key] == pytest.approx(again[key], rel=1e-5), key
+    final_gains = float(torch.cat([g.detach().abs().flatten() for g in anfr.last_gains(model)]).mean())
+    rows = metrics(tmp / "arch_se")
+    assert rows[-1]["last_gain_abs_mean"] == pytest.approx(final_gains, rel=1e-6) and final_gains > 0  # opened
+    assert all(0 <= r["last_gain_grad_sign_keep"] <= 1 and 0 < r["last_gain_grad_coherence"] <= 1 for r in rows)
 
 
 @pytest.mark.parametrize("name", ["fedper", "scaffold"])  # FedAvg (+ FedPer + DP-SGD), SCAFFOLD
@@ -700,3 +812,36 @@ def test_init_from_refuses_a_file_that_leaves_entries_unloaded(tmp_path, monkeyp
     model = common.resnet(3, 10, 16, depth=18, width=8, norm="bn")  # no SE: the file's SE entries would be dropped
     with pytest.raises(ValueError, match="32 entries of it fitting none of ours: body.stages.0.attn.fc1.weight"):
         anfr.load_pretrained(model, bn, [2, 2, 2, 2])
+
+
+def test_bn_stats_local_keeps_each_clients_statistics_and_scores_each_clients_model(tmp_path):
+    """--bn-stats local (Pieri et al.): the parameters are averaged, every client keeps its running statistics
+    (the global model's stay as they started), and test_acc / val_acc are the means over the clients' models
+    (the averaged parameters with the client's statistics), recomputed here from the saved state."""
+    out = tmp_path / "bn_local"
+    flags = ["--arch", "bn", "--bn-stats", "local", "--val-frac", "0.2", "--rounds", "2", "--save-model"]
+    _run_here("anfr.py", *TINY, *flags, "--out", out)
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
+    args = SimpleNamespace(**json.load(open(out / "config.json")))
+    data = common.load_data(args)
+    model = anfr.build(args, data)
+    model.load_state_dict(torch.load(out / "model.pt"))
+    keys = anfr.personal_keys(model, "none", "local")
+    assert all(set(local) == keys for local in ckpt["local"])
+    mean = "body.stem.1.running_mean"
+    assert not torch.equal(ckpt["local"][0][mean], ckpt["local"][1][mean])
+    assert not model.state_dict()[mean].any() and bool((model.state_dict()[mean.replace("mean", "var")] == 1).all())
+    partition = common.make_partition(args, data)
+    scores = []
+    for local in ckpt["local"]:
+        model.load_state_dict(local, strict=False)
+        model.eval()
+        net = lambda x: model(anfr.resize(x, args.image_size))
+        held = torch.cat(partition.val)
+        test = common.evaluate(net, data.x_test, data.y_test, data)[0]
+        scores.append((test, common.evaluate(net, data.x_train[held], data.y_train[held], data)[0]))
+    row = metrics(out)[-1]
+    assert row["test_acc"] == pytest.approx(np.mean([s[0] for s in scores]), abs=1e-12)
+    assert row["val_acc"] == pytest.approx(np.mean([s[1] for s in scores]), abs=1e-12)
+    assert len({s[0] for s in scores}) > 1  # the clients' models differ
+    assert summary(out)["test_acc_at_best_val"] in {r["test_acc"] for r in metrics(out)}

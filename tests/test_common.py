@@ -261,6 +261,98 @@ def test_random_crop_is_a_shift_of_the_padded_image():
         assert any(torch.equal(out[b], padded[b, :, i : i + 6, j : j + 6]) for i in range(5) for j in range(5))
 
 
+def test_crop_resize_equals_torchvisions_resized_crop():
+    """Up- and downsampling of random boxes, against torchvision's resized_crop without antialiasing."""
+    tvf = pytest.importorskip("torchvision.transforms.v2.functional")
+    torch.manual_seed(0)
+    x = torch.rand(40, 3, 32, 24)
+    top, left, bh, bw = common.rrc_boxes(40, 32, 24, (0.05, 1.0), (3 / 4, 4 / 3), "cpu")
+    assert ((top >= 0) & (left >= 0) & (top + bh <= 32) & (left + bw <= 24) & (bh > 0) & (bw > 0)).all()
+    for size in (224, 32, 9):
+        ours = common.crop_resize(x, top, left, bh, bw, size)
+        want = torch.stack(
+            [
+                tvf.resized_crop(x[i], int(top[i]), int(left[i]), int(bh[i]), int(bw[i]), [size, size], antialias=False)
+                for i in range(40)
+            ]
+        )
+        assert (ours - want).abs().max() < 1e-5, size
+
+
+def test_rrc_boxes_are_drawn_as_torchvisions():
+    """The same distribution as torchvision's RandomResizedCrop.get_params (an independent sampler): mean area
+    fraction, mean log aspect ratio and mean size of the boxes on a 32x32 image with scale (0.05, 1)."""
+    transforms = pytest.importorskip("torchvision.transforms")
+    torch.manual_seed(0)
+    n, img = 20000, torch.zeros(3, 32, 32)
+    ref = torch.tensor([transforms.RandomResizedCrop.get_params(img, [0.05, 1.0], [3 / 4, 4 / 3]) for _ in range(n)])
+    top, left, bh, bw = common.rrc_boxes(n, 32, 32, (0.05, 1.0), (3 / 4, 4 / 3), "cpu")
+    ours = torch.stack([top, left, bh, bw], 1)
+    area = lambda b: float((b[:, 2] * b[:, 3]).double().mean() / 1024)
+    log_ratio = lambda b: float((b[:, 3].double() / b[:, 2]).log().mean())
+    assert area(ours) == pytest.approx(area(ref), abs=0.01)  # 0.47 both
+    assert log_ratio(ours) == pytest.approx(log_ratio(ref), abs=0.01)
+    assert torch.allclose(ours.double().mean(0), ref.double().mean(0), atol=0.2)  # top, left, height, width
+
+
+def test_rrc_falls_back_to_the_central_crop_and_flips_only_with_rrc_flip():
+    data = fake_data()
+    x = data.x_train[:32]
+    torch.manual_seed(0)
+    top, left, bh, bw = common.rrc_boxes(4, 8, 20, (2.0, 3.0), (3 / 4, 4 / 3), "cpu")  # no box can hold 2x the area
+    assert top.tolist() == [0] * 4 and bh.tolist() == [8] * 4 and bw.tolist() == [11] * 4 and left.tolist() == [4] * 4
+    whole = common.prepare_batch(x, data, "rrc", size=16, crop_scale=(2.0, 3.0))  # a square: the whole image
+    resized = torch.nn.functional.interpolate(x.float() / 255, size=16, mode="bilinear", align_corners=False)
+    assert torch.allclose(whole, (resized - 0.5) / 0.25, atol=1e-5)
+    torch.manual_seed(0)
+    flipped = common.prepare_batch(x, data, "rrc-flip", size=16, crop_scale=(2.0, 3.0))
+    mirrored = [
+        torch.allclose(flipped[i], whole[i].flip(2)) and not torch.allclose(flipped[i], whole[i]) for i in range(32)
+    ]
+    assert 4 < sum(mirrored) < 28
+    assert common.prepare_batch(x, data, "rrc", crop_scale=(0.05, 1.0)).shape == (32, 3, 8, 8)  # default: stored size
+
+
+def test_val_frac_holds_out_part_of_each_clients_data():
+    data = fake_data()
+    plain = make_partition(part_args(shards=2), data)
+    held = make_partition(part_args(shards=2, val_frac=0.15), data)
+    assert plain.val is None and len(held.val) == len(held.train) == 20
+    for train, val, whole in zip(held.train, held.val, plain.train):
+        assert len(val) == int(0.15 * len(whole) + 0.5) and not set(val.tolist()) & set(train.tolist())
+        assert sorted(val.tolist() + train.tolist()) == whole.tolist()  # the partition itself is unchanged
+    tiny = make_partition(part_args(iid=True, num_clients=2000, val_frac=0.9), data)  # one sample each
+    assert all(len(t) == 1 for t in tiny.train) and all(len(v) == 0 for v in tiny.val)
+
+
+def test_eval_metrics_scores_the_held_out_samples():
+    data = fake_data()
+    p = make_partition(part_args(shards=2, val_frac=0.2), data)
+    always_3 = lambda x: torch.nn.functional.one_hot(torch.full((len(x),), 3), NUM_CLASSES).float()
+    row = common.eval_metrics(always_3, data, val=p.val)
+    held = torch.cat(p.val)
+    assert row["val_acc"] == pytest.approx(float((data.y_train[held] == 3).float().mean()))
+    assert row["test_acc"] == pytest.approx(0.1) and "val_acc" not in common.eval_metrics(always_3, data)
+
+
+def test_summary_reports_the_test_accuracy_at_the_first_best_validation_round(tmp_path):
+    args = argparse.Namespace(out=str(tmp_path / "r"), resume=None, rounds=4, save_model=False, device="cpu")
+    run = common.Run(args, "fedavg")
+    for rnd, val, test in [(1, 0.5, 0.6), (2, 0.7, 0.4), (3, 0.7, 0.9), (4, 0.6, 0.8)]:
+        run.log({"round": rnd, "test_acc": test, "val_acc": val, "train_loss": 1.0})
+    got = run.finish()
+    assert (got["test_acc"], got["test_acc_at_best_val"], got["best_val_round"], got["best_val_acc"]) == (
+        0.8,
+        0.4,
+        2,
+        0.7,
+    )
+    run.save_checkpoint(4, {})  # a resumed run finds the same best row in metrics.jsonl
+    again = common.Run(argparse.Namespace(**{**vars(args), "resume": args.out}), "fedavg")
+    again.load_checkpoint()
+    assert again.best_val["round"] == 2
+
+
 # ------------------------------------------------------------------ folder datasets
 def write_folder(root, per_class=3, classes=("cat", "ant", "bee"), size=8):
     from torchvision.io import write_png

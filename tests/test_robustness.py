@@ -123,6 +123,10 @@ EXTRA = {
     "--dp-max-grad-norm": ["0"],
     "--prox-mu": [],
     "--depth": ["0", "19"],
+    "--val-frac": ["1", "1.5"],
+    "--crop-scale": ["0", "1.5"],
+    "--agc": [],
+    "--warmup-steps": [],
 }
 # edge values that must still be accepted
 VALID = {
@@ -136,6 +140,8 @@ VALID = {
         ["--lr-decay", "1"],
         ["--lr-decay-at", "0.5", "0.75"],
         ["--lr", "1e-6"],
+        ["--val-frac", "0"],
+        ["--val-frac", "0.5"],
     ],
     "fedbabu": [["--ft-epochs", "0"], ["--ft-eval-epochs", "0", "1"]],
     "fedfn": [["--fn-scale", "sqrt-d"], ["--fn-scale", "2.5"], ["--fr-mu", "0"]],
@@ -146,6 +152,10 @@ VALID = {
         ["--last-gain-init", "1", "--arch", "nf"],
         ["--image-size", "8"],
         ["--agg", "fedprox", "--prox-mu", "0.1"],
+        ["--crop-scale", "1", "1"],
+        ["--agc", "0.01", "--clip", "0"],
+        ["--warmup-steps", "0"],
+        ["--bn-stats", "local", "--arch", "bn"],
     ],
 }
 
@@ -222,6 +232,10 @@ REFUSED = [
     ("anfr", ["--clip", "-1"], "--clip"),
     ("anfr", ["--agg", "fedavg", "--prox-mu", "0.1"], "--prox-mu"),
     ("fedln", ["--prox-mu", "0.1"], "--prox-mu"),
+    ("anfr", ["--crop-scale", "0.5", "0.1"], "--crop-scale"),
+    ("anfr", ["--agc", "0.01"], "--agc"),
+    ("anfr", ["--arch", "bn", "--bn-stats", "local", "--pfl", "fedbn"], "--bn-stats"),
+    ("anfr", ["--arch", "bn", "--bn-stats", "local", "--client-test"], "--bn-stats"),
 ]
 
 
