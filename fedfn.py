@@ -74,6 +74,9 @@ def parse_args():
         help="also log the balanced accuracy (mean per-class recall) of the global and per-client tests")
     g.add_argument("--data-seed", type=seed_int, default=None,
         help="seed of the partition (default: --seed); client sampling uses --seed")
+    g.add_argument("--val-frac", type=decay_rate, default=0.0,
+        help="share of each client's training data held out for validation: val_acc, and test_acc_at_best_val "
+             "in summary.json (0: none)")
     g = p.add_argument_group("federation")
     g.add_argument("--num-clients", type=positive_int, default=100,
         help="N: number of clients")  # FedFN: the paper's symbols
@@ -178,11 +181,15 @@ def local_train(model, indices, data, args, lr, global_params, correction=None):
     model.train()
     loss_sum = torch.zeros((), device=args.device)
     seen = steps = 0  # FedFN: count K for SCAFFOLD
+    first_norm = last_norm = None  # FedFN: --analyze: mean ||f|| of the first and the last batch
     for batch in client_batches(indices, args.batch_size, args.local_epochs, args.local_steps):
         x, y = prepare_batch(data.x_train[batch], data, args.augment), data.y_train[batch]
         with autocast(args.device, args.amp):
             logits, f = fn_forward(model, x, args.fn, args.fn_scale)  # FedFN: normalized feature into the head
             loss = F.cross_entropy(logits.float(), y)
+        if args.analyze:  # FedFN: how ||f|| grows inside local training
+            last_norm = f.detach().float().norm(dim=1).mean()
+            first_norm = last_norm if first_norm is None else first_norm
         if args.fr_mu > 0:  # FedFN: FedFR, Eq. (1): L_CE + mu ||f(x; theta_ext)||_2 (batch mean)
             loss = loss + args.fr_mu * f.float().norm(dim=1).mean()
         if args.prox_mu > 0:  # FedProx: + mu/2 ||w - w_t||^2 (Li et al. 2020, Eq. 2)
@@ -196,7 +203,7 @@ def local_train(model, indices, data, args, lr, global_params, correction=None):
         loss_sum += loss.detach() * len(batch)
         seen += len(batch)
         steps += 1  # FedFN
-    return loss_sum / max(seen, 1), steps  # FedFN: + K
+    return loss_sum / max(seen, 1), steps, (first_norm, last_norm)  # FedFN: + K, + ||f|| at the first and last step
 
 
 def fedexp_server_lr(sq_norm_mean, avg_update_sq_norm, eps):  # FedFN: FedEXP step size
@@ -248,6 +255,19 @@ def four_factors(weight, feats, labels, num_classes, fn=True):  # FedFN: Section
     }
 
 
+def invariant_layer(model):  # FedFN: the parameters that FN makes scale-invariant
+    """The last module of model.body with parameters of its own (VGG: the second fc layer; 4convNet: the last
+    batch norm). Where only ReLU, pooling and flattening follow it (positively homogeneous), scaling its weight and
+    bias by c > 0 scales f by c, so with FN the loss does not change: the gradient is orthogonal to (weight, bias),
+    and a plain SGD step can only lengthen them, ||w - lr g||^2 = ||w||^2 + lr^2 ||g||^2 (not in ResNets, where a
+    shortcut joins after the last norm)."""
+    return [m for m in model.body.modules() if next(m.parameters(recurse=False), None) is not None][-1]
+
+
+def param_norm(module):  # FedFN: ||(weight, bias)||_2 of one module
+    return torch.sqrt(sum(p.detach().float().pow(2).sum() for p in module.parameters(recurse=False)))
+
+
 @torch.no_grad()
 def analyze(model, data, args, batch_size=2000):  # FedFN: the four factors of the global model on D_test
     model.eval()
@@ -258,6 +278,19 @@ def analyze(model, data, args, batch_size=2000):  # FedFN: the four factors of t
         ]
     )
     return four_factors(model.head.weight, feats, data.y_test, data.num_classes, args.fn)
+
+
+def client_traces(traces, global_layer_norm):  # FedFN: what local training and averaging do to ||f||
+    """traces [m, 3]: per client of the round, mean ||f|| on its first and on its last local batch, and the
+    invariant layer's norm after local training; global_layer_norm: that norm in the averaged model."""
+    start, end, layer = traces.float().T
+    return {
+        "client_feature_norm_start": float(start.mean()),  # the global model w_t on the clients' data
+        "client_feature_norm_end": float(end.mean()),
+        "client_feature_norm_end_std": float(end.std(unbiased=False)),  # spread over the round's clients
+        "client_invariant_norm": float(layer.mean()),
+        "invariant_norm": float(global_layer_norm),  # after averaging: below the clients' mean when they disagree
+    }
 
 
 if __name__ == "__main__":
@@ -300,13 +333,17 @@ if __name__ == "__main__":
         x_old = [w.detach().clone() for w in model.parameters()]  # FedFN: w_t, for SCAFFOLD / FedEXP
         delta_c_sum = zeros() if scaffold else None  # FedFN: sum_i (c_i+ - c_i)
         sq_norm_mean = torch.zeros((), device=args.device)  # FedFN: FedEXP sum_i p_i ||Delta_i||^2
+        traces = []  # FedFN: --analyze, one row per client: ||f|| first step, last step, ||invariant layer||
 
         def train_client(k):  # what client k does this round; returns what the server sums
             client.load_state_dict(model.state_dict())
             correction = scaffold_correction(c_global, c_of(k)) if scaffold else None  # FedFN: c - c_i
             # FedFN: x_old = detached w_t
-            loss, steps = local_train(client, partition.train[k], data, args, lr, x_old, correction)
-            return {"loss": loss, "state": client.state_dict(), "steps": steps}  # FedFN: + steps
+            loss, steps, norms = local_train(client, partition.train[k], data, args, lr, x_old, correction)
+            out = {"loss": loss, "state": client.state_dict(), "steps": steps}  # FedFN: + steps
+            if args.analyze:  # FedFN: ||f|| at the first and last local step, the invariant layer's norm after them
+                out["traces"] = torch.stack([*norms, param_norm(invariant_layer(client))])
+            return out
 
         # own seed per client; torchrun: split over ranks, summed in order
         for k, w, out in each_client(clients, weights, train_client, args.seed, rnd):
@@ -318,6 +355,8 @@ if __name__ == "__main__":
                 delta_c_sum = {n: delta_c_sum[n] + (c_local[k][n] - c_i[n]) for n in param_names}
             if fedexp:  # FedFN: ||Delta_i||^2 = ||w_t - y_i||^2
                 sq_norm_mean += w * sq_dist(x_old, y.values())
+            if args.analyze:  # FedFN
+                traces.append(out["traces"])
             accumulate(total, out["state"], w)  # batch-norm running statistics are averaged like weights
         load_average(model, total)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (McMahan et al. 2017, Alg. 1)
         if scaffold:  # FedFN: x <- x + (1/|S|) sum Delta y_i (server step 1, weighted as above); c update
@@ -336,12 +375,13 @@ if __name__ == "__main__":
             eval_model.eval()  # FedFN
             forward = lambda x: fn_forward(eval_model, x, args.fn, args.fn_scale)[0]  # FedFN: FN at evaluation
             # test_acc, test_loss; per-client mean, std, worst 10%; --balanced-acc: the same of balanced accuracy
-            tests = eval_metrics(forward, data, partition.test, args.balanced_acc, args.amp)  # FedFN: forward
+            tests = eval_metrics(forward, data, partition.test, args.balanced_acc, args.amp, val=partition.val)  # FedFN: forward
             metrics = {"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr}
             if fedexp:  # FedFN
                 metrics["server_lr"] = eta_g
             if args.analyze == "every" or (args.analyze and rnd + 1 == args.rounds):  # FedFN
                 metrics.update(analyze(eval_model, data, args))
+                metrics.update(client_traces(torch.stack(traces), param_norm(invariant_layer(eval_model))))
             run.log(metrics)
     model.load_state_dict(eval_model.state_dict())  # FedFN: the evaluated final model (FedEXP: averaged)
     final = {}  # FedFN: FedFN-FT's results, added to summary.json

@@ -48,6 +48,7 @@ def tiny_args(**kw):
         local_epochs=None,
         local_steps=1,
         augment="none",
+        analyze=None,
     )
     return argparse.Namespace(**{**base, **kw})
 
@@ -66,6 +67,74 @@ def test_features_reaching_the_head_have_unit_norm():
     assert len(seen) == 3 and all(torch.allclose(s.norm(dim=1), torch.ones(len(s)), atol=1e-5) for s in seen)
     logits_nofn, f2 = fedfn.fn_forward(model, x, fn=False)  # --no-fn: exactly model(x)
     assert torch.equal(logits_nofn, model(x)) and not torch.allclose(seen[-1].norm(dim=1), torch.ones(5))
+
+
+def test_fn_makes_the_last_body_layer_scale_invariant():
+    """With FN the loss depends on f / ||f|| only, and f = relu(W h + b) scales with (W, b): the gradient of
+    the loss is orthogonal to (W, b), so one plain SGD step lengthens it by exactly lr^2 ||g||^2. Without FN
+    neither holds."""
+    data = tiny_data()
+    x, y = common.prepare_batch(data.x_train[:8], data), data.y_train[:8]
+    for fn in (True, False):
+        model = tiny_model()
+        layer = fedfn.invariant_layer(model)
+        assert layer is model.body[1]  # the Linear before the ReLU
+        torch.nn.functional.cross_entropy(fedfn.fn_forward(model, x, fn)[0], y).backward()
+        w = torch.cat([layer.weight.detach().flatten(), layer.bias.detach()])
+        g = torch.cat([layer.weight.grad.flatten(), layer.bias.grad])
+        lr, before = 0.7, float(fedfn.param_norm(layer) ** 2)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p -= lr * p.grad
+        grown, expected = float(fedfn.param_norm(layer) ** 2) - before, lr**2 * float(g @ g)
+        if fn:
+            assert abs(float(w @ g)) < 1e-6 * float(w.norm() * g.norm())
+            assert grown == pytest.approx(expected, rel=1e-3)
+        else:
+            assert abs(float(w @ g)) > 1e-4 * float(w.norm() * g.norm())
+        loss = lambda: float(torch.nn.functional.cross_entropy(fedfn.fn_forward(model, x, fn)[0], y))
+        before = loss()
+        with torch.no_grad():
+            for p in layer.parameters():
+                p *= 3.0
+        assert (loss() == pytest.approx(before, rel=1e-5)) == fn  # scale-invariant with FN only
+
+
+def test_local_train_reports_the_feature_norm_of_its_first_and_last_batch():
+    data = tiny_data()
+    model = tiny_model()
+    batches = [torch.arange(0, 8), torch.arange(8, 16)]  # with --local-steps 2 and no shuffling: these two
+    common_batches = common.client_batches
+    try:
+        fedfn.client_batches = lambda *a, **k: iter(batches)
+        expect_first = model.body(common.prepare_batch(data.x_train[:8], data)).norm(dim=1).mean().detach()
+        snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+        _, steps, (first, last) = fedfn.local_train(
+            model, torch.arange(16), data, tiny_args(analyze="every"), 0.5, None
+        )
+        after_one = tiny_model()
+        after_one.load_state_dict(snapshot)
+        fedfn.client_batches = lambda *a, **k: iter(batches[:1])
+        fedfn.local_train(after_one, torch.arange(8), data, tiny_args(), 0.5, None)
+        expect_last = after_one.body(common.prepare_batch(data.x_train[8:16], data)).norm(dim=1).mean().detach()
+    finally:
+        fedfn.client_batches = common_batches
+    assert steps == 2
+    assert float(first) == pytest.approx(float(expect_first), rel=1e-6)
+    assert float(last) == pytest.approx(float(expect_last), rel=1e-6) and float(last) != float(first)
+    assert fedfn.local_train(model, torch.arange(8), data, tiny_args(), 0.5, None)[2] == (None, None)  # off
+
+
+def test_client_traces_by_hand():
+    traces = torch.tensor([[1.0, 2.0, 10.0], [3.0, 6.0, 14.0]])  # per client: ||f|| first, last, ||layer||
+    got = fedfn.client_traces(traces, torch.tensor(11.0))
+    assert got == {
+        "client_feature_norm_start": 2.0,
+        "client_feature_norm_end": 4.0,
+        "client_feature_norm_end_std": 2.0,  # population std of (2, 6)
+        "client_invariant_norm": 12.0,
+        "invariant_norm": 11.0,
+    }
 
 
 def test_fn_logits_by_hand_axis_and_scale():

@@ -2,9 +2,12 @@
 # Claim 1: FedFN beats FedAvg under heavy label skew on CIFAR-10
 # (fedfn.md Table 1, VGG11: s=2 77.77 vs 74.24; s=10 83.80 vs 81.97).
 #
-#   DATA_DIR=/path/to/cifar10 [SEEDS="0 1 2"] [SHARDS="2 10"] bash benchmarks/reproduce/fedfn.sh [small|proxy|paper]
+#   DATA_DIR=/path/to/cifar10 [SEEDS="0 1 2"] [SHARDS="2 10"] [ALPHAS="0.1 0.5"] \
+#     bash benchmarks/reproduce/fedfn.sh [small|proxy|paper]
 #
-# Runs go to runs/reproduce/fedfn-s{2,10}-<scale>/{fedavg,fedfn}/seed<k>; tables: benchmarks/collect.py.
+# SHARDS: the values of s (default "2 10"; empty: none). ALPHAS: Dirichlet rows (Table 8: 0.1, 0.3, 0.5, 1.0;
+# default none). Runs go to runs/reproduce/fedfn-{s2,s10,a0.1,...}-<scale>/{fedavg,fedfn}/seed<k>; tables:
+# benchmarks/collect.py.
 # Both variants run fedfn.py (FedAvg = --no-fn on the same code path), each with its paper lr.
 source "$(dirname "$0")/lib.sh"
 setup "$@"
@@ -33,7 +36,7 @@ else
   COMMON=(--model vgg11 --num-clients 100 --frac 0.1 --local-epochs 15 --rounds 320)
 fi
 
-for s in ${SHARDS:-2 10}; do  # SHARDS: only these settings of s (default both)
+for s in ${SHARDS-2 10}; do  # SHARDS: only these settings of s (default both; SHARDS= none)
   run "fedfn-s$s" fedavg fedfn.py "${COMMON[@]}" --shards "$s" --no-fn --lr 0.01  # FedAvg: lr 0.01 (paper's default for CIFAR-10)
   run "fedfn-s$s" fedfn  fedfn.py "${COMMON[@]}" --shards "$s" --lr 0.03          # FedFN: lr 0.03 (grid search, App. C)
   if [ "$SCALE" = small ]; then  # controls (ours): FedFN at FedAvg's lr, so lr alone does not decide the comparison;
@@ -41,6 +44,20 @@ for s in ${SHARDS:-2 10}; do  # SHARDS: only these settings of s (default both)
     # by ||W_c|| (about 0.6 at PyTorch's head init) and a short schedule does not grow W enough
     run "fedfn-s$s" fedfn-lr0.01 fedfn.py "${COMMON[@]}" --shards "$s" --lr 0.01
     run "fedfn-s$s" fedfn-sqrtd  fedfn.py "${COMMON[@]}" --shards "$s" --lr 0.01 --fn-scale sqrt-d
+  fi
+done
+
+for a in ${ALPHAS-}; do  # Table 8's Dirichlet rows (Dir(alpha) per class over 100 clients; one seed in the paper)
+  run "fedfn-a$a" fedavg fedfn.py "${COMMON[@]}" --alpha "$a" --no-fn --lr 0.01
+  run "fedfn-a$a" fedfn  fedfn.py "${COMMON[@]}" --alpha "$a" --lr 0.03
+  if [ "$SCALE" = proxy ] && [ "$a" = 0.1 ]; then  # one-seed controls (the first of SEEDS) where FN's norm runs away:
+    # FedFN at FedAvg's lr; FN scaled to sqrt(d); and the weight decay of the code Table 8 ran on (FedNTD's
+    # config: SGD momentum 0.9, weight decay 1e-5; the paper names none), for both methods
+    SEEDS=${SEEDS%% *} run "fedfn-a$a" fedfn-lr0.01 fedfn.py "${COMMON[@]}" --alpha "$a" --lr 0.01
+    SEEDS=${SEEDS%% *} run "fedfn-a$a" fedfn-sqrtd fedfn.py "${COMMON[@]}" --alpha "$a" --lr 0.03 --fn-scale sqrt-d
+    SEEDS=${SEEDS%% *} run "fedfn-a$a" fedavg-wd1e-5 fedfn.py "${COMMON[@]}" --alpha "$a" --no-fn --lr 0.01 \
+      --weight-decay 1e-5
+    SEEDS=${SEEDS%% *} run "fedfn-a$a" fedfn-wd1e-5 fedfn.py "${COMMON[@]}" --alpha "$a" --lr 0.03 --weight-decay 1e-5
   fi
 done
 finish
