@@ -311,6 +311,97 @@ def test_focal_loss_and_local_class_weights_by_hand():
     assert anfr.focal_loss(z, t, torch.ones(4), 0.0).item() == pytest.approx(F.cross_entropy(z, t).item(), rel=1e-6)
 
 
+# Fed-ISIC2019's training labels per center and class (MEL, NV, BCC, AK, BKL, DF, VASC, SCC), counted in FLamby's
+# train_test_split (fold == train); FLamby's BaselineLoss default alpha, as printed in flamby/datasets/fed_isic2019/
+# loss.py: N / n_c over the pooled training labels, to 4 decimals
+ISIC_TRAIN = [[2279, 3363, 2245, 606, 923, 97, 87, 330], [20, 2977, 2, 0, 96, 23, 45, 0],
+              [533, 1470, 174, 20, 379, 40, 64, 11], [276, 649, 223, 86, 406, 20, 3, 144],
+              [166, 349, 0, 0, 140, 0, 0, 0], [58, 276, 5, 0, 6, 4, 2, 0]]  # fmt: skip
+FLAMBY_ALPHA = [5.5813, 2.0472, 7.0204, 26.1194, 9.5369, 101.0707, 92.5224, 38.3443]
+
+
+def isic_labels():
+    labels, parts, start = [], [], 0
+    for row in ISIC_TRAIN:
+        ys = [c for c, n in enumerate(row) for _ in range(n)]
+        labels += ys
+        parts.append(torch.arange(start, start + len(ys)))
+        start += len(ys)
+    return torch.tensor(labels), parts
+
+
+def test_pooled_focal_weights_are_flamby_s_constants():
+    import anfr
+
+    labels, parts = isic_labels()
+    assert len(labels) == 18597 and [len(p) for p in parts] == [9930, 3163, 2691, 1807, 655, 351]  # FLamby's sizes
+    pooled = anfr.focal_weights(labels, parts, 8, "pooled")
+    assert len(pooled) == 6 and all(torch.equal(a, pooled[0]) for a in pooled)  # one fixed set for every client
+    assert pooled[0].tolist() == pytest.approx(FLAMBY_ALPHA, abs=5e-5)  # FLamby's eight constants
+    local = anfr.focal_weights(labels, parts, 8, "local")
+    assert local[1][2].item() == pytest.approx(3163 / 2)  # center 1 holds 2 BCC images: 1,581.5
+    assert local[1][3].item() == 0 and local[4][2].item() == 0  # classes a center lacks: never a target
+    assert max(a.max().item() for a in local) == pytest.approx(1581.5) and pooled[0].max().item() < 101.1
+    assert local[0].tolist() == pytest.approx([9930 / n for n in ISIC_TRAIN[0]])
+
+
+def flamby_baseline_loss(inputs, targets, alpha, gamma=2.0):
+    """FLamby's BaselineLoss.forward (flamby/datasets/fed_isic2019/loss.py), step by step as written there."""
+    targets = targets.view(-1, 1).type_as(inputs)
+    logpt = F.log_softmax(inputs, dim=1).gather(1, targets.long()).view(-1)
+    pt = logpt.exp()
+    at = alpha.gather(0, targets.data.view(-1).long())
+    logpt = logpt * at
+    return (-1 * (1 - pt) ** gamma * logpt).mean()
+
+
+def test_focal_loss_equals_flamby_s_baseline_loss_bit_for_bit():
+    import anfr
+
+    alpha = torch.tensor(FLAMBY_ALPHA)
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        z, y = 3 * torch.randn(64, 8, generator=g), torch.randint(0, 8, (64,), generator=g)
+        for gamma in (2.0, 0.0, 0.5):
+            ours, theirs = z.clone().requires_grad_(), z.clone().requires_grad_()
+            a, b = anfr.focal_loss(ours, y, alpha, gamma), flamby_baseline_loss(theirs, y, alpha, gamma)
+            a.backward()
+            b.backward()
+            assert torch.equal(a, b) and torch.equal(ours.grad, theirs.grad), (seed, gamma, (a - b).item())
+
+
+def test_focal_weights_by_hand_and_the_flag(monkeypatch):
+    import anfr
+
+    labels = torch.tensor([0, 0, 0, 1, 1, 2])  # client 0: 0, 0, 0, 1; client 1: 1, 2
+    parts = [torch.tensor([0, 1, 2, 3]), torch.tensor([4, 5])]
+    pooled = anfr.focal_weights(labels, parts, 3, "pooled")
+    assert [a.tolist() for a in pooled] == [pytest.approx([2.0, 3.0, 6.0])] * 2  # 6/3, 6/2, 6/1
+    local = anfr.focal_weights(labels, parts, 3, "local")
+    assert local[0].tolist() == pytest.approx([4 / 3, 4.0, 0.0]) and local[1].tolist() == pytest.approx([0.0, 2.0, 2.0])
+    assert parse("anfr", ["--dataset", "synthetic"], monkeypatch).focal_weights == "local"  # the main tables' (A.1)
+    assert parse("anfr", ["--dataset", "synthetic", "--focal-weights", "pooled"], monkeypatch).focal_weights == "pooled"
+    assert parse("anfr", ["--dataset", "synthetic", "--focal-weights", "flamby"], monkeypatch)[0] == 2
+
+
+def test_focal_weights_flag_reaches_the_loss(tmp_path):
+    """The first round's train_loss is each client's focal loss at the initial model (one local step): local and
+    pooled weights give different numbers on three clients with different labels, and equal ones on one client,
+    whose local weights are the pooled ones."""
+    natural_folder(tmp_path / "three", size=16)
+    write_images(tmp_path / "one", {"train/c0/ant": 3, "train/c0/bee": 2, "test/c0/ant": 1, "test/c0/bee": 1},
+                       size=16)  # fmt: skip
+    base = ["--dataset", "folder", "--natural", "--device", "cpu", "--depth", "18", "--width", "8", "--loss", "focal",
+            "--rounds", "1", "--local-steps", "1", "--batch-size", "4"]  # fmt: skip
+    runs = {(d, w): tmp_path / f"{d}-{w}" for d in ("three", "one") for w in ("local", "pooled")}
+    cmds = [["anfr.py", *base, "--data-dir", tmp_path / d, "--focal-weights", w, "--out", out] for (d, w), out in
+            runs.items()]  # fmt: skip
+    run_batches(cmds[:2], cmds[2:])
+    loss = {k: metrics(out)[-1]["train_loss"] for k, out in runs.items()}
+    assert loss["three", "local"] != pytest.approx(loss["three", "pooled"], rel=1e-3)
+    assert loss["one", "local"] == loss["one", "pooled"]
+
+
 # ---------------------------------------------------------------------------------------------------- every script
 SMALL = {
     "fedavg": ["--model", "cnn"],
