@@ -136,10 +136,17 @@ def parse_args():
     g.add_argument("--warmup-steps", type=non_negative_int, default=100,
         help="ANFR: linear warm-up from 0 over a client's first steps, then the cosine (Pieri et al.: 100)")  # ANFR
     g.add_argument("--loss", default="ce", choices=["ce", "focal"],
-        help="ANFR: cross-entropy, or Fed-ISIC2019's focal loss weighted by each client's inverse class shares "
-             "(App. A.1, FLamby)")  # ANFR
+        help="ANFR: cross-entropy, or Fed-ISIC2019's focal loss, FLamby's BaselineLoss: the batch mean of "
+             "-alpha_y (1 - p_y)^gamma log p_y with the class weights alpha of --focal-weights")  # ANFR
     g.add_argument("--focal-gamma", type=non_negative_float, default=2.0,
         help="ANFR: gamma of --loss focal (FLamby's 2; 0 with weights 1 is cross-entropy)")  # ANFR
+    g.add_argument("--focal-weights", default="local", choices=["local", "pooled"],
+        help="ANFR: alpha of --loss focal. local: alpha_c = n_k / n_k,c from client k's own training labels, "
+             "'weighted by the local class percentages at each client' (App. A.1), the setting of the main tables "
+             "and the default; pooled: alpha_c = N / n_c from all clients' training labels, fixed and the same for "
+             "every client: FLamby's BaselineLoss weights (Fed-ISIC2019: 5.58 ... 101.07; local ones reach 1,581), "
+             "App. B.2's 'pre-computed class weights' with FLamby's hyper-parameters. A class without training "
+             "labels gets 0")  # ANFR
     g.add_argument("--clip", type=non_negative_float, default=1.0,
         help="ANFR: local gradient-norm clipping (Appendix A.1: 1.0; 0 = off)")  # ANFR
     g.add_argument("--agc", type=non_negative_float, default=0.0,
@@ -440,19 +447,27 @@ def dp_epsilon(q, sigma, steps, delta, orders=DP_ORDERS):  # ANFR: the accountan
     return float(np.nanmin(eps))
 
 
-def class_weights(labels, num_classes):  # ANFR: --loss focal's weights, from one client's training labels
-    """alpha_c = n_k / n_{k,c}, the inverse of the client's share of class c (Fed-ISIC2019's focal loss is
-    "weighted by the local class percentages at each client", App. A.1; FLamby's fixed weights are the same
-    inverse shares over the whole training set); 0 for a class the client lacks (it is never a target)."""
+def class_weights(labels, num_classes):  # ANFR: --loss focal's weights, from training labels
+    """alpha_c = n / n_c, the inverse share of class c in labels: one client's (--focal-weights local, App. A.1:
+    "weighted by the local class percentages at each client") or all clients' pooled (--focal-weights pooled:
+    FLamby's fixed BaselineLoss weights, App. B.2); 0 for a class absent from labels (it is never a target)."""
     counts = torch.bincount(labels, minlength=num_classes).float()
     return torch.where(counts > 0, counts.sum() / counts.clamp_min(1), torch.zeros_like(counts))
+
+
+def focal_weights(labels, parts, num_classes, kind):  # ANFR: --focal-weights
+    """Each client's alpha: local, from its own training labels labels[parts[k]]; pooled, FLamby's one set from
+    all clients' training labels (N / n_c over the union of the parts)."""
+    if kind == "pooled":
+        return [class_weights(labels[torch.cat(list(parts))], num_classes)] * len(parts)
+    return [class_weights(labels[p], num_classes) for p in parts]
 
 
 def focal_loss(logits, y, alpha, gamma):  # ANFR: Fed-ISIC2019's loss (FLamby's; Lin et al. 2017, Eq. 5)
     """mean_i -alpha_{y_i} (1 - p_i)^gamma log p_i with p_i = softmax(logits_i)_{y_i}, a mean over the batch
     as FLamby's (not normalized by the weights); gamma = 0 with alpha = 1 is the cross-entropy."""
     log_p = F.log_softmax(logits, 1).gather(1, y[:, None]).squeeze(1)
-    return (-alpha[y] * (1 - log_p.exp()).pow(gamma) * log_p).mean()
+    return (-((1 - log_p.exp()) ** gamma) * (log_p * alpha[y])).mean()  # FLamby's order of operations: equal bits
 
 
 def fedadam_step(x, delta, m, v, lr, betas, tau):  # ANFR: FedAdam (Reddi et al. 2021, Algorithm 2)
@@ -590,9 +605,9 @@ if __name__ == "__main__":
     total_steps = [args.rounds * steps_per_round(n, args) for n in sizes]
     client_steps, dp_steps = [0] * n_clients, [0] * n_clients
     local_keys = personal_keys(model, args.pfl, args.bn_stats)  # ANFR: FedPer / FedBN / --bn-stats local
-    loss_fns = [F.cross_entropy] * n_clients  # ANFR: --loss focal: each client's weights from its own labels
+    loss_fns = [F.cross_entropy] * n_clients  # ANFR: --loss focal with the weights of --focal-weights
     if args.loss == "focal":
-        alphas = [class_weights(data.y_train[p], data.num_classes) for p in partition.train]
+        alphas = focal_weights(data.y_train, partition.train, data.num_classes, args.focal_weights)  # ANFR
         loss_fns = [lambda z, y, a=a: focal_loss(z, y, a, args.focal_gamma) for a in alphas]
     local = [None] * n_clients
     shared = [k for k in model.state_dict() if k not in local_keys]  # averaged entries (BN running stats too)

@@ -48,7 +48,7 @@ class Data:
     group_train: torch.Tensor = None
     group_test: torch.Tensor = None
     groups: list = None  # group names (sorted folder names)
-    classes: list = None  # class names of an image folder (sorted folder names)
+    classes: list = None  # class names of an image folder (sorted folder names, or classes.txt's order)
 
     @property
     def in_channels(self):
@@ -69,7 +69,7 @@ def load_data(args):
     # torchvision's files are mixed; partitions select by label (and group), so they are unaffected.
     x_tr, y_tr, g_tr = unsort(d["x_train"], d["y_train"], d.get("group_train"))
     x_te, y_te, g_te = unsort(d["x_test"], d["y_test"], d.get("group_test"))
-    num_classes = int(max(y_tr.max(), y_te.max())) + 1
+    num_classes = max(int(max(y_tr.max(), y_te.max())) + 1, len(d.get("classes") or ()))  # classes.txt: all listed
     xf = x_tr.float() / 255
     mean, std = xf.mean(dim=(0, 2, 3), keepdim=True), xf.std(dim=(0, 2, 3), keepdim=True)
     dev = args.device
@@ -1781,19 +1781,40 @@ def _images(path):
     return sorted(f for f in os.listdir(path) if f.lower().endswith(IMAGE_EXTENSIONS))
 
 
+CLASSES_FILE = "classes.txt"  # optional: an image folder's class folder names in label order, one a line
+
+
+def class_order(root, found):
+    """The class names in label order: those of root/classes.txt if the folder has one (benchmarks/prepare_data.py
+    writes it, e.g. FEMNIST's 62, so a class keeps its label even where a subset lacks it), else the sorted names
+    found. A class folder the file does not list is refused."""
+    path = os.path.join(root, CLASSES_FILE)
+    if not os.path.isfile(path):
+        return sorted(found)
+    with open(path) as f:
+        names = [line.strip() for line in f if line.strip()]
+    unlisted = sorted(set(found) - set(names))
+    if unlisted or len(set(names)) != len(names):
+        what = "lists a class twice" if len(set(names)) != len(names) else f"lacks the class folder(s) {unlisted[:3]}"
+        refuse(f"--data-dir: {path} {what}; it lists the class folders in label order, one a line (or delete it)")
+    return names
+
+
 def folder_classes(root):
-    return _subdirs(os.path.join(root, "train"))
+    return class_order(root, _subdirs(os.path.join(root, "train")))
 
 
 def folder_dataset(root):
     """Read root/{train,test}/<class>/* once and cache the decoded uint8 tensors (see _decode_cached).
-    Class index = position of the folder name in sorted order."""
+    Class index = position of the folder name in sorted order (or in classes.txt)."""
     classes = folder_classes(root)
+    folder = lambda split, c: os.path.join(root, split, classes[c])
     files = {
         split: [
-            (c, 0, os.path.join(root, split, classes[c], f))
+            (c, 0, os.path.join(folder(split, c), f))
             for c in range(len(classes))
-            for f in _images(os.path.join(root, split, classes[c]))
+            if os.path.isdir(folder(split, c))  # a class of classes.txt may have no folder
+            for f in _images(folder(split, c))
         ]
         for split in ("train", "test")
     }
@@ -1802,17 +1823,18 @@ def folder_dataset(root):
 
 def folder_layout(root):
     """An image folder in groups, root/train/<group>/<class>/*: (groups, classes, test_per_group), with the
-    sorted group names, the sorted union of the groups' class names, and whether test/ is test/<group>/<class>/*
-    (its folders are the groups) rather than one shared test/<class>/*."""
+    sorted group names, the sorted union of the groups' class names (or classes.txt's), and whether test/ is
+    test/<group>/<class>/* (its folders are the groups) rather than one shared test/<class>/*."""
     groups = _subdirs(os.path.join(root, "train"))
-    classes = sorted({c for g in groups for c in _subdirs(os.path.join(root, "train", g))})
+    classes = class_order(root, {c for g in groups for c in _subdirs(os.path.join(root, "train", g))})
     return groups, classes, set(_subdirs(os.path.join(root, "test"))) == set(groups)
 
 
 def group_folder_dataset(root):
     """Read root/train/<group>/<class>/* and root/test/<group>/<class>/* (or one shared root/test/<class>/*)
     once, cached: [x_train, y_train, x_test, y_test, group_train, group_test]; group_test is None for a shared
-    test/. Group and class index = position of the name in sorted order (classes: over all groups)."""
+    test/. Group and class index = position of the name in sorted order (classes: over all groups, or classes.txt's
+    order)."""
     groups, classes, per_group = folder_layout(root)
     label = {c: i for i, c in enumerate(classes)}
 
@@ -1863,7 +1885,8 @@ def _decode_cached(root, files, layout):
         os.path.join(root, ".cleanfl-cache.pt"),
         os.path.join(os.path.expanduser("~"), ".cache", "cleanfl", f"folder-{key}.pt"),
     ]
-    stamp = _fingerprint([path for split in files.values() for _, _, path in split], root)
+    listed = [os.path.join(root, CLASSES_FILE)] if os.path.isfile(os.path.join(root, CLASSES_FILE)) else []
+    stamp = _fingerprint([path for split in files.values() for _, _, path in split] + listed, root)  # + the labels
     stamp = stamp if layout == "flat" else f"{layout}:{stamp}"  # a flat folder's cache keeps its old key
     for path in caches:
         if os.path.isfile(path):

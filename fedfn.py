@@ -373,9 +373,9 @@ if __name__ == "__main__":
 
         if run.evaluates(rnd):  # every --eval-every rounds and the last
             eval_model.eval()  # FedFN
-            forward = lambda x: fn_forward(eval_model, x, args.fn, args.fn_scale)[0]  # FedFN: FN at evaluation
+            forward = lambda x: fn_forward(eval_model, x, args.fn, args.fn_scale)[0]  # FedFN: FN at evaluation, too
             # test_acc, test_loss; per-client mean, std, worst 10%; --balanced-acc: the same of balanced accuracy
-            tests = eval_metrics(forward, data, partition.test, args.balanced_acc, args.amp, val=partition.val)  # FedFN: forward
+            tests = eval_metrics(forward, data, partition.test, args.balanced_acc, args.amp, val=partition.val)
             metrics = {"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr}
             if fedexp:  # FedFN
                 metrics["server_lr"] = eta_g

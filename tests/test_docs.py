@@ -195,6 +195,7 @@ def parse(script, args, places, monkeypatch):
         return real_parse(self, *a, **k)
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", spy)
+    parsed = None
     if name == "plot":
         module.parse(args)
     elif name == "collect":  # no parse function: main() without reading any run folder
@@ -202,11 +203,12 @@ def parse(script, args, places, monkeypatch):
         module.main(args)
     else:
         monkeypatch.setattr(sys, "argv", [script, *args])
-        module.parse_args()
+        parsed = module.parse_args()
     known = option_strings(parsers[-1])
     for a in args:
         if a.startswith("--"):
             assert a.split("=")[0] in known, f"{a.split('=')[0]} is not a flag of {script} (abbreviated or unknown)"
+    return parsed
 
 
 @pytest.mark.parametrize("where, argv", COMMANDS, ids=[w for w, _ in COMMANDS])
@@ -276,6 +278,101 @@ def test_a_bad_flag_is_caught(places, monkeypatch, capsys):
     parse("benchmarks/plot.py", ["partition", "RUN", "--split", "test"], places, monkeypatch)
     with pytest.raises(AssertionError, match="not a flag"):
         parse("benchmarks/plot.py", ["runs", "a", "--mean"], places, monkeypatch)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dataset commands: each with its paper's model and optimizer (docs/datasets.md, "One command per dataset")
+# ---------------------------------------------------------------------------------------------
+FEDBABU_EMNIST = {"model": "convnet3", "lr": 0.1, "momentum": 0.9, "batch_size": 50, "frac": 0.1, "local_epochs": 10,
+                  "lr_decay_at": [0.5, 0.75], "lr_decay": 0.1, "weight_decay": 0.0}  # fmt: skip
+# dataset: (script, settings as parsed, what docs/datasets.md cites for them)
+PAPER_SETTINGS = {
+    # ANFR App. A.1 / Sec. 4.1: ResNet-50, Adam lr 5e-4 (AdamW without decay), batch 64, all clients, focal loss
+    "isic": (
+        "anfr.py",
+        {
+            "depth": 50,
+            "lr": 5e-4,
+            "weight_decay": 0.0,
+            "batch_size": 64,
+            "frac": 1.0,
+            "loss": "focal",
+            "balanced_acc": True,
+            "natural": True,
+        },
+        "ANFR Tables 1, 2; App. A.1",
+    ),  # fmt: skip
+    # FedLN App. C.3 and Table 9: ResNet-18, SGD without momentum, batch 32; lr 0.001 for PACS, 0.01 otherwise
+    "pacs": (
+        "fedln.py",
+        {"model": "resnet18", "lr": 0.001, "momentum": 0.0, "batch_size": 32, "clients_per_domain": 3},
+        "FedLN Table 5",
+    ),  # fmt: skip
+    "tinyimagenet": (
+        "fedln.py",
+        {"model": "resnet18", "lr": 0.01, "momentum": 0.0, "batch_size": 32, "num_clients": 200},
+        "FedLN Table 1",
+    ),  # fmt: skip
+    # FedBABU App. I (Table 19) and A.1: 3convNet, SGD lr 0.1 momentum 0.9, batch 50, f=0.1, tau=10
+    "femnist": ("fedbabu.py", {**FEDBABU_EMNIST, "natural": True}, "FedBABU's for EMNIST"),
+    "emnist": ("fedbabu.py", {**FEDBABU_EMNIST, "num_clients": 1488}, "Table 19"),
+    # ANFR Table 3, App. A.1 (CelebA as its CIFAR-10: batch 32, 1 local epoch, clipping 1) with App. B.3's AdamW 1e-3
+    "celeba": (
+        "anfr.py",
+        {"depth": 50, "lr": 1e-3, "batch_size": 32, "local_epochs": 1, "clip": 1.0, "natural": True},
+        "ANFR Table 3",
+    ),  # fmt: skip
+}
+
+
+def dataset_of(argv):
+    """The real dataset a documented training command is for: --dataset tinyimagenet / emnist, or the image folder's
+    name (~/isic, ~/isic224, ~/pacs, ~/femnist, ~/celeba); None for any other."""
+    value = lambda flag: argv[argv.index(flag) + 1] if flag in argv[:-1] else None
+    if value("--dataset") in ("tinyimagenet", "emnist"):
+        return value("--dataset")
+    name = os.path.basename((value("--data-dir") or "").rstrip("/"))
+    return "isic" if re.fullmatch(r"isic\d*", name) else name if name in PAPER_SETTINGS else None
+
+
+DATASET_COMMANDS = [
+    (where, argv, dataset_of(argv))
+    for where, argv in COMMANDS
+    if argv[0] == "python" and argv[1] in {f"{m}.py" for m in METHODS} and dataset_of(argv)
+]
+
+
+@pytest.mark.parametrize("where, argv, dataset", DATASET_COMMANDS, ids=[w for w, _, _ in DATASET_COMMANDS])
+def test_dataset_commands_use_the_papers_settings(where, argv, dataset, places, monkeypatch):
+    script, settings, _ = PAPER_SETTINGS[dataset]
+    assert argv[1] == script, f"{where}: {dataset} is trained with {script} in its paper's setting"
+    monkeypatch.chdir(ROOT)
+    args = parse(script, argv[2:], places, monkeypatch)
+    got = {k: getattr(args, k) for k in settings}
+    assert got == pytest.approx(settings), f"{where}: {dataset}: {got} instead of {settings}"
+    if dataset == "isic":  # App. A.1 (80 rounds of 200 steps, local weights) or B.2 (FLamby's: 9 of 100, pooled)
+        assert (args.rounds, args.local_steps, args.focal_weights) in {(80, 200, "local"), (9, 100, "pooled")}, where
+    if dataset == "celeba":  # 10 of LEAF's 9,343 clients a round; 30 rounds per client on average
+        assert max(int(args.frac * 9343 + 1e-9), 1) == 10 and args.rounds == 30 * 9343 // 10, where
+
+
+def test_every_dataset_has_its_command_and_its_source():
+    """docs/datasets.md has a training command for each dataset and names the paper and table next to it; the
+    README's quick commands cover the four most used."""
+    text = read("docs/datasets.md")
+    found = {d for w, _, d in DATASET_COMMANDS if w.startswith("docs/datasets.md")}
+    assert found == set(PAPER_SETTINGS), sorted(set(PAPER_SETTINGS) - found)
+    for where, _, dataset in DATASET_COMMANDS:
+        if where.startswith("docs/datasets.md"):
+            line = int(where.split(":")[1])
+            before = "\n".join(text.splitlines()[max(0, line - 16) : line])
+            assert PAPER_SETTINGS[dataset][2] in before, f"{where}: the text above does not cite the paper's setting"
+    assert {d for w, _, d in DATASET_COMMANDS if w.startswith("README.md")} >= {
+        "isic",
+        "pacs",
+        "tinyimagenet",
+        "femnist",
+    }
 
 
 # ---------------------------------------------------------------------------------------------
