@@ -422,40 +422,51 @@ def test_reproduce_commands_parse(name, scale, fake_folder, monkeypatch):
     assert seeds == {0, 1, 2}  # SEEDS defaults to "0 1 2"
 
 
+ONE_SEED_CONTROLS = {"nf-agc", "anfr-agc", "nf-nowarmup", "anfr-nowarmup"}  # and every proxy-scale control
+
+
 @pytest.mark.parametrize(
-    "name, base, control, old, new",
+    "name, base, control, old, new, scale, env",
     [
-        ("anfr", "bn", "bn-iid", "--split2", "--iid"),
-        ("anfr", "anfr", "anfr-iid", "--split2", "--iid"),
-        ("fedfn", "fedfn", "fedfn-lr0.01", "0.03", "0.01"),
-        (
-            "fedfn",
-            "fedfn-lr0.01",
-            "fedfn-sqrtd",
-            None,
-            "--fn-scale sqrt-d",
-        ),  # old None: the control adds the flag `new`
-        ("anfr", "nf", "nf-gain1", None, "--last-gain-init 1"),
-        ("anfr", "anfr", "anfr-gain1", None, "--last-gain-init 1"),
+        ("anfr", "bn", "bn-iid", "--split2", "--iid", "small", {"RECIPE": "old"}),
+        ("anfr", "anfr", "anfr-iid", "--split2", "--iid", "small", {"RECIPE": "old"}),
+        ("fedfn", "fedfn", "fedfn-lr0.01", "0.03", "0.01", "small", {}),
+        ("fedfn", "fedfn-lr0.01", "fedfn-sqrtd", None, "--fn-scale sqrt-d", "small", {}),  # None: `new` is added
+        ("anfr", "nf", "nf-gain1", None, "--last-gain-init 1", "small", {"RECIPE": "old"}),
+        ("anfr", "anfr", "anfr-gain1", None, "--last-gain-init 1", "small", {"RECIPE": "old"}),
+        ("anfr", "nf", "nf-agc", None, "--clip 0 --agc 0.01", "small", {}),
+        ("anfr", "anfr", "anfr-agc", None, "--clip 0 --agc 0.01", "small", {}),
+        ("anfr", "nf", "nf-nowarmup", None, "--warmup-steps 0", "small", {}),
+        ("anfr", "anfr", "anfr-nowarmup", None, "--warmup-steps 0", "small", {}),
+        ("fedfn", "fedfn", "fedfn-lr0.01", "0.03", "0.01", "proxy", {"SHARDS": "", "ALPHAS": "0.1"}),
+        ("fedfn", "fedfn", "fedfn-sqrtd", None, "--fn-scale sqrt-d", "proxy", {"SHARDS": "", "ALPHAS": "0.1"}),
+        ("fedfn", "fedfn", "fedfn-wd1e-5", None, "--weight-decay 1e-5", "proxy", {"SHARDS": "", "ALPHAS": "0.1"}),
+        ("fedfn", "fedavg", "fedavg-wd1e-5", None, "--weight-decay 1e-5", "proxy", {"SHARDS": "", "ALPHAS": "0.1"}),
     ],
 )
-def test_small_scale_controls_change_one_flag_only(name, base, control, old, new, monkeypatch):
+def test_controls_change_one_flag_only(name, base, control, old, new, scale, env, monkeypatch):
     monkeypatch.chdir(ROOT)
 
-    def runs(scale):  # {(claim folder, variant): argv}
-        return {tuple(argv[argv.index("--out") + 1].split("/")[2:4]): argv for argv in dry_run(name, scale, SEEDS="0")}
+    def runs(scale, **more):  # {(claim folder, variant): argv}
+        cmds = dry_run(name, scale, SEEDS="0 1", **{**env, **more})
+        return {tuple(argv[argv.index("--out") + 1].split("/")[2:4]): argv for argv in cmds if "seed0" in argv[-1]}
 
-    small = runs("small")
-    claims = sorted(folder for folder, variant in small if variant == base)
+    found = runs(scale)
+    claims = sorted(folder for folder, variant in found if variant == base)
     assert claims
     for folder in claims:
-        expected = [new if a == old else a.replace(f"/{base}/", f"/{control}/") for a in small[(folder, base)]]
-        if old is None:  # the flag goes after the variant's own flags, before --seed
+        expected = [new if a == old else a.replace(f"/{base}/", f"/{control}/") for a in found[(folder, base)]]
+        if old is None:  # the flags go after the variant's own flags, before --seed
             i = expected.index("--seed")
             expected[i:i] = new.split()
-        assert small[(folder, control)] == expected
+        assert found[(folder, control)] == expected
         assert control in collect.CLAIMS[collect.split_claim(folder)[0]]["controls"]  # tabled and drawn as a control
-    assert control not in {variant for _, variant in runs("paper")}  # controls are small-scale diagnostics
+    seeds = [argv[-1] for argv in dry_run(name, scale, SEEDS="0 1", **env) if f"/{control}/" in argv[-1]]
+    if control in ONE_SEED_CONTROLS or scale == "proxy":  # these run at the first seed only
+        assert [s.split("/")[-1] for s in seeds] == ["seed0"] * len(claims)
+    else:
+        assert len(seeds) == 2 * len(claims)
+    assert control not in {variant for _, variant in runs("paper", ALPHAS="")}  # controls are CPU diagnostics
 
 
 def test_reproduce_env_seeds_and_variants(monkeypatch):
