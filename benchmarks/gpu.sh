@@ -112,7 +112,8 @@ import platform, sys
 import torch
 device = sys.argv[1]
 print(f"python {platform.python_version()} ({sys.executable})")
-print(f"torch {torch.__version__}, built for CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}")
+print(f"torch {torch.__version__} (this machine's own install, not pinned by requirements.txt), "
+      f"built for CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}")
 print(f"cuda available: {torch.cuda.is_available()}, devices: {torch.cuda.device_count()}")
 for i in range(torch.cuda.device_count()):
     p = torch.cuda.get_device_properties(i)

@@ -2,6 +2,7 @@
 and benchmarks/reproduce/*.sh (bash -n, and every command's flags accepted by its script's parser,
 called in-process on a tiny fake image folder). Seconds, no training."""
 
+import argparse
 import importlib
 import json
 import os
@@ -646,3 +647,53 @@ def test_every_hand_mutant_finds_its_snippet_once():
         with open(os.path.join(ROOT, path)) as f:
             assert f.read().count(original) == 1, name
         assert mutated != original, name
+
+
+def test_fn_growth_replays_the_round_and_fn_only_lengthens_the_invariant_layer(tmp_path):
+    """benchmarks/fn_growth.py on a run stopped after 2 of 3 rounds (FN, momentum 0, no weight decay): its average
+    of the traced clients is the model fedfn.py itself ends round 3 with (bit for bit); at every local step the
+    last body layer's norm does not shrink (FN makes it scale-invariant: ||w - lr g||^2 = ||w||^2 + lr^2 ||g||^2),
+    the first probe norm is the global model's, and the average's norm is at most the clients' weighted mean
+    (the triangle inequality); bad input exits 2 naming the flag."""
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import fn_growth
+
+    import common
+    import fedfn
+
+    run = tmp_path / "run"
+    flags = ["--dataset", "synthetic", "--model", "cnn", "--num-clients", "6", "--frac", "0.5", "--rounds", "3"]
+    flags += ["--local-epochs", "1", "--alpha", "0.5", "--momentum", "0", "--lr", "0.05", "--save-model"]
+    subprocess.run([sys.executable, "fedfn.py", *flags, "--stop-after", "2", "--out", run], cwd=ROOT, check=True)
+    with open(run / "config.json") as f:
+        args = argparse.Namespace(**{**json.load(f), "device": "cpu"})
+    ckpt = torch.load(run / "checkpoint.pt", map_location="cpu", weights_only=False)
+    data = common.load_data(args)
+    partition = common.make_partition(args, data)
+    result, averaged = fn_growth.trace_round(args, data, partition, ckpt, probe_size=20)
+    subprocess.run([sys.executable, "fedfn.py", "--resume", run], cwd=ROOT, check=True, capture_output=True)
+    final = torch.load(run / "model.pt")
+    assert all(torch.equal(final[k], v) for k, v in averaged.state_dict().items())
+    assert result["round"] == 3 and len(result["clients"]) == 3
+    start = common.build_model("cnn", data)
+    start.load_state_dict(ckpt["model"])
+    for c in result["clients"]:
+        layer = [w for _, w in c["trace"]]
+        assert len(layer) == c["steps"] + 1 and all(b >= a * (1 - 1e-7) for a, b in zip(layer, layer[1:]))
+        assert layer[-1] > layer[0]
+        probe = common.prepare_batch(data.x_train[partition.train[c["client"]][:20]], data)
+        assert c["trace"][0][0] == pytest.approx(float(start.body(probe).norm(dim=1).mean().detach()), rel=1e-6)
+    sizes = [c["samples"] for c in result["clients"]]
+    mean_norm = sum(n * c["trace"][-1][1] for n, c in zip(sizes, result["clients"])) / sum(sizes)
+    assert result["average"][0][1] <= mean_norm
+    assert float(fedfn.param_norm(fedfn.invariant_layer(averaged))) == pytest.approx(result["average"][0][1])
+    for argv, flag in (([], "--run"), (["--run", str(run), "--clients", "0"], "--clients")):
+        res = subprocess.run(
+            [sys.executable, "benchmarks/fn_growth.py", *(argv or ["--run", str(tmp_path)])],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+        assert res.returncode == 2 and flag in res.stderr.splitlines()[-1]
