@@ -82,6 +82,8 @@ def trace_round(args, data, partition, ckpt, limit=None, probe_size=50):
     total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items()}
     out = {"round": rnd + 1, "lr": lr, "clients": []}
     client = build_model(args.model, data)
+    flat = lambda net: torch.cat([p.detach().flatten() for p in fedfn.invariant_layer(net).parameters(recurse=False)])
+    start, deltas = flat(model), []
     for k, w in list(zip(clients, weights))[:limit]:
         client.load_state_dict(model.state_dict())
         probe = prepare_batch(data.x_train[partition.train[k][:probe_size]], data)
@@ -93,9 +95,15 @@ def trace_round(args, data, partition, ckpt, limit=None, probe_size=50):
         finally:
             hook.remove()
         accumulate(total, client.state_dict(), w)
-        out["clients"].append({"client": k, "samples": len(partition.train[k]), "steps": steps, "trace": trace})
+        deltas.append(w * (flat(client) - start))  # the client's weighted update of the layer
+        out["clients"].append(
+            {"client": k, "samples": len(partition.train[k]), "weight": w, "steps": steps, "trace": trace}
+        )
     if limit is not None and limit < len(clients):  # the average is the server's only when every client trained
         return out, None
+    update = torch.stack(deltas).sum(0)  # the server's update of the layer: sum_k p_k (W_k - W_t)
+    for c, d in zip(out["clients"], deltas):  # client k's share of it, p_k <dW_k, dW> / ||dW||^2 (they sum to 1)
+        c["update_share"] = float(d @ update / (update @ update).clamp_min(1e-30))
     load_average(model, total)
     out["average"] = [
         probe_norms(model, prepare_batch(data.x_train[partition.train[c["client"]][:probe_size]], data), args)
@@ -109,14 +117,16 @@ def table(result):
     lines = [
         f"round {result['round']}, lr {lr:g}",
         "",
-        "| client | n_k | steps K | mean ‖f‖, first -> last step | change / (K lr) | ‖layer‖ | ‖layer‖² change |",
-        "|---|---|---|---|---|---|---|",
+        "| client | n_k | steps K | mean ‖f‖, first -> last step | change / (K lr) | ‖layer‖ | ‖layer‖² change "
+        "| weight p_k | share of the layer's update |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for c in result["clients"]:
         (f0, w0), (f1, w1) = c["trace"][0], c["trace"][-1]
+        share = f"{c['update_share']:.3f}" if "update_share" in c else ""  # only when every client trained
         lines.append(
             f"| {c['client']} | {c['samples']} | {c['steps']} | {f0:.3f} -> {f1:.3f} | "
-            f"{(f1 - f0) / (c['steps'] * lr):+.3f} | {w0:.4f} | {w1**2 - w0**2:+.3e} |"
+            f"{(f1 - f0) / (c['steps'] * lr):+.3f} | {w0:.4f} | {w1**2 - w0**2:+.3e} | {c['weight']:.3f} | {share} |"
         )
     if "average" in result:
         start = result["clients"][0]["trace"][0][1]  # w_t's, the same for every client
@@ -125,7 +135,7 @@ def table(result):
         f_avg, w_avg = np.mean([a[0] for a in result["average"]]), result["average"][0][1]
         lines.append(
             f"| the clients' mean / the average | | | {f_mean:.3f} / {f_avg:.3f} | | | "
-            f"{w2_mean - start**2:+.3e} / {w_avg**2 - start**2:+.3e} |"
+            f"{w2_mean - start**2:+.3e} / {w_avg**2 - start**2:+.3e} | 1 | 1 |"
         )
     return "\n".join(lines)
 

@@ -688,6 +688,7 @@ def test_fn_growth_replays_the_round_and_fn_only_lengthens_the_invariant_layer(t
     sizes = [c["samples"] for c in result["clients"]]
     mean_norm = sum(n * c["trace"][-1][1] for n, c in zip(sizes, result["clients"])) / sum(sizes)
     assert result["average"][0][1] <= mean_norm
+    assert sum(c["update_share"] for c in result["clients"]) == pytest.approx(1.0, rel=1e-5)
     assert float(fedfn.param_norm(fedfn.invariant_layer(averaged))) == pytest.approx(result["average"][0][1])
     for argv, flag in (([], "--run"), (["--run", str(run), "--clients", "0"], "--clients")):
         res = subprocess.run(
