@@ -34,9 +34,9 @@ from torch.func import functional_call, grad_and_value, vmap  # ANFR: per-sample
 # fmt: off
 from common import (AUGMENTATIONS, RESNET_LAYOUT, Run, accumulate, autocast, build_model, client_batches,
                     client_weights, decay_rate, device_flag, each_client, eval_metrics, finish_args, flag_type,
-                    fraction, load_average, load_data, make_partition, non_negative_float, non_negative_int,
-                    positive_float, positive_int, prepare_batch, prox_term, refuse, rng_state, sample_clients,
-                    seed_everything, seed_int, set_rng_state, setup_distributed,
+                    fraction, given_flags, load_average, load_data, make_partition, non_negative_float,
+                    non_negative_int, positive_float, positive_int, prepare_batch, prox_term, refuse, rng_state,
+                    sample_clients, seed_everything, seed_int, set_rng_state, setup_distributed,
                     scaffold_control, scaffold_correction, scaffold_server)  # ANFR: SCAFFOLD
 
 # ANFR: --arch -> (norm, attention?)
@@ -215,7 +215,10 @@ def parse_args():
             (args.bn_stats == "local" and args.pfl != "none",
              f"--bn-stats local: --pfl {args.pfl} evaluates personalized models already; use --bn-stats average"),
             (args.bn_stats == "local" and args.client_test,
-             "--bn-stats local: each client's model is scored on the whole test set; drop --client-test")]:
+             "--bn-stats local: each client's model is scored on the whole test set; drop --client-test"),
+            *[(args.loss != "focal" and name in given_flags(p),
+               f"--{name.replace('_', '-')}: a setting of the focal loss; add --loss focal")
+              for name in ("focal_gamma", "focal_weights")]]:
             if bad:
                 p.error(msg)
         # 0 = no proximal term

@@ -1572,6 +1572,9 @@ def check_group_folder(root, err):
             err(f"--data-dir: {test} has class folder(s) {', '.join(extra[:3])} of no class in {train}")
     else:
         missing = [c for c in classes if not os.path.isdir(os.path.join(test, c))]
+        extra = [c for c in _subdirs(test) if c not in classes]
+        if extra and not missing:  # a shared test/<class>/ with a class no training folder has: no label for it
+            err(f"--data-dir: {test} has class folder(s) {', '.join(extra[:3])} of no class in {train}")
         if missing:
             err(
                 f"--data-dir: {test} is neither one folder per group of {train} ({', '.join(groups[:3])}"

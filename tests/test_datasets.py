@@ -189,6 +189,11 @@ def test_bad_folders_and_flags_are_refused_before_any_work(tmp_path, monkeypatch
     write_images(tmp_path / "nat", {"test/c1/dog": 1})
     code, last = parse("fedavg", ["--dataset", "folder", "--data-dir", roots["nat"], "--natural"], monkeypatch, capsys)
     assert code == 2 and "c1/dog" in last
+    # a class folder in one shared test/ that no training folder has (was a KeyError while decoding)
+    shared = natural_folder(tmp_path / "shared", shared_test=True)
+    write_images(tmp_path / "shared", {"test/zebra": 1})
+    code, last = parse("fedavg", ["--dataset", "folder", "--data-dir", shared, "--natural"], monkeypatch, capsys)
+    assert code == 2 and "--data-dir" in last and "zebra" in last, last
 
 
 # ---------------------------------------------------------------------------------------------------- Tiny-ImageNet
@@ -380,7 +385,8 @@ def test_focal_weights_by_hand_and_the_flag(monkeypatch):
     local = anfr.focal_weights(labels, parts, 3, "local")
     assert local[0].tolist() == pytest.approx([4 / 3, 4.0, 0.0]) and local[1].tolist() == pytest.approx([0.0, 2.0, 2.0])
     assert parse("anfr", ["--dataset", "synthetic"], monkeypatch).focal_weights == "local"  # the main tables' (A.1)
-    assert parse("anfr", ["--dataset", "synthetic", "--focal-weights", "pooled"], monkeypatch).focal_weights == "pooled"
+    pooled = ["--dataset", "synthetic", "--loss", "focal", "--focal-weights", "pooled"]
+    assert parse("anfr", pooled, monkeypatch).focal_weights == "pooled"
     assert parse("anfr", ["--dataset", "synthetic", "--focal-weights", "flamby"], monkeypatch)[0] == 2
 
 

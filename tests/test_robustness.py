@@ -236,6 +236,8 @@ REFUSED = [
     ("anfr", ["--agc", "0.01"], "--agc"),
     ("anfr", ["--arch", "bn", "--bn-stats", "local", "--pfl", "fedbn"], "--bn-stats"),
     ("anfr", ["--arch", "bn", "--bn-stats", "local", "--client-test"], "--bn-stats"),
+    ("anfr", ["--focal-weights", "pooled"], "--focal-weights"),
+    ("anfr", ["--focal-gamma", "1"], "--focal-gamma"),
 ]
 
 
