@@ -206,32 +206,36 @@ def parse_args():
     args = p.parse_args()
     args.client_test = args.client_test or args.pfl != "none"  # ANFR: pFL is evaluated on per-client test sets
     args = finish_args(p, args, "anfr")  # ANFR
-    if not args.resume:  # ANFR: checks of this script's flags
-        dp, has_bn = args.dp_noise_multiplier is not None, ARCHS[args.arch][0] == "bn"
-        for bad, msg in [
-            (args.pfl == "fedbn" and not has_bn,
-             f"--pfl fedbn: --arch {args.arch} has no batch norm to keep local; use --arch bn or se, or --pfl fedper"),
-            (dp and has_bn, f"--dp-noise-multiplier: DP-SGD needs per-sample gradients, which batch norm "
-                            f"(--arch {args.arch}) mixes; use --arch gn, nf or anfr"),
-            (args.agg == "fedprox" and args.prox_mu == 0, "--prox-mu: --agg fedprox needs mu > 0, got 0"),
-            (bool(args.prox_mu) and args.agg != "fedprox",
-             f"--prox-mu: the proximal term belongs to --agg fedprox, not --agg {args.agg}; add --agg fedprox"),
-            (args.init_from is not None and not os.path.isfile(args.init_from),
-             f"--init-from: no file {args.init_from}"),
-            (args.last_gain_init != 0 and ARCHS[args.arch][0] != "nf",
-             f"--last-gain-init: --arch {args.arch} has no NF gains; use --arch nf or anfr"),
-            (args.crop_scale[0] > args.crop_scale[1],
-             f"--crop-scale: LO {args.crop_scale[0]} is above HI {args.crop_scale[1]}"),
-            (args.agc > 0 and args.clip > 0,
-             "--agc: adaptive clipping replaces norm clipping (App. A.2 tries one or the other); add --clip 0"),
-            (args.bn_stats == "local" and args.pfl != "none",
-             f"--bn-stats local: --pfl {args.pfl} evaluates personalized models already; use --bn-stats average"),
-            (args.bn_stats == "local" and args.client_test,
-             "--bn-stats local: each client's model is scored on the whole test set; drop --client-test")]:
-            if bad:
-                p.error(msg)
-        # 0 = no proximal term
-        args.prox_mu = (0.01 if args.prox_mu is None else args.prox_mu) if args.agg == "fedprox" else 0.0
+    return args if args.resume else check_args(p, args)  # ANFR: a resumed run's flags were checked when it began
+
+
+def check_args(p, args):  # ANFR: this script's flags together
+    """Refuse what cannot run (exit 2, the flag named) and resolve --prox-mu (0: no proximal term)."""
+    dp, has_bn = args.dp_noise_multiplier is not None, ARCHS[args.arch][0] == "bn"
+    for bad, msg in [
+        (args.pfl == "fedbn" and not has_bn,
+         f"--pfl fedbn: --arch {args.arch} has no batch norm to keep local; use --arch bn or se, or --pfl fedper"),
+        (dp and has_bn, f"--dp-noise-multiplier: DP-SGD needs per-sample gradients, which batch norm "
+                        f"(--arch {args.arch}) mixes; use --arch gn, nf or anfr"),
+        (args.agg == "fedprox" and args.prox_mu == 0, "--prox-mu: --agg fedprox needs mu > 0, got 0"),
+        (bool(args.prox_mu) and args.agg != "fedprox",
+         f"--prox-mu: the proximal term belongs to --agg fedprox, not --agg {args.agg}; add --agg fedprox"),
+        (args.init_from is not None and not os.path.isfile(args.init_from),
+         f"--init-from: no file {args.init_from}"),
+        (args.last_gain_init != 0 and ARCHS[args.arch][0] != "nf",
+         f"--last-gain-init: --arch {args.arch} has no NF gains; use --arch nf or anfr"),
+        (args.crop_scale[0] > args.crop_scale[1],
+         f"--crop-scale: LO {args.crop_scale[0]} is above HI {args.crop_scale[1]}"),
+        (args.agc > 0 and args.clip > 0,
+         "--agc: adaptive clipping replaces norm clipping (App. A.2 tries one or the other); add --clip 0"),
+        (args.bn_stats == "local" and args.pfl != "none",
+         f"--bn-stats local: --pfl {args.pfl} evaluates personalized models already; use --bn-stats average"),
+        (args.bn_stats == "local" and args.client_test,
+         "--bn-stats local: each client's model is scored on the whole test set; drop --client-test")]:
+        if bad:
+            p.error(msg)
+    # 0 = no proximal term
+    args.prox_mu = (0.01 if args.prox_mu is None else args.prox_mu) if args.agg == "fedprox" else 0.0
     return args
 # fmt: on
 

@@ -2026,18 +2026,8 @@ class RunFolder:
         return self.elapsed_before + time.time() - self.start
 
     def write_partition(self, partition, data):
-        if not self.main:
-            return
-        info = {"scheme": partition.scheme, "train": label_counts(data.y_train, partition.train, data.num_classes)}
-        if partition.test is not None:
-            info["test"] = label_counts(data.y_test, partition.test, data.num_classes)
-        if getattr(data, "classes", None) is not None:  # an image folder's class names
-            info["classes"] = data.classes
-        if partition.val is not None:  # --val-frac: each client's held-out validation samples
-            info["val"] = label_counts(data.y_train, partition.val, data.num_classes)
-        if partition.names is not None:  # each client's folder (--natural) or domain (--clients-per-domain)
-            info["clients"] = partition.names
-        _atomic_save(info, os.path.join(self.dir, "partition.json"))
+        if self.main:
+            _atomic_save(partition_info(partition, data), os.path.join(self.dir, "partition.json"))
 
     def log(self, metrics):
         """Append one row to metrics.jsonl (with elapsed_s); keep the latest evaluation row (one with test_acc)
@@ -2105,6 +2095,21 @@ class RunFolder:
         if self.main:
             _atomic_save(summary, os.path.join(self.dir, "summary.json"))
         return summary
+
+
+def partition_info(partition, data):
+    """partition.json: the scheme and each client's label counts (train; test, val where there are such sets),
+    an image folder's class names, each client's folder or domain."""
+    info = {"scheme": partition.scheme, "train": label_counts(data.y_train, partition.train, data.num_classes)}
+    if partition.test is not None:
+        info["test"] = label_counts(data.y_test, partition.test, data.num_classes)
+    if getattr(data, "classes", None) is not None:  # an image folder's class names
+        info["classes"] = data.classes
+    if partition.val is not None:  # --val-frac: each client's held-out validation samples
+        info["val"] = label_counts(data.y_train, partition.val, data.num_classes)
+    if partition.names is not None:  # each client's folder (--natural) or domain (--clients-per-domain)
+        info["clients"] = partition.names
+    return info
 
 
 def announce(folder, model, partition, name=None):

@@ -162,7 +162,11 @@ def parse_args():
     g.add_argument("--eval-every", type=positive_int, default=PAPER["eval_every"],
         help="evaluate every this many rounds (and at the last)")
     add_run_flags(g, "fedln")  # --checkpoint-every, --out, --overwrite, --save-model, --resume, --stop-after
-    args = finish_args(p, p.parse_args(), "fedln")
+    return check_args(p, finish_args(p, p.parse_args(), "fedln"))  # FedLN: + this script's flags together
+
+
+def check_args(p, args):  # FedLN: this script's flags together
+    """Refuse what cannot run (exit 2, the flag named) and resolve --prox-mu (0: no proximal term)."""
     if args.norm in ("ln", "gn", "bn") and args.model not in NORM_MODELS:  # FedLN: --model cnn has no slots
         p.error(f"--norm: {args.norm} needs a model with normalization slots ({', '.join(NORM_MODELS)}), "
                 f"not {args.model}")  # FedLN
