@@ -32,23 +32,44 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad_and_value, vmap  # ANFR: per-sample gradients for DP-SGD
 
 # fmt: off
-from common import (AUGMENTATIONS, RESNET_LAYOUT, Run, accumulate, autocast, build_model, client_batches,
-                    client_weights, decay_rate, device_flag, each_client, eval_metrics, finish_args, flag_type,
-                    fraction, given_flags, load_average, load_data, make_partition, non_negative_float,
-                    non_negative_int, positive_float, positive_int, prepare_batch, prox_term, refuse, rng_state,
-                    sample_clients, seed_everything, seed_int, set_rng_state, setup_distributed,
+from common import (AUGMENTATIONS, RESNET_LAYOUT, HelpFormatter, RoundLoop, RunFolder, accumulate, add_run_flags,
+                    announce, autocast, build_model, client_batches, client_weights, decay_rate, device_flag,
+                    each_client, eval_metrics, exit_if_diverged, finish_args, flag_type, fraction, given_flags,
+                    load_average, load_data, make_partition, non_negative_float, non_negative_int, positive_float,
+                    positive_int, prepare_batch, prox_term, refuse, rng_state, sample_clients, seed_everything,
+                    seed_int, set_rng_state, setup_distributed,
                     scaffold_control, scaffold_correction, scaffold_server)  # ANFR: SCAFFOLD
+# fmt: on
 
+# The paper's from-scratch CIFAR-10 setting: the defaults of the flags below (--help shows them). App. A.1 and B.3,
+# Table 9 (ANFR 83.20), with Pieri et al. 2023's recipe, which B.3 follows, where marked. The rest of that recipe,
+# at the paper's 224x224: --augment rrc --crop-scale 0.05 1 --normalize half --image-size 224 --stem imagenet
+# (benchmarks/reproduce/anfr.sh paper).
+PAPER = dict(
+    dataset="cifar10",
+    split2=True,  # split-2 of Qu et al. 2022: 5 clients of 4 classes each (A.1)
+    num_clients=5,  # C
+    frac=1.0,  # all clients every round
+    rounds=100,  # T (A.1)
+    local_epochs=1,  # E (A.1)
+    batch_size=32,  # B (A.1)
+    arch="anfr",
+    depth=50,  # ResNet-50
+    lr=1e-3,  # AdamW, cosine-decayed over the run (B.3)
+    weight_decay=0.05,  # Pieri et al.
+    warmup_steps=100,  # Pieri et al.
+    clip=1.0,  # gradient-norm clipping (A.1)
+)
 # ANFR: --arch -> (norm, attention?)
 ARCHS = {"bn": ("bn", False), "gn": ("gn", False), "se": ("bn", True), "nf": ("nf", False), "anfr": ("nf", True)}
 DP_ORDERS = [1 + x / 10 for x in range(1, 100)] + list(range(12, 64))  # ANFR: Renyi orders (those of Opacus)
 
 
+# fmt: off
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", default="cifar10",
+    g.add_argument("--dataset", default=PAPER["dataset"],
         help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | tinyimagenet | synthetic")
     g.add_argument("--data-dir", default="./data",
         help="download folder, the image folder of --dataset folder (train/<class>/*, test/<class>/*; in groups: "
@@ -65,15 +86,16 @@ def parse_args():
         help="ANFR: subtract the training split's per-channel mean and divide by its std, or (x - 0.5) / 0.5 "
              "(the paper's recipe)")  # ANFR
     g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2, "
-                             "--disjoint-classes, --natural)")
-    g.add_argument("--iid", action="store_true", help="uniform random split")
-    g.add_argument("--shards", type=positive_int, default=None, help="S: sort by label, N*S shards, S per client")
-    g.add_argument("--classes-per-client", type=positive_int, default=None,
+                             "--disjoint-classes, --natural; one given replaces the default)")
+    g.add_argument("--iid", action="store_true", default=PAPER.get("iid", False), help="uniform random split")
+    g.add_argument("--shards", type=positive_int, default=PAPER.get("shards"),
+        help="S: sort by label, N*S shards, S per client")
+    g.add_argument("--classes-per-client", type=positive_int, default=PAPER.get("classes_per_client"),
         help="C: each client holds C classes, each class split evenly among its holders")
-    g.add_argument("--alpha", type=positive_float, default=None,
+    g.add_argument("--alpha", type=positive_float, default=PAPER.get("alpha"),
         help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
-    g.add_argument("--split2", action="store_true",
-        help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each; the default, Appendix A.1)")
+    g.add_argument("--split2", action="store_true", default=PAPER.get("split2", False),
+        help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
     g.add_argument("--disjoint-classes", action="store_true",
         help="each client holds its own classes: N disjoint sets (7 classes, 3 clients: 2, 2, 3; FedLN Table 5)")
     g.add_argument("--natural", action="store_true",
@@ -92,16 +114,15 @@ def parse_args():
         help="share of each client's training data held out for validation: val_acc, and test_acc_at_best_val "
              "in summary.json (0: none)")
     g = p.add_argument_group("federation")
-    g.add_argument("--num-clients", type=positive_int, default=5, help="C: number of clients (split-2: 5)")  # ANFR
-    g.add_argument("--frac", type=fraction, default=1.0,
-        help="fraction of clients sampled per round, in (0, 1] (paper: all)")  # ANFR
-    g.add_argument("--rounds", type=positive_int, default=100,
-        help="T: communication rounds (Appendix A.1: 100)")  # ANFR
-    g.add_argument("--local-epochs", type=positive_int, default=1,
-        help="E: local epochs per round (Appendix A.1: 1)")  # ANFR
+    g.add_argument("--num-clients", type=positive_int, default=PAPER["num_clients"],
+        help="C: number of clients")  # ANFR: the paper's symbol
+    g.add_argument("--frac", type=fraction, default=PAPER["frac"],
+        help="fraction of clients sampled per round, in (0, 1]")  # ANFR: the paper has no symbol
+    g.add_argument("--rounds", type=positive_int, default=PAPER["rounds"], help="T: communication rounds")
+    g.add_argument("--local-epochs", type=positive_int, default=PAPER["local_epochs"], help="E: local epochs per round")
     g.add_argument("--local-steps", type=positive_int, default=None,
-        help="local steps per round instead of --local-epochs")
-    g.add_argument("--batch-size", type=positive_int, default=32, help="B: local batch size (Appendix A.1: 32)")  # ANFR
+        help="local steps per round instead of --local-epochs")  # ANFR: AdamW steps
+    g.add_argument("--batch-size", type=positive_int, default=PAPER["batch_size"], help="B: local batch size")
     g.add_argument("--weighting", default="samples", choices=["samples", "uniform"],
         help="aggregation weights: n_k/n, or 1/m")
     g.add_argument("--agg", default="fedavg", choices=["fedavg", "fedprox", "scaffold", "fedadam"],
@@ -109,10 +130,10 @@ def parse_args():
     g.add_argument("--pfl", default="none", choices=["none", "fedper", "fedbn"],
         help="ANFR: personalization (Table 2): FedPer keeps each head local, FedBN each batch norm")  # ANFR
     g = p.add_argument_group("model (the one ResNet of common.py)")
-    g.add_argument("--arch", default="anfr", choices=list(ARCHS),
+    g.add_argument("--arch", default=PAPER["arch"], choices=list(ARCHS),
         help="ANFR: bn | gn (group norm) | se (bn + attention) | nf (NF-ResNet, Eq. 5) | anfr (nf + attention)")  # ANFR
-    g.add_argument("--depth", type=int, default=50, choices=[18, 26, 50],
-        help="ANFR: ResNet depth (18: basic blocks; 26, 50: bottlenecks; paper: 50)")  # ANFR
+    g.add_argument("--depth", type=int, default=PAPER["depth"], choices=[18, 26, 50],
+        help="ANFR: ResNet depth (18: basic blocks; 26, 50: bottlenecks)")  # ANFR
     g.add_argument("--width", type=positive_int, default=64,
         help="ANFR: base channel count (64 = standard ResNet)")  # ANFR
     g.add_argument("--stem", default="cifar", choices=["cifar", "imagenet"],
@@ -129,12 +150,12 @@ def parse_args():
         help="ANFR: start value of the gain g (Eq. 5) of the last conv of each NF residual branch; 0 = timm's "
              "NF-ResNets, the paper's models")  # ANFR
     g = p.add_argument_group("optimization")
-    g.add_argument("--lr", type=positive_float, default=1e-3,
-        help="eta: local AdamW learning rate, cosine-decayed over the run (Appendix B.3: 1e-3)")  # ANFR
-    g.add_argument("--weight-decay", type=non_negative_float, default=0.05,
-        help="AdamW decoupled weight decay (the paper's CIFAR-10 recipe, Pieri et al. 2023: 0.05)")  # ANFR
-    g.add_argument("--warmup-steps", type=non_negative_int, default=100,
-        help="ANFR: linear warm-up from 0 over a client's first steps, then the cosine (Pieri et al.: 100)")  # ANFR
+    g.add_argument("--lr", type=positive_float, default=PAPER["lr"],
+        help="eta: local AdamW learning rate, cosine-decayed over the run")  # ANFR: AdamW, cosine
+    g.add_argument("--weight-decay", type=non_negative_float, default=PAPER["weight_decay"],
+        help="AdamW decoupled weight decay")  # ANFR: AdamW
+    g.add_argument("--warmup-steps", type=non_negative_int, default=PAPER["warmup_steps"],
+        help="ANFR: linear warm-up from 0 over a client's first steps, then the cosine")  # ANFR
     g.add_argument("--loss", default="ce", choices=["ce", "focal"],
         help="ANFR: cross-entropy, or Fed-ISIC2019's focal loss, FLamby's BaselineLoss: the batch mean of "
              "-alpha_y (1 - p_y)^gamma log p_y with the class weights alpha of --focal-weights")  # ANFR
@@ -147,8 +168,8 @@ def parse_args():
              "every client: FLamby's BaselineLoss weights (Fed-ISIC2019: 5.58 ... 101.07; local ones reach 1,581), "
              "App. B.2's 'pre-computed class weights' with FLamby's hyper-parameters. A class without training "
              "labels gets 0")  # ANFR
-    g.add_argument("--clip", type=non_negative_float, default=1.0,
-        help="ANFR: local gradient-norm clipping (Appendix A.1: 1.0; 0 = off)")  # ANFR
+    g.add_argument("--clip", type=non_negative_float, default=PAPER["clip"],
+        help="ANFR: local gradient-norm clipping (0 = off)")  # ANFR
     g.add_argument("--agc", type=non_negative_float, default=0.0,
         help="ANFR: lambda of adaptive gradient clipping (Brock et al. 2021b; in the paper's grid, App. A.2): each "
              "unit's gradient at most lambda max(||W||, 1e-3), the head unclipped; needs --clip 0 (0 = off)")  # ANFR
@@ -176,53 +197,48 @@ def parse_args():
     g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes (not with DP)")
     g.add_argument("--eval-every", type=positive_int, default=1,
         help="evaluate every this many rounds (and at the last)")
-    g.add_argument("--checkpoint-every", type=positive_int, default=None,
-        help="write checkpoint.pt every this many rounds (default: at each evaluation)")
     g.add_argument("--analyze", action="store_true",
         help="ANFR: class selectivity index and attention-weight spread of the last attention module (Sec. 3.4) in "
              "summary.json; at every evaluation the last gains of the residual branches and how their gradients "
              "agree from step to step")  # ANFR
-    g.add_argument("--out", default=None, help="run folder (default runs/anfr__<dataset>__<seed>__<time>)")
-    g.add_argument("--overwrite", action="store_true",
-        help="replace the run already in --out (without it, such an --out is refused)")
-    g.add_argument("--save-model", action="store_true", help="write the final global state_dict to OUT/model.pt")
-    g.add_argument("--resume", default=None, metavar="DIR",
-        help="continue the run in DIR (its config.json is used); with a larger --rounds, extend it")
-    g.add_argument("--stop-after", type=positive_int, default=None,
-        help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
+    add_run_flags(g, "anfr")  # --checkpoint-every, --out, --overwrite, --save-model, --resume, --stop-after
     p.set_defaults(model="resnet")  # ANFR: common.resnet with the options of --arch
     args = p.parse_args()
     args.client_test = args.client_test or args.pfl != "none"  # ANFR: pFL is evaluated on per-client test sets
-    args = finish_args(p, args, "anfr", default_partition=("split2", True))  # ANFR
-    if not args.resume:  # ANFR: checks of this script's flags
-        dp, has_bn = args.dp_noise_multiplier is not None, ARCHS[args.arch][0] == "bn"
-        for bad, msg in [
-            (args.pfl == "fedbn" and not has_bn,
-             f"--pfl fedbn: --arch {args.arch} has no batch norm to keep local; use --arch bn or se, or --pfl fedper"),
-            (dp and has_bn, f"--dp-noise-multiplier: DP-SGD needs per-sample gradients, which batch norm "
-                            f"(--arch {args.arch}) mixes; use --arch gn, nf or anfr"),
-            (args.agg == "fedprox" and args.prox_mu == 0, "--prox-mu: --agg fedprox needs mu > 0, got 0"),
-            (bool(args.prox_mu) and args.agg != "fedprox",
-             f"--prox-mu: the proximal term belongs to --agg fedprox, not --agg {args.agg}; add --agg fedprox"),
-            (args.init_from is not None and not os.path.isfile(args.init_from),
-             f"--init-from: no file {args.init_from}"),
-            (args.last_gain_init != 0 and ARCHS[args.arch][0] != "nf",
-             f"--last-gain-init: --arch {args.arch} has no NF gains; use --arch nf or anfr"),
-            (args.crop_scale[0] > args.crop_scale[1],
-             f"--crop-scale: LO {args.crop_scale[0]} is above HI {args.crop_scale[1]}"),
-            (args.agc > 0 and args.clip > 0,
-             "--agc: adaptive clipping replaces norm clipping (App. A.2 tries one or the other); add --clip 0"),
-            (args.bn_stats == "local" and args.pfl != "none",
-             f"--bn-stats local: --pfl {args.pfl} evaluates personalized models already; use --bn-stats average"),
-            (args.bn_stats == "local" and args.client_test,
-             "--bn-stats local: each client's model is scored on the whole test set; drop --client-test"),
-            *[(args.loss != "focal" and name in given_flags(p),
-               f"--{name.replace('_', '-')}: a setting of the focal loss; add --loss focal")
-              for name in ("focal_gamma", "focal_weights")]]:
-            if bad:
-                p.error(msg)
-        # 0 = no proximal term
-        args.prox_mu = (0.01 if args.prox_mu is None else args.prox_mu) if args.agg == "fedprox" else 0.0
+    args = finish_args(p, args, "anfr")  # ANFR
+    return args if args.resume else check_args(p, args)  # ANFR: a resumed run's flags were checked when it began
+
+
+def check_args(p, args):  # ANFR: this script's flags together
+    """Refuse what cannot run (exit 2, the flag named) and resolve --prox-mu (0: no proximal term)."""
+    dp, has_bn = args.dp_noise_multiplier is not None, ARCHS[args.arch][0] == "bn"
+    for bad, msg in [
+        (args.pfl == "fedbn" and not has_bn,
+         f"--pfl fedbn: --arch {args.arch} has no batch norm to keep local; use --arch bn or se, or --pfl fedper"),
+        (dp and has_bn, f"--dp-noise-multiplier: DP-SGD needs per-sample gradients, which batch norm "
+                        f"(--arch {args.arch}) mixes; use --arch gn, nf or anfr"),
+        (args.agg == "fedprox" and args.prox_mu == 0, "--prox-mu: --agg fedprox needs mu > 0, got 0"),
+        (bool(args.prox_mu) and args.agg != "fedprox",
+         f"--prox-mu: the proximal term belongs to --agg fedprox, not --agg {args.agg}; add --agg fedprox"),
+        (args.init_from is not None and not os.path.isfile(args.init_from),
+         f"--init-from: no file {args.init_from}"),
+        (args.last_gain_init != 0 and ARCHS[args.arch][0] != "nf",
+         f"--last-gain-init: --arch {args.arch} has no NF gains; use --arch nf or anfr"),
+        (args.crop_scale[0] > args.crop_scale[1],
+         f"--crop-scale: LO {args.crop_scale[0]} is above HI {args.crop_scale[1]}"),
+        (args.agc > 0 and args.clip > 0,
+         "--agc: adaptive clipping replaces norm clipping (App. A.2 tries one or the other); add --clip 0"),
+        (args.bn_stats == "local" and args.pfl != "none",
+         f"--bn-stats local: --pfl {args.pfl} evaluates personalized models already; use --bn-stats average"),
+        (args.bn_stats == "local" and args.client_test,
+         "--bn-stats local: each client's model is scored on the whole test set; drop --client-test"),
+        *[(args.loss != "focal" and name in given_flags(p),
+           f"--{name.replace('_', '-')}: a setting of the focal loss; add --loss focal")
+          for name in ("focal_gamma", "focal_weights")]]:
+        if bad:
+            p.error(msg)
+    # 0 = no proximal term
+    args.prox_mu = (0.01 if args.prox_mu is None else args.prox_mu) if args.agg == "fedprox" else 0.0
     return args
 # fmt: on
 
@@ -594,9 +610,10 @@ if __name__ == "__main__":
             )
         except ValueError as e:
             refuse(f"--init-from {args.init_from}: {e}")
-    run = Run(args, "anfr")  # the run folder and the loop's control (bar, checkpoints, stop, resume)
-    run.write_partition(partition, data)
-    run.announce(model, partition, name=f"resnet{args.depth} --arch {args.arch}")  # ANFR: the model's name
+    folder = RunFolder(args, "anfr")  # config.json; then partition.json, metrics.jsonl, checkpoint.pt, summary.json
+    loop = RoundLoop(args, folder)  # the rounds under a bar: which evaluate, checkpoints, --stop-after, Ctrl-C
+    folder.write_partition(partition, data)
+    announce(folder, model, partition, name=f"resnet{args.depth} --arch {args.arch}")  # ANFR: the model's name
     sampler = np.random.default_rng(args.seed)  # client sampling, independent of the partition
     sizes = [len(p) for p in partition.train]
     n_clients = len(sizes)
@@ -621,7 +638,7 @@ if __name__ == "__main__":
     c, c_i = (zeros(), [None] * n_clients) if args.agg == "scaffold" else (None, None)  # ANFR: SCAFFOLD controls
     m, v = (zeros(), zeros()) if args.agg == "fedadam" else (None, None)  # ANFR: FedAdam moments
     if args.resume:
-        ckpt = run.load_checkpoint()  # run.rounds() continues after its round
+        ckpt = loop.resume()  # checkpoint.pt; loop.rounds() continues after its round
         model.load_state_dict(ckpt["model"])
         set_rng_state(ckpt["rng"], sampler)
         for opt, state in zip(opts, ckpt["opts"]):  # ANFR: the clients' AdamW states
@@ -648,7 +665,7 @@ if __name__ == "__main__":
         if local[k] is not None:
             client.load_state_dict(local[k], strict=False)
 
-    for rnd in run.rounds(state):
+    for rnd in loop.rounds(state):
         clients = sample_clients(sampler, args.num_clients, args.frac)
         weights = client_weights([sizes[k] for k in clients], args.weighting)
         total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items() if k in shared}
@@ -729,9 +746,9 @@ if __name__ == "__main__":
         load_average(model, total, strict=False)
         if c is not None:  # ANFR: SCAFFOLD c <- c + 1/N sum_{i in S} (c_i+ - c_i) (Eq. 5)
             c = scaffold_server(c, dc_sum, n_clients)
-        train_loss = run.check_loss(train_loss, rnd)  # NaN or inf: summary.json says diverged, exit
+        train_loss = exit_if_diverged(train_loss, rnd, folder)  # NaN or inf: summary.json says diverged, exit 1
 
-        if run.evaluates(rnd):  # every --eval-every rounds and the last
+        if loop.evaluates(rnd):  # every --eval-every rounds and the last
             model.eval()
             fwd = lambda net: lambda x: net(resize(x, args.image_size))  # ANFR: --image-size
             eval_bs = 2000 if (args.image_size or data.image_size) <= 64 else 200
@@ -773,6 +790,6 @@ if __name__ == "__main__":
                     for n, s in zip(sizes, dp_steps)
                 ]
                 metrics["dp_epsilon"], metrics["dp_epsilon_max"] = eps, max(eps)
-            run.log(metrics)
+            folder.log(metrics)
     extra = {"analysis": analyze(model, data, args.image_size)} if args.analyze else {}  # ANFR: global model (Sec. 3.4)
-    run.finish(model, **extra)  # summary.json: the final round's metrics
+    folder.finish(model, **extra)  # summary.json: the final round's metrics

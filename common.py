@@ -2,7 +2,8 @@
 the device) and evaluation, partitions, rounds and aggregation, per-client personalization, and the
 models (the papers' models, each marked with its paper, and one ResNet family). Below one banner
 follows the run machinery, which is not federated learning: flag checks, dataset files and caches,
-the run folder and the loop's control (Run), atomic saves, RNG state, several processes (torchrun).
+the run folder's files (RunFolder), the loop's control (RoundLoop), the divergence stop (exit_if_diverged),
+atomic saves, RNG state, several processes (torchrun).
 
 A method script imports what it needs from here and keeps its own training loop, so one script plus
 this file is everything a reader must copy. Most of a method's own equations live in its script.
@@ -549,41 +550,40 @@ def scaffold_server(c, delta_sum, num_clients):
 # ----------------------------------------------------------------------------------------------
 # Personalization: fine-tune the global model on each client (FedBABU's Algorithm 2, FedFN-FT)
 # ----------------------------------------------------------------------------------------------
-def personalize(
-    model,
-    global_state,
-    data,
-    train_parts,
-    test_parts,
-    *,
-    epochs,
-    eval_epochs,
-    lr,
-    part,
-    batch_size,
-    augment,
-    momentum=0.9,
-    amp=False,
-    forward=None,
-):
+@dataclass
+class FineTuning:
+    """Per-client fine-tuning: `epochs` of SGD(lr, momentum) on `part` of the model (the rest frozen), batches of
+    batch_size with augmentation `augment`; evaluated after `epochs` and after each epoch of eval_epochs (0: before
+    fine-tuning); amp: bfloat16 autocast."""
+
+    epochs: int
+    lr: float
+    part: str  # "full" | "body" | "head"
+    batch_size: int
+    augment: str
+    eval_epochs: tuple = ()
+    momentum: float = 0.9
+    amp: bool = False
+
+
+def personalize(model, global_state, data, train_parts, test_parts, ft, forward=None):
     """Per-client fine-tuning and evaluation (FedBABU, Oh et al. 2022, Algorithm 2); method-neutral.
 
-    For each client k: load global_state into `model` (reused, no copies), fine-tune only `part` of it
-    ("full" | "body" | "head"; the rest is frozen: requires_grad off and not in the optimizer, and a
-    frozen body is kept in eval mode so its batch-norm running statistics do not move either) with
-    SGD(lr, momentum) and batch_size on data.x_train[train_parts[k]] (augmentation `augment`), and
-    evaluate on data.x_test[test_parts[k]] after each epoch e in eval_epochs (e = 0: before fine-tuning).
-    Training runs max(epochs, *eval_epochs) epochs and `epochs` is always evaluated too.
-    `forward(model, x) -> logits` (default model(x)) is used for both the fine-tuning loss and evaluation.
-    Clients with an empty test set are skipped. `model` is left holding the last client's weights.
+    For each client k: load global_state into `model` (reused, no copies), fine-tune ft.part of it (the rest
+    frozen: requires_grad off and not in the optimizer, and a frozen body is kept in eval mode so its batch-norm
+    running statistics do not move either) on data.x_train[train_parts[k]] with the settings `ft` (FineTuning),
+    and evaluate on data.x_test[test_parts[k]] after each epoch e in ft.eval_epochs (e = 0: before fine-tuning)
+    and after ft.epochs; training runs max(ft.epochs, *ft.eval_epochs) epochs. `forward(model, x) -> logits`
+    (default model(x)) is used for both the fine-tuning loss and evaluation. Clients with an empty test set are
+    skipped. `model` is left holding the last client's weights.
 
     Returns {"acc_mean": {e: mean accuracy over clients}, "acc_std": {e: std over clients (ddof 0)},
              "per_client": {e: [accuracy of each client in "clients"]}, "clients": [k, ...]},
     keyed by the evaluated epochs e (ints, sorted).
     """
     forward = forward or (lambda m, x: m(x))
-    points = sorted(set(eval_epochs) | {epochs})
-    params = {"full": model, "body": model.body, "head": model.head}[part].parameters()
+    points = sorted(set(ft.eval_epochs) | {ft.epochs})
+    params = {"full": model, "body": model.body, "head": model.head}[ft.part].parameters()
     trainable = {id(p) for p in params}
     for p in model.parameters():
         p.requires_grad_(id(p) in trainable)
@@ -592,15 +592,15 @@ def personalize(
     per_client = {e: [] for e in points}
     for k in clients:
         model.load_state_dict(global_state)
-        opt = torch.optim.SGD(opt_params, lr=lr, momentum=momentum)
+        opt = torch.optim.SGD(opt_params, lr=ft.lr, momentum=ft.momentum)
         for e in range(points[-1] + 1):
             if e > 0:  # one epoch of fine-tuning
                 model.train()
-                if part == "head":
+                if ft.part == "head":
                     model.body.eval()
-                for batch in client_batches(train_parts[k], batch_size, epochs=1):
-                    x, y = prepare_batch(data.x_train[batch], data, augment), data.y_train[batch]
-                    with autocast(x.device, amp):
+                for batch in client_batches(train_parts[k], ft.batch_size, epochs=1):
+                    x, y = prepare_batch(data.x_train[batch], data, ft.augment), data.y_train[batch]
+                    with autocast(x.device, ft.amp):
                         loss = F.cross_entropy(forward(model, x).float(), y)
                     opt.zero_grad(set_to_none=True)
                     loss.backward()
@@ -609,7 +609,7 @@ def personalize(
                 model.eval()
                 t = test_parts[k]
                 per_client[e].append(
-                    evaluate(lambda x: forward(model, x), data.x_test[t], data.y_test[t], data, amp=amp)[0]
+                    evaluate(lambda x: forward(model, x), data.x_test[t], data.y_test[t], data, amp=ft.amp)[0]
                 )
     for p in model.parameters():
         p.requires_grad_(True)
@@ -1249,7 +1249,8 @@ register_model("resnet")(resnet)
 
 # ==============================================================================================
 # Run machinery: nothing below is federated learning. Flag checks, dataset files and caches, the
-# run folder and the loop's control (Run), atomic saves, RNG state, several processes (torchrun).
+# run folder's files (RunFolder), the loop's control (RoundLoop), the divergence stop, atomic saves,
+# RNG state, several processes (torchrun).
 # ==============================================================================================
 
 
@@ -1333,6 +1334,32 @@ def device_flag(text):
     raise argparse.ArgumentTypeError(f"expected cpu, cuda, cuda:N or mps, got '{text}'")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with every flag's default after its help; a help that states its own "(default ...)" (e.g.
+    "(default: --seed)") keeps it alone."""
+
+    def _get_help_string(self, action):
+        return action.help if "(default" in (action.help or "") else super()._get_help_string(action)
+
+
+# fmt: off
+def add_run_flags(group, script):
+    """The flags of the run folder and the loop's control, the same in every script: --checkpoint-every, --out,
+    --overwrite, --save-model, --resume, --stop-after."""
+    group.add_argument("--checkpoint-every", type=positive_int, default=None,
+        help="write checkpoint.pt every this many rounds (default: at each evaluation)")
+    group.add_argument("--out", default=None, help=f"run folder (default runs/{script}__<dataset>__<seed>__<time>)")
+    group.add_argument("--overwrite", action="store_true",
+        help="replace the run already in --out (without it, such an --out is refused)")
+    group.add_argument("--save-model", action="store_true",
+        help="write the final evaluated global model's state_dict to OUT/model.pt")
+    group.add_argument("--resume", default=None, metavar="DIR",
+        help="continue the run in DIR (its config.json is used); with a larger --rounds, extend it")
+    group.add_argument("--stop-after", type=positive_int, default=None,
+        help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
+# fmt: on
+
+
 def given_flags(parser, argv=None):
     """The dests of the flags written on the command line (not left at their defaults)."""
     unset = object()
@@ -1342,13 +1369,13 @@ def given_flags(parser, argv=None):
     return {k for k, v in vars(namespace).items() if v is not unset}
 
 
-def finish_args(parser, args, script, default_partition):
-    """Validate the flags every script shares and fill in derived defaults.
+def finish_args(parser, args, script):
+    """Validate the flags every script shares and fill in derived defaults, step by step.
 
-    Bad input ends here (exit status 2, one line naming the flag) before any data is touched.
-    Ranges of single flags are checked by their argparse types (flag_type); here: flags together,
-    the device, the data folder and the run folder. `default_partition` is the paper's partition,
-    e.g. ("shards", 2), used when no flag is given. --resume DIR: see resume_args.
+    Bad input ends here (exit status 2, one line naming the flag) before any data is touched. Ranges of
+    single flags are checked by their argparse types (flag_type); here: names, the data folder, the
+    partition (choose_partition, check_partition), the device and the run folder (choose_out).
+    --resume DIR: see resume_args.
     """
     if getattr(args, "resume", None):
         return resume_args(parser, args, script)
@@ -1358,20 +1385,44 @@ def finish_args(parser, args, script, default_partition):
     if args.model not in MODELS:
         err(f"--model: unknown model '{args.model}'; choose one of {', '.join(sorted(MODELS))}")
     check_data_dir(args, err)
-    given = [k for k in PARTITION_FLAGS if getattr(args, k, None) not in (None, False)]
-    if len(given) > 1:
-        err(
+    choose_partition(parser, args)
+    check_partition(parser, args)
+    if args.data_seed is None:
+        args.data_seed = args.seed
+    args.device = check_device(args.device, err)
+    if args.amp and args.device == "cpu":
+        print(
+            "note: --amp on the CPU: bfloat16 autocast runs, but is usually slower than float32 there", file=sys.stderr
+        )
+    args.out = choose_out(args, script, err)
+    args.script = script
+    return args
+
+
+def choose_partition(parser, args):
+    """At most one partition flag. The script's paper partition is the default of its flag (e.g. --shards 10,
+    shown by --help) and holds when no partition flag is written; a flag written replaces it."""
+    written = [k for k in PARTITION_FLAGS if k in given_flags(parser)]
+    if len(written) > 1:
+        parser.error(
             "partition: give at most one of "
             + ", ".join(PARTITION_FLAGS.values())
-            + f" (got {' and '.join(PARTITION_FLAGS[k] for k in given)})"
+            + f" (got {' and '.join(PARTITION_FLAGS[k] for k in written)})"
         )
-    if not given and getattr(args, "clients_per_domain", None):
-        err(
+    if not written and getattr(args, "clients_per_domain", None):
+        parser.error(
             "--clients-per-domain: give the partition within each domain: --iid, --shards S, "
             "--classes-per-client C, --alpha A or --disjoint-classes"
         )
-    if not given:
-        setattr(args, default_partition[0], default_partition[1])
+    for k in PARTITION_FLAGS:
+        if written and k not in written and hasattr(args, k):  # the default partition gives way
+            setattr(args, k, False if isinstance(parser.get_default(k), bool) else None)
+
+
+def check_partition(parser, args):
+    """The partition fits the data: S and C at most the classes (of the fewest-class domain), N*S shards at most
+    the samples, split-2's 5 clients, power-law sizes only where they apply, one class set per client."""
+    err = parser.error
     classes = _num_classes_hint(args)
     if grouped_layout(args):
         classes = check_groups(parser, args, err)  # the fewest classes of a domain, or None
@@ -1394,24 +1445,22 @@ def finish_args(parser, args, script, default_partition):
         n = getattr(args, "clients_per_domain", None) or args.num_clients
         if n > classes:
             err(f"--disjoint-classes: {n} clients cannot each hold their own of {classes} classes; use fewer clients")
-    if args.data_seed is None:
-        args.data_seed = args.seed
-    args.device = check_device(args.device, err)
-    if args.amp and args.device == "cpu":
-        print(
-            "note: --amp on the CPU: bfloat16 autocast runs, but is usually slower than float32 there", file=sys.stderr
-        )
-    if args.out is None:
-        args.out = default_out_dir(script, args)
-    elif holds_run(args.out) and not args.overwrite:
+
+
+def choose_out(args, script, err):
+    """The run folder: --out, or a new runs/<script>__<dataset>__<seed>__<time>. One that holds a run is refused
+    unless --overwrite; it must be a folder this process can write in (rank 0's, under torchrun)."""
+    out = args.out
+    if out is None:
+        out = default_out_dir(script, args)
+    elif holds_run(out) and not args.overwrite:
         err(
-            f"--out: {args.out} already holds a run; continue it with --resume {args.out}, "
+            f"--out: {out} already holds a run; continue it with --resume {out}, "
             f"write to another --out, or replace it with --overwrite"
         )
     if int(os.environ.get("RANK", "0")) == 0:  # torchrun: rank 0's folder is the run's
-        check_writable(args.out, err)
-    args.script = script
-    return args
+        check_writable(out, err)
+    return out
 
 
 def resume_args(parser, args, script):
@@ -1947,28 +1996,22 @@ def _progress(items, desc):
     return tqdm(items, desc=desc, leave=False, mininterval=1.0, disable=len(items) < 2000)
 
 
-# --- The run folder and the loop's control ---------------------------------------------------------
-class Run:
-    """The run folder and the loop's control: config.json, partition.json, metrics.jsonl, checkpoint.pt,
-    summary.json; the rounds with their tqdm bar, checkpoints, --stop-after, Ctrl-C and resume.
+# --- The run folder's files ----------------------------------------------------------------------
+class RunFolder:
+    """The run folder's files: config.json (written at once), partition.json, metrics.jsonl (log),
+    checkpoint.pt, summary.json (finish) and model.pt; and the run's clock, which every row, checkpoint
+    and summary carries (a resumed run counts on from its checkpoint).
 
     Every file is written whole (a temporary file, then a rename); NaN and infinity are written as null.
-    Ctrl-C once asks the loop to stop after the current round (then a checkpoint, exit 130); Ctrl-C twice
-    stops at once with one line. Under torchrun only rank 0 writes (run.main) and Ctrl-C ends every rank at
-    once (torchrun stops them): resume from the last checkpoint.
+    Under torchrun only rank 0 writes (folder.main); every rank keeps the same rows.
     """
 
     def __init__(self, args, script):
         self.args, self.script, self.dir = args, script, args.out
-        rank, world = rank_and_world()
-        self.main = rank == 0  # torchrun: rank 0 alone writes the run folder
-        self.stop_requested = False
-        self.start = time.time()
-        self.elapsed_before = 0.0
-        self.first_round = 0  # a resumed run starts after its checkpoint's round
+        self.main = rank_and_world()[0] == 0  # torchrun: rank 0 alone writes the run folder
+        self.start, self.elapsed_before = time.time(), 0.0
         self.last_eval = {}  # the latest evaluation row: the summary's metrics
         self.best_val = {}  # --val-frac: the first evaluation row with the highest val_acc
-        self.bar = None
         self.metrics_path = os.path.join(self.dir, "metrics.jsonl")
         if self.main:
             os.makedirs(self.dir, exist_ok=True)
@@ -1978,99 +2021,20 @@ class Run:
                         os.remove(os.path.join(self.dir, name))
                 _atomic_save("", self.metrics_path)
             # the config (with --resume --rounds N: the extended one)
-            _atomic_save(
-                {k: v for k, v in vars(args).items() if k not in RUNTIME_FLAGS}, os.path.join(self.dir, "config.json")
-            )
-        if world == 1:
-            signal.signal(signal.SIGINT, self._on_sigint)
-
-    def _on_sigint(self, *_):
-        print(
-            "\ninterrupt: finishing this round, then writing a checkpoint (Ctrl-C again stops at once)", file=sys.stderr
-        )
-        self.stop_requested = True
-        signal.signal(signal.SIGINT, _interrupted)
+            config = {k: v for k, v in vars(args).items() if k not in RUNTIME_FLAGS}
+            _atomic_save(config, os.path.join(self.dir, "config.json"))
 
     @property
     def elapsed(self):
         return self.elapsed_before + time.time() - self.start
 
     def write_partition(self, partition, data):
-        if not self.main:
-            return
-        info = {"scheme": partition.scheme, "train": label_counts(data.y_train, partition.train, data.num_classes)}
-        if partition.test is not None:
-            info["test"] = label_counts(data.y_test, partition.test, data.num_classes)
-        if getattr(data, "classes", None) is not None:  # an image folder's class names
-            info["classes"] = data.classes
-        if partition.val is not None:  # --val-frac: each client's held-out validation samples
-            info["val"] = label_counts(data.y_train, partition.val, data.num_classes)
-        if partition.names is not None:  # each client's folder (--natural) or domain (--clients-per-domain)
-            info["clients"] = partition.names
-        _atomic_save(info, os.path.join(self.dir, "partition.json"))
-
-    def announce(self, model, partition, name=None):
-        """The start-up line: device, model and parameter count, partition, run folder."""
-        sizes = [len(p) for p in partition.train]
-        params = sum(p.numel() for p in model.parameters())
         if self.main:
-            print(
-                f"{self.script}: {device_name(self.args.device)} "
-                f"| model {name or self.args.model}, {params:,} parameters "
-                f"| {partition.scheme}: {len(sizes)} clients, {min(sizes)}-{max(sizes)} training samples each "
-                f"| run folder {self.dir}{' (resumed)' if self.args.resume else ''}",
-                flush=True,
-            )
-
-    def rounds(self, state):
-        """The round indices of this invocation, under a tqdm bar. After each round's body: a checkpoint of
-        state() (the method's model, server and client state, RNG) at each evaluation, or every
-        --checkpoint-every rounds and at the last; then the stop asked for by --stop-after or Ctrl-C
-        (checkpoint, the command that resumes, exit 0 or 130)."""
-        args, first = self.args, self.first_round
-        self.bar = tqdm(
-            range(first, args.rounds),
-            initial=first,
-            total=args.rounds,
-            desc=self.script,
-            unit="round",
-            disable=not self.main,
-        )
-        for rnd in self.bar:
-            yield rnd
-            done = rnd + 1
-            stop = done < args.rounds and (
-                self.stop_requested or (args.stop_after is not None and done - first >= args.stop_after)
-            )
-            if args.checkpoint_every is None:
-                due = self.evaluates(rnd)
-            else:
-                due = done % args.checkpoint_every == 0 or done == args.rounds
-            if due or stop:
-                self.save_checkpoint(done, state())
-            if stop:
-                self.bar.close()
-                print(f"stopped after round {done}; continue with: python {self.script}.py --resume {self.dir}")
-                raise SystemExit(130 if self.stop_requested else 0)
-        self.bar.close()
-
-    def evaluates(self, rnd):
-        """Whether round rnd (0-based) ends with an evaluation: every --eval-every rounds and the last."""
-        return (rnd + 1) % self.args.eval_every == 0 or rnd + 1 == self.args.rounds
-
-    def check_loss(self, train_loss, rnd):
-        """The round's mean training loss as a float; NaN or inf ends the run (summary.json says diverged)."""
-        train_loss = float(train_loss)
-        if not math.isfinite(train_loss):
-            self._write_summary({"diverged": True, "round": rnd + 1, "train_loss": train_loss})
-            sys.exit(
-                f"diverged: training loss became {train_loss} in round {rnd + 1}; "
-                f"try a smaller --lr (summary in {self.dir})"
-            )
-        return train_loss
+            _atomic_save(partition_info(partition, data), os.path.join(self.dir, "partition.json"))
 
     def log(self, metrics):
-        """Append one row to metrics.jsonl (with elapsed_s); an evaluation row also goes to the bar."""
+        """Append one row to metrics.jsonl (with elapsed_s); keep the latest evaluation row (one with test_acc)
+        and the first one with the highest val_acc."""
         metrics = {**metrics, "elapsed_s": round(self.elapsed, 3)}
         if self.main:
             with open(self.metrics_path) as f:
@@ -2080,8 +2044,6 @@ class Run:
             self.last_eval = metrics
         if "val_acc" in metrics and metrics["val_acc"] > self.best_val.get("val_acc", -math.inf):
             self.best_val = metrics
-            if self.bar is not None:
-                self.bar.set_postfix(acc=f"{metrics['test_acc']:.4f}", loss=f"{metrics['train_loss']:.3f}")
         return metrics
 
     def save_checkpoint(self, round_done, state):
@@ -2092,11 +2054,11 @@ class Run:
             )
 
     def load_checkpoint(self):
-        """Load checkpoint.pt (rounds() then starts after its round) and drop metrics logged after it, so the
-        resumed log has no repeats. Under torchrun every rank reads the file (with several nodes, --out must
-        be on a shared disk)."""
+        """checkpoint.pt; metrics.jsonl cut back to its round (a resumed log has no repeats), the clock and the
+        evaluation rows as they were then. Under torchrun every rank reads the file (with several nodes, --out
+        must be on a shared disk)."""
         ckpt = torch.load(os.path.join(self.dir, "checkpoint.pt"), map_location=self.args.device, weights_only=False)
-        self.elapsed_before, self.first_round = ckpt["elapsed_s"], ckpt["round"]
+        self.elapsed_before = ckpt["elapsed_s"]
         with open(self.metrics_path) as f:
             rows = [json.loads(line) for line in f if line.strip()]
         rows = [row for row in rows if row["round"] <= ckpt["round"]]
@@ -2118,13 +2080,13 @@ class Run:
             final.update(
                 best_val_acc=best["val_acc"], best_val_round=best["round"], test_acc_at_best_val=best["test_acc"]
             )
-        summary = self._write_summary({"final_round": self.args.rounds, **final, **extra})
+        summary = self.write_summary({"final_round": self.args.rounds, **final, **extra})
         if self.main and model is not None and self.args.save_model:
             _atomic_save(model.state_dict(), os.path.join(self.dir, "model.pt"))
         print(f"final test accuracy {summary['test_acc']:.4f} after {self.args.rounds} rounds; outputs in {self.dir}")
         return summary
 
-    def _write_summary(self, summary):
+    def write_summary(self, summary):
         summary = {
             **summary,
             "wall_time_s": round(self.elapsed, 3),
@@ -2136,6 +2098,120 @@ class Run:
         if self.main:
             _atomic_save(summary, os.path.join(self.dir, "summary.json"))
         return summary
+
+
+def partition_info(partition, data):
+    """partition.json: the scheme and each client's label counts (train; test, val where there are such sets),
+    an image folder's class names, each client's folder or domain."""
+    info = {"scheme": partition.scheme, "train": label_counts(data.y_train, partition.train, data.num_classes)}
+    if partition.test is not None:
+        info["test"] = label_counts(data.y_test, partition.test, data.num_classes)
+    if getattr(data, "classes", None) is not None:  # an image folder's class names
+        info["classes"] = data.classes
+    if partition.val is not None:  # --val-frac: each client's held-out validation samples
+        info["val"] = label_counts(data.y_train, partition.val, data.num_classes)
+    if partition.names is not None:  # each client's folder (--natural) or domain (--clients-per-domain)
+        info["clients"] = partition.names
+    return info
+
+
+def announce(folder, model, partition, name=None):
+    """The start-up line: device, model and parameter count, partition, run folder."""
+    sizes = [len(p) for p in partition.train]
+    params = sum(p.numel() for p in model.parameters())
+    if folder.main:
+        print(
+            f"{folder.script}: {device_name(folder.args.device)} "
+            f"| model {name or folder.args.model}, {params:,} parameters "
+            f"| {partition.scheme}: {len(sizes)} clients, {min(sizes)}-{max(sizes)} training samples each "
+            f"| run folder {folder.dir}{' (resumed)' if folder.args.resume else ''}",
+            flush=True,
+        )
+
+
+# --- The loop's control: rounds, evaluation, checkpoint, stop --------------------------------------
+class RoundLoop:
+    """The rounds of this invocation under a tqdm bar with the latest test accuracy: which rounds end with an
+    evaluation (evaluates), a checkpoint of the method's state after each evaluation (or every --checkpoint-every
+    rounds) and at the last round, and the stop asked for by --stop-after K or Ctrl-C: a checkpoint, the
+    command that resumes, exit 0 (130 for Ctrl-C). A resumed run (resume) starts after its checkpoint's round.
+
+    Ctrl-C once asks the loop to stop after the current round; twice, it stops at once with one line. Under
+    torchrun Ctrl-C ends every rank at once (torchrun stops them): resume from the last checkpoint.
+    """
+
+    def __init__(self, args, folder):
+        self.args, self.folder = args, folder
+        self.first_round = 0
+        self.stop_requested = False
+        if rank_and_world()[1] == 1:
+            signal.signal(signal.SIGINT, self._on_sigint)
+
+    def resume(self):
+        """Load the run folder's checkpoint (returned); rounds() then starts after its round."""
+        ckpt = self.folder.load_checkpoint()
+        self.first_round = ckpt["round"]
+        return ckpt
+
+    def rounds(self, state):
+        """The round indices of this invocation. After each round's body: its evaluation beside the bar, a
+        checkpoint of state() (the method's model, server and client state, RNG) when due, then the stop."""
+        args, folder, first = self.args, self.folder, self.first_round
+        bar = tqdm(
+            range(first, args.rounds),
+            initial=first,
+            total=args.rounds,
+            desc=folder.script,
+            unit="round",
+            disable=not folder.main,
+        )
+        for rnd in bar:
+            yield rnd
+            done, row = rnd + 1, folder.last_eval
+            if row.get("round") == done:  # this round's evaluation
+                bar.set_postfix(acc=f"{row['test_acc']:.4f}", loss=f"{row['train_loss']:.3f}")
+            stop = done < args.rounds and (
+                self.stop_requested or (args.stop_after is not None and done - first >= args.stop_after)
+            )
+            if stop or self.checkpoint_due(rnd):
+                folder.save_checkpoint(done, state())
+            if stop:
+                bar.close()
+                print(f"stopped after round {done}; continue with: python {folder.script}.py --resume {folder.dir}")
+                raise SystemExit(130 if self.stop_requested else 0)
+        bar.close()
+
+    def evaluates(self, rnd):
+        """Whether round rnd (0-based) ends with an evaluation: every --eval-every rounds and the last."""
+        return (rnd + 1) % self.args.eval_every == 0 or rnd + 1 == self.args.rounds
+
+    def checkpoint_due(self, rnd):
+        """Whether round rnd ends with a checkpoint: at each evaluation, or every --checkpoint-every rounds and
+        the last."""
+        if self.args.checkpoint_every is None:
+            return self.evaluates(rnd)
+        return (rnd + 1) % self.args.checkpoint_every == 0 or rnd + 1 == self.args.rounds
+
+    def _on_sigint(self, *_):
+        print(
+            "\ninterrupt: finishing this round, then writing a checkpoint (Ctrl-C again stops at once)", file=sys.stderr
+        )
+        self.stop_requested = True
+        signal.signal(signal.SIGINT, _interrupted)
+
+
+# --- The divergence stop ----------------------------------------------------------------------------
+def exit_if_diverged(train_loss, rnd, folder):
+    """The round's mean training loss as a float. NaN or inf ends the program: summary.json says diverged
+    (with the round and the loss) and the process exits with status 1 and one line."""
+    train_loss = float(train_loss)
+    if not math.isfinite(train_loss):
+        folder.write_summary({"diverged": True, "round": rnd + 1, "train_loss": train_loss})
+        sys.exit(
+            f"diverged: training loss became {train_loss} in round {rnd + 1}; "
+            f"try a smaller --lr (summary in {folder.dir})"
+        )
+    return train_loss
 
 
 def _atomic_save(obj, path):
@@ -2206,7 +2282,7 @@ def setup_distributed(args):
     rank its own GPU (cuda:LOCAL_RANK, or cuda:0 where a process sees one GPU), take rank 0's --out,
     and silence the stdout of ranks other than 0. Alone: Ctrl-C from here on ends with one line, no traceback."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        signal.signal(signal.SIGINT, _interrupted)  # until Run's handler lets the loop finish its round
+        signal.signal(signal.SIGINT, _interrupted)  # until RoundLoop's handler lets the loop finish its round
         return
     if dist.is_initialized():
         return

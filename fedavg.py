@@ -25,33 +25,54 @@ import torch
 import torch.nn.functional as F
 
 # fmt: off
-from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights, decay_rate,
-                    device_flag, each_client, eval_metrics, finish_args, fraction, inner_fraction, load_average,
-                    load_data, lr_at, make_partition, non_negative_float, positive_float, positive_int, prepare_batch,
-                    prox_term, rng_state, sample_clients, seed_everything, seed_int, set_rng_state, setup_distributed)
+from common import (AUGMENTATIONS, HelpFormatter, RoundLoop, RunFolder, accumulate, add_run_flags, announce, autocast,
+                    build_model, client_batches, client_weights, decay_rate, device_flag, each_client, eval_metrics,
+                    exit_if_diverged, finish_args, fraction, inner_fraction, load_average, load_data, lr_at,
+                    make_partition, non_negative_float, positive_float, positive_int, prepare_batch, prox_term,
+                    rng_state, sample_clients, seed_everything, seed_int, set_rng_state, setup_distributed)
+# fmt: on
+
+# The run's setting: the defaults of the flags below (--help shows them). McMahan et al.'s federation (Sec. 3:
+# 100 clients, C=0.1, E=5, B=50) on CIFAR-10, with CleanFL's shared baseline where marked "ours" (reasons in
+# docs/fedavg.md).
+PAPER = dict(
+    dataset="cifar10",
+    shards=2,  # the paper's pathological non-IID split (of MNIST): 2 shards of label-sorted data per client
+    num_clients=100,  # K
+    frac=0.1,  # C
+    rounds=200,  # ours
+    local_epochs=5,  # E
+    batch_size=50,  # B
+    model="cnn",  # the paper's MNIST CNN: two 5x5 convolutions (32, 64 channels), fc 512
+    lr=0.01,  # ours: the paper tunes it per setting
+    momentum=0.9,  # ours: the paper's SGD has none (--momentum 0 --weight-decay 0)
+    weight_decay=5e-4,  # ours
+    lr_decay_at=[],  # ours: no decay
+    augment="crop-flip",  # ours
+)
 
 
+# fmt: off
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", default="cifar10",
+    g.add_argument("--dataset", default=PAPER["dataset"],
         help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | tinyimagenet | synthetic")
     g.add_argument("--data-dir", default="./data",
         help="download folder, the image folder of --dataset folder (train/<class>/*, test/<class>/*; in groups: "
              "train/<group>/<class>/*), or tiny-imagenet-200/")
-    g.add_argument("--augment", default="crop-flip", choices=AUGMENTATIONS,
+    g.add_argument("--augment", default=PAPER["augment"], choices=AUGMENTATIONS,
         help="on-device augmentation of training batches")
     g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2, "
-                             "--disjoint-classes, --natural)")
-    g.add_argument("--iid", action="store_true", help="uniform random split")
-    g.add_argument("--shards", type=positive_int, default=None,
-        help="S: sort by label, N*S shards, S per client (default: S=2, McMahan's pathological non-IID)")
-    g.add_argument("--classes-per-client", type=positive_int, default=None,
+                             "--disjoint-classes, --natural; one given replaces the default)")
+    g.add_argument("--iid", action="store_true", default=PAPER.get("iid", False), help="uniform random split")
+    g.add_argument("--shards", type=positive_int, default=PAPER.get("shards"),
+        help="S: sort by label, N*S shards, S per client")
+    g.add_argument("--classes-per-client", type=positive_int, default=PAPER.get("classes_per_client"),
         help="C: each client holds C classes, each class split evenly among its holders")
-    g.add_argument("--alpha", type=positive_float, default=None,
+    g.add_argument("--alpha", type=positive_float, default=PAPER.get("alpha"),
         help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
-    g.add_argument("--split2", action="store_true",
+    g.add_argument("--split2", action="store_true", default=PAPER.get("split2", False),
         help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
     g.add_argument("--disjoint-classes", action="store_true",
         help="each client holds its own classes: N disjoint sets (7 classes, 3 clients: 2, 2, 3; FedLN Table 5)")
@@ -71,21 +92,24 @@ def parse_args():
         help="share of each client's training data held out for validation: val_acc, and test_acc_at_best_val "
              "in summary.json (0: none)")
     g = p.add_argument_group("federation")
-    g.add_argument("--num-clients", type=positive_int, default=100, help="K: number of clients")
-    g.add_argument("--frac", type=fraction, default=0.1, help="C: fraction of clients sampled per round, in (0, 1]")
-    g.add_argument("--rounds", type=positive_int, default=200, help="T: communication rounds")
-    g.add_argument("--local-epochs", type=positive_int, default=5, help="E: local epochs per round")
+    g.add_argument("--num-clients", type=positive_int, default=PAPER["num_clients"], help="K: number of clients")
+    g.add_argument("--frac", type=fraction, default=PAPER["frac"],
+        help="C: fraction of clients sampled per round, in (0, 1]")
+    g.add_argument("--rounds", type=positive_int, default=PAPER["rounds"], help="T: communication rounds")
+    g.add_argument("--local-epochs", type=positive_int, default=PAPER["local_epochs"], help="E: local epochs per round")
     g.add_argument("--local-steps", type=positive_int, default=None,
         help="local SGD steps per round instead of --local-epochs")
-    g.add_argument("--batch-size", type=positive_int, default=50, help="B: local batch size")
+    g.add_argument("--batch-size", type=positive_int, default=PAPER["batch_size"], help="B: local batch size")
     g.add_argument("--weighting", default="samples", choices=["samples", "uniform"],
         help="aggregation weights: n_k/n, or 1/m")
     g = p.add_argument_group("optimization")
-    g.add_argument("--model", default="cnn", help="cnn | resnet18 | ... (see common.MODELS)")
-    g.add_argument("--lr", type=positive_float, default=0.01, help="eta: local learning rate")
-    g.add_argument("--momentum", type=decay_rate, default=0.9, help="local SGD momentum (reset every round)")
-    g.add_argument("--weight-decay", type=non_negative_float, default=5e-4, help="local L2 weight decay")
-    g.add_argument("--lr-decay-at", type=inner_fraction, nargs="*", default=[],
+    g.add_argument("--model", default=PAPER["model"], help="cnn | resnet18 | ... (see common.MODELS)")
+    g.add_argument("--lr", type=positive_float, default=PAPER["lr"], help="eta: local learning rate")
+    g.add_argument("--momentum", type=decay_rate, default=PAPER["momentum"],
+        help="local SGD momentum (reset every round)")
+    g.add_argument("--weight-decay", type=non_negative_float, default=PAPER["weight_decay"],
+        help="local L2 weight decay")
+    g.add_argument("--lr-decay-at", type=inner_fraction, nargs="*", default=PAPER["lr_decay_at"],
         help="fractions of the run at which lr is multiplied by --lr-decay, e.g. 0.5 0.75")
     g.add_argument("--lr-decay", type=fraction, default=0.1, help="lr multiplier at each --lr-decay-at")
     g.add_argument("--prox-mu", type=non_negative_float, default=0.0,
@@ -97,17 +121,8 @@ def parse_args():
     g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
     g.add_argument("--eval-every", type=positive_int, default=1,
         help="evaluate every this many rounds (and at the last)")
-    g.add_argument("--checkpoint-every", type=positive_int, default=None,
-        help="write checkpoint.pt every this many rounds (default: at each evaluation)")
-    g.add_argument("--out", default=None, help="run folder (default runs/fedavg__<dataset>__<seed>__<time>)")
-    g.add_argument("--overwrite", action="store_true",
-        help="replace the run already in --out (without it, such an --out is refused)")
-    g.add_argument("--save-model", action="store_true", help="write the final global state_dict to OUT/model.pt")
-    g.add_argument("--resume", default=None, metavar="DIR",
-        help="continue the run in DIR (its config.json is used); with a larger --rounds, extend it")
-    g.add_argument("--stop-after", type=positive_int, default=None,
-        help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
-    return finish_args(p, p.parse_args(), "fedavg", default_partition=("shards", 2))
+    add_run_flags(g, "fedavg")  # --checkpoint-every, --out, --overwrite, --save-model, --resume, --stop-after
+    return finish_args(p, p.parse_args(), "fedavg")
 # fmt: on
 
 
@@ -137,22 +152,23 @@ if __name__ == "__main__":
     seed_everything(args.seed)
     data = load_data(args)
     partition = make_partition(args, data)  # uses its own generator seeded by --data-seed
-    run = Run(args, "fedavg")  # the run folder and the loop's control (bar, checkpoints, stop, resume)
-    run.write_partition(partition, data)
+    folder = RunFolder(args, "fedavg")  # config.json; then partition.json, metrics.jsonl, checkpoint.pt, summary.json
+    loop = RoundLoop(args, folder)  # the rounds under a bar: which evaluate, checkpoints, --stop-after, Ctrl-C
+    folder.write_partition(partition, data)
     model = build_model(args.model, data).to(args.device)  # the global model w_t
     client = build_model(args.model, data).to(args.device)  # one client model, reloaded for every client
-    run.announce(model, partition)  # start-up line: device, model, partition, run folder
+    announce(folder, model, partition)  # start-up line: device, model, partition, run folder
     sampler = np.random.default_rng(args.seed)  # client sampling, independent of the partition
     sizes = [len(p) for p in partition.train]
     if args.resume:
-        ckpt = run.load_checkpoint()  # run.rounds() continues after its round
+        ckpt = loop.resume()  # checkpoint.pt; loop.rounds() continues after its round
         model.load_state_dict(ckpt["model"])
         set_rng_state(ckpt["rng"], sampler)
 
     def state():  # what a checkpoint holds
         return {"model": model.state_dict(), "rng": rng_state(sampler)}
 
-    for rnd in run.rounds(state):
+    for rnd in loop.rounds(state):
         lr = lr_at(rnd, args)
         clients = sample_clients(sampler, args.num_clients, args.frac)
         weights = client_weights([sizes[k] for k in clients], args.weighting)
@@ -169,11 +185,11 @@ if __name__ == "__main__":
             train_loss += w * out["loss"]
             accumulate(total, out["state"], w)  # batch-norm running statistics are averaged like weights
         load_average(model, total)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (McMahan et al. 2017, Alg. 1)
-        train_loss = run.check_loss(train_loss, rnd)  # NaN or inf: summary.json says diverged, exit
+        train_loss = exit_if_diverged(train_loss, rnd, folder)  # NaN or inf: summary.json says diverged, exit 1
 
-        if run.evaluates(rnd):  # every --eval-every rounds and the last
+        if loop.evaluates(rnd):  # every --eval-every rounds and the last
             model.eval()
             # test_acc, test_loss; per-client mean, std, worst 10%; --balanced-acc: the same of balanced accuracy
             tests = eval_metrics(model, data, partition.test, args.balanced_acc, args.amp, val=partition.val)
-            run.log({"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr})
-    run.finish(model)  # summary.json: the final round's metrics
+            folder.log({"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr})
+    folder.finish(model)  # summary.json: the final round's metrics

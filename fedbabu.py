@@ -27,37 +27,57 @@ import torch
 import torch.nn.functional as F
 
 # fmt: off
-from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights, decay_rate,
-                    device_flag, each_client, eval_metrics, finish_args, fraction, inner_fraction, load_average,
-                    load_data, lr_at, make_partition, non_negative_float, non_negative_int, positive_float,
-                    positive_int, prepare_batch, prox_term, rng_state, sample_clients, seed_everything, seed_int,
-                    set_rng_state, setup_distributed,
-                    personalize)  # FedBABU: Algorithm 2 fine-tuning
+from common import (AUGMENTATIONS, HelpFormatter, RoundLoop, RunFolder, accumulate, add_run_flags, announce, autocast,
+                    build_model, client_batches, client_weights, decay_rate, device_flag, each_client, eval_metrics,
+                    exit_if_diverged, finish_args, fraction, inner_fraction, load_average, load_data, lr_at,
+                    make_partition, non_negative_float, non_negative_int, positive_float, positive_int, prepare_batch,
+                    prox_term, rng_state, sample_clients, seed_everything, seed_int, set_rng_state, setup_distributed,
+                    FineTuning, personalize)  # FedBABU: Algorithm 2 fine-tuning
+# fmt: on
+
+# The paper's setting: the defaults of the flags below (--help shows them). CIFAR-100 with MobileNet, s=10
+# (Sec. 3, App. A, Tables 3-6); CIFAR-10 with 4convNet is Table 13's (--dataset cifar10 --model convnet4).
+PAPER = dict(
+    dataset="cifar100",
+    shards=10,  # s=10: the most heterogeneous CIFAR-100 setting (also 50, 100)
+    client_test=True,  # D_i^ts: each client's test set has its training classes
+    num_clients=100,
+    frac=0.1,  # f
+    rounds=None,  # K = 320 // tau: the paper fixes rounds x tau = 320
+    local_epochs=10,  # tau
+    batch_size=50,  # also fine-tuning
+    model="mobilenet",
+    lr=0.1,  # of the body
+    momentum=0.9,  # also fine-tuning (App. D)
+    weight_decay=0.0,
+    lr_decay_at=[0.5, 0.75],  # x0.1 at half and three quarters of the rounds
+    augment="crop-flip",  # also fine-tuning
+    ft_epochs=5,  # tau_f (Algorithm 2)
+    ft_lr=1e-3,  # the paper gives none: the official code's
+)
 
 
+# fmt: off
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", default="cifar100",
-        help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | tinyimagenet | "
-             "synthetic")  # FedBABU: CIFAR-100
+    g.add_argument("--dataset", default=PAPER["dataset"],
+        help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | tinyimagenet | synthetic")
     g.add_argument("--data-dir", default="./data",
         help="download folder, the image folder of --dataset folder (train/<class>/*, test/<class>/*; in groups: "
              "train/<group>/<class>/*), or tiny-imagenet-200/")
-    g.add_argument("--augment", default="crop-flip", choices=AUGMENTATIONS,
+    g.add_argument("--augment", default=PAPER["augment"], choices=AUGMENTATIONS,
         help="on-device augmentation of training and fine-tuning batches")  # FedBABU: also fine-tuning
     g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2, "
-                             "--disjoint-classes, --natural)")
-    g.add_argument("--iid", action="store_true", help="uniform random split")
-    g.add_argument("--shards", type=positive_int, default=None,
-        help="s: sort by label, N*s shards, s per client (default: s=10, the paper's most heterogeneous CIFAR-100 "
-             "setting)")  # FedBABU: s=10
-    g.add_argument("--classes-per-client", type=positive_int, default=None,
+                             "--disjoint-classes, --natural; one given replaces the default)")
+    g.add_argument("--iid", action="store_true", default=PAPER.get("iid", False), help="uniform random split")
+    g.add_argument("--shards", type=positive_int, default=PAPER.get("shards"),
+        help="s: sort by label, N*s shards, s per client")  # FedBABU: the paper's symbol
+    g.add_argument("--classes-per-client", type=positive_int, default=PAPER.get("classes_per_client"),
         help="C: each client holds C classes, each class split evenly among its holders")
-    g.add_argument("--alpha", type=positive_float, default=None,
+    g.add_argument("--alpha", type=positive_float, default=PAPER.get("alpha"),
         help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
-    g.add_argument("--split2", action="store_true",
+    g.add_argument("--split2", action="store_true", default=PAPER.get("split2", False),
         help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
     g.add_argument("--disjoint-classes", action="store_true",
         help="each client holds its own classes: N disjoint sets (7 classes, 3 clients: 2, 2, 3; FedLN Table 5)")
@@ -67,7 +87,7 @@ def parse_args():
         help="M: an image folder train/<domain>/<class>/*, each domain split over M clients by the partition flag")
     g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"],
         help="client sizes: equal, or power law (unbalanced)")
-    g.add_argument("--client-test", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--client-test", action=argparse.BooleanOptionalAction, default=PAPER["client_test"],
         help="D_i^ts: per-client test sets with each client's training classes (needed for initial/personalized "
              "accuracy)")  # FedBABU: on
     g.add_argument("--balanced-acc", action="store_true",
@@ -78,39 +98,39 @@ def parse_args():
         help="share of each client's training data held out for validation: val_acc, and test_acc_at_best_val "
              "in summary.json (0: none)")
     g = p.add_argument_group("federation")
-    g.add_argument("--num-clients", type=positive_int, default=100, help="N: number of clients")
-    g.add_argument("--frac", type=fraction, default=0.1,
+    g.add_argument("--num-clients", type=positive_int, default=PAPER["num_clients"], help="N: number of clients")
+    g.add_argument("--frac", type=fraction, default=PAPER["frac"],
         help="f: fraction of clients sampled per round, in (0, 1]")
-    g.add_argument("--rounds", type=positive_int, default=None,
+    g.add_argument("--rounds", type=positive_int, default=PAPER["rounds"],
         help="K: communication rounds (default: 320 // tau)")  # FedBABU: rounds x tau = 320
-    g.add_argument("--local-epochs", type=positive_int, default=10,
-        help="tau: local epochs per round")  # FedBABU: tau=10
+    g.add_argument("--local-epochs", type=positive_int, default=PAPER["local_epochs"],
+        help="tau: local epochs per round")  # FedBABU: the paper's symbol
     g.add_argument("--local-steps", type=positive_int, default=None,
         help="local SGD steps per round instead of --local-epochs")
-    g.add_argument("--batch-size", type=positive_int, default=50,
+    g.add_argument("--batch-size", type=positive_int, default=PAPER["batch_size"],
         help="B: local (and fine-tuning) batch size")  # FedBABU: also fine-tuning
     g.add_argument("--weighting", default="samples", choices=["samples", "uniform"],
         help="aggregation weights: n_k/n, or 1/m")
     g = p.add_argument_group("optimization")
-    g.add_argument("--model", default="mobilenet",
-        help="mobilenet | convnet4 | convnet3 | resnet18 | resnet50 | ... (see common.MODELS)")  # FedBABU: MobileNet
-    g.add_argument("--lr", type=positive_float, default=0.1, help="local learning rate of the body")  # FedBABU: 0.1
-    g.add_argument("--momentum", type=decay_rate, default=0.9,
+    g.add_argument("--model", default=PAPER["model"],
+        help="mobilenet | convnet4 | convnet3 | resnet18 | resnet50 | ... (see common.MODELS)")  # FedBABU: its models
+    g.add_argument("--lr", type=positive_float, default=PAPER["lr"],
+        help="local learning rate of the body")  # FedBABU: the head is not trained
+    g.add_argument("--momentum", type=decay_rate, default=PAPER["momentum"],
         help="local (and fine-tuning) SGD momentum (reset every round)")  # FedBABU: also fine-tuning (App. D)
-    g.add_argument("--weight-decay", type=non_negative_float, default=0.0,
-        help="local L2 weight decay")  # FedBABU: none
-    g.add_argument("--lr-decay-at", type=inner_fraction, nargs="*", default=[0.5, 0.75],
-        help="fractions of the run at which lr is multiplied by --lr-decay")  # FedBABU: half, three quarters
+    g.add_argument("--weight-decay", type=non_negative_float, default=PAPER["weight_decay"],
+        help="local L2 weight decay")
+    g.add_argument("--lr-decay-at", type=inner_fraction, nargs="*", default=PAPER["lr_decay_at"],
+        help="fractions of the run at which lr is multiplied by --lr-decay, e.g. 0.5 0.75")
     g.add_argument("--lr-decay", type=fraction, default=0.1, help="lr multiplier at each --lr-decay-at")
     g.add_argument("--prox-mu", type=non_negative_float, default=0.0,
         help="mu: FedProx proximal term mu/2 ||w - w_t||^2 (0 = FedAvg/FedBABU; Table 7 uses 0.01)")
     g.add_argument("--train-head", action="store_true",
         help="also train and aggregate the head theta_cls: plain FedAvg (the paper's baseline)")  # FedBABU
     g = p.add_argument_group("personalization (Algorithm 2, run once after the last round)")  # FedBABU
-    g.add_argument("--ft-epochs", type=non_negative_int, default=5,
+    g.add_argument("--ft-epochs", type=non_negative_int, default=PAPER["ft_epochs"],
         help="tau_f: fine-tuning epochs of the personalized accuracy")  # FedBABU
-    g.add_argument("--ft-lr", type=positive_float, default=1e-3,
-        help="fine-tuning learning rate (the paper gives none; 1e-3 as in the official code)")  # FedBABU
+    g.add_argument("--ft-lr", type=positive_float, default=PAPER["ft_lr"], help="fine-tuning learning rate")  # FedBABU
     g.add_argument("--ft-part", default="full", choices=["full", "body", "head"],
         help="part updated when fine-tuning (Table 4)")  # FedBABU
     g.add_argument("--ft-eval-epochs", type=non_negative_int, nargs="*", default=[0, 1, 2, 5, 10],
@@ -122,21 +142,11 @@ def parse_args():
     g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
     g.add_argument("--eval-every", type=positive_int, default=1,
         help="evaluate every this many rounds (and at the last)")
-    g.add_argument("--checkpoint-every", type=positive_int, default=None,
-        help="write checkpoint.pt every this many rounds (default: at each evaluation)")
-    g.add_argument("--out", default=None,
-        help="run folder (default runs/fedbabu__<dataset>__<seed>__<time>)")
-    g.add_argument("--overwrite", action="store_true",
-        help="replace the run already in --out (without it, such an --out is refused)")
-    g.add_argument("--save-model", action="store_true", help="write the final global state_dict to OUT/model.pt")
-    g.add_argument("--resume", default=None, metavar="DIR",
-        help="continue the run in DIR (its config.json is used); with a larger --rounds, extend it")
-    g.add_argument("--stop-after", type=positive_int, default=None,
-        help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
+    add_run_flags(g, "fedbabu")  # --checkpoint-every, --out, --overwrite, --save-model, --resume, --stop-after
     args = p.parse_args()  # FedBABU
     if args.rounds is None:  # FedBABU: K = 320 / tau (Sec. 3)
         args.rounds = max(320 // args.local_epochs, 1)  # FedBABU
-    return finish_args(p, args, "fedbabu", default_partition=("shards", 10))  # FedBABU: s=10
+    return finish_args(p, args, "fedbabu")
 # fmt: on
 
 
@@ -207,24 +217,25 @@ if __name__ == "__main__":
     seed_everything(args.seed)
     data = load_data(args)
     partition = make_partition(args, data)  # uses its own generator seeded by --data-seed
-    run = Run(args, "fedbabu")  # the run folder and the loop's control (bar, checkpoints, stop, resume)
-    run.write_partition(partition, data)
+    folder = RunFolder(args, "fedbabu")  # config.json; then partition.json, metrics.jsonl, checkpoint.pt, summary.json
+    loop = RoundLoop(args, folder)  # the rounds under a bar: which evaluate, checkpoints, --stop-after, Ctrl-C
+    folder.write_partition(partition, data)
     # the global model w_t; FedBABU: its head stays theta_G,cls^0 (Alg. 1 line 1)
     model = build_model(args.model, data).to(args.device)
     client = build_model(args.model, data).to(args.device)  # one client model, reloaded for every client
-    run.announce(model, partition)  # start-up line: device, model, partition, run folder
+    announce(folder, model, partition)  # start-up line: device, model, partition, run folder
     client.head.requires_grad_(args.train_head)  # FedBABU: no gradient for the frozen head
     sampler = np.random.default_rng(args.seed)  # client sampling, independent of the partition
     sizes = [len(p) for p in partition.train]
     if args.resume:
-        ckpt = run.load_checkpoint()  # run.rounds() continues after its round
+        ckpt = loop.resume()  # checkpoint.pt; loop.rounds() continues after its round
         model.load_state_dict(ckpt["model"])
         set_rng_state(ckpt["rng"], sampler)
 
     def state():  # what a checkpoint holds
         return {"model": model.state_dict(), "rng": rng_state(sampler)}
 
-    for rnd in run.rounds(state):
+    for rnd in loop.rounds(state):
         lr = lr_at(rnd, args)
         clients = sample_clients(sampler, args.num_clients, args.frac)
         weights = client_weights([sizes[k] for k in clients], args.weighting)
@@ -243,33 +254,30 @@ if __name__ == "__main__":
             accumulate(total, out["state"], w)  # batch-norm running statistics are averaged like weights
         # FedBABU: theta_G,ext^k = sum_i n_i/n theta_i,ext^k (Alg. 1 line 9); the head stays
         aggregate(model, total, args.train_head)
-        train_loss = run.check_loss(train_loss, rnd)  # NaN or inf: summary.json says diverged, exit
+        train_loss = exit_if_diverged(train_loss, rnd, folder)  # NaN or inf: summary.json says diverged, exit 1
 
-        if run.evaluates(rnd):  # every --eval-every rounds and the last
+        if loop.evaluates(rnd):  # every --eval-every rounds and the last
             model.eval()
             # test_acc, test_loss; per-client mean, std, worst 10%; --balanced-acc: the same of balanced accuracy.
             # FedBABU: client_test_acc_mean is the initial accuracy of this round's global model
             tests = eval_metrics(model, data, partition.test, args.balanced_acc, args.amp, val=partition.val)
-            run.log({"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr})
+            folder.log({"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr})
     # FedBABU: Algorithm 2 on the final global model, for every client: fine-tune, then test
     summary = {}  # FedBABU: its results, added to summary.json
     if partition.test is not None:  # FedBABU
         nohead = nohead_accuracy(model, data, partition.train, partition.test, args.amp)  # FedBABU: Table 3
-        ft = personalize(  # FedBABU: Alg. 2, accuracy after 0 (initial), tau_f and --ft-eval-epochs epochs
-            client,
-            model.state_dict(),
-            data,
-            partition.train,
-            partition.test,
+        # FedBABU: Alg. 2, accuracy after 0 (initial), tau_f and --ft-eval-epochs epochs
+        tuning = FineTuning(
             epochs=args.ft_epochs,
-            eval_epochs=[0, *args.ft_eval_epochs],
             lr=args.ft_lr,
             part=args.ft_part,
             batch_size=args.batch_size,
             augment=args.augment,
+            eval_epochs=[0, *args.ft_eval_epochs],
             momentum=args.momentum,
             amp=args.amp,
         )
+        ft = personalize(client, model.state_dict(), data, partition.train, partition.test, tuning)
         summary = {  # FedBABU: Alg. 2 lines 5-6 (initial), 7-9 (personalized after tau_f epochs), Table 6 (speed)
             "init_acc_mean": ft["acc_mean"][0],
             "init_acc_std": ft["acc_std"][0],
@@ -284,4 +292,4 @@ if __name__ == "__main__":
             f"initial {summary['init_acc_mean']:.4f}, personalized ({args.ft_epochs} epochs) "
             f"{summary['pers_acc_mean']:.4f}, without head {summary['nohead_acc_mean']:.4f} (means over clients)"
         )
-    run.finish(model, **summary)  # FedBABU: summary.json also holds the personalization
+    folder.finish(model, **summary)  # FedBABU: summary.json also holds the personalization

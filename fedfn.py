@@ -28,37 +28,56 @@ import torch
 import torch.nn.functional as F
 
 # fmt: off
-from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights, decay_rate,
-                    device_flag, each_client, eval_metrics, finish_args, fraction, inner_fraction, load_average,
-                    load_data, lr_at, make_partition, non_negative_float, non_negative_int, positive_float,
-                    positive_int, prepare_batch, prox_term, rng_state, sample_clients, seed_everything, seed_int,
-                    set_rng_state, setup_distributed,
+from common import (AUGMENTATIONS, HelpFormatter, RoundLoop, RunFolder, accumulate, add_run_flags, announce, autocast,
+                    build_model, client_batches, client_weights, decay_rate, device_flag, each_client, eval_metrics,
+                    exit_if_diverged, finish_args, fraction, inner_fraction, load_average, load_data, lr_at,
+                    make_partition, non_negative_float, non_negative_int, positive_float, positive_int, prepare_batch,
+                    prox_term, rng_state, sample_clients, seed_everything, seed_int, set_rng_state, setup_distributed,
                     local_step_sum, scaffold_control, scaffold_correction, scaffold_server,  # FedFN: SCAFFOLD
                     scale_norm,  # FedFN: s f / ||f||_2
-                    personalize)  # FedFN: FedFN-FT (Appendix D.3)
+                    FineTuning, personalize)  # FedFN: FedFN-FT (Appendix D.3)
+# fmt: on
+
+# The paper's setting: the defaults of the flags below (--help shows them). Table 1's CIFAR-10 column with VGG11
+# (App. B.2); Table 1 also runs s = 2, 3, 5 (--shards S) and CIFAR-100 with MobileNet (E=5, lr 0.5).
+PAPER = dict(
+    dataset="cifar10",
+    shards=10,  # s
+    num_clients=100,  # N
+    frac=0.1,  # r
+    rounds=320,  # R
+    local_epochs=15,  # E
+    batch_size=50,
+    model="vgg11",  # without batch norm
+    lr=0.03,  # FN's tuned rate (ResNet18: 0.1); FedAvg's, with --no-fn: 0.01
+    momentum=0.9,
+    weight_decay=0.0,  # not stated; FedBABU's code, which FedFN builds on: none
+    lr_decay_at=[0.5, 0.75],  # x0.1 at half and three quarters of the rounds (B.2)
+    augment="flip",  # horizontal flip only (B.2)
+)
 
 
+# fmt: off
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", default="cifar10",
+    g.add_argument("--dataset", default=PAPER["dataset"],
         help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | tinyimagenet | synthetic")
     g.add_argument("--data-dir", default="./data",
         help="download folder, the image folder of --dataset folder (train/<class>/*, test/<class>/*; in groups: "
              "train/<group>/<class>/*), or tiny-imagenet-200/")
-    g.add_argument("--augment", default="flip", choices=AUGMENTATIONS,
-        help="on-device augmentation of training batches (FedFN B.2: horizontal flip only)")  # FedFN: flip only
+    g.add_argument("--augment", default=PAPER["augment"], choices=AUGMENTATIONS,
+        help="on-device augmentation of training batches")
     g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2, "
-                             "--disjoint-classes, --natural)")
-    g.add_argument("--iid", action="store_true", help="uniform random split")
-    g.add_argument("--shards", type=positive_int, default=None,
-        help="s: sort by label, N*s shards, s per client (default: s=10; the paper also runs 2, 3, 5)")  # FedFN: s=10
-    g.add_argument("--classes-per-client", type=positive_int, default=None,
+                             "--disjoint-classes, --natural; one given replaces the default)")
+    g.add_argument("--iid", action="store_true", default=PAPER.get("iid", False), help="uniform random split")
+    g.add_argument("--shards", type=positive_int, default=PAPER.get("shards"),
+        help="s: sort by label, N*s shards, s per client")  # FedFN: the paper's symbols
+    g.add_argument("--classes-per-client", type=positive_int, default=PAPER.get("classes_per_client"),
         help="C: each client holds C classes, each class split evenly among its holders")
-    g.add_argument("--alpha", type=positive_float, default=None,
+    g.add_argument("--alpha", type=positive_float, default=PAPER.get("alpha"),
         help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
-    g.add_argument("--split2", action="store_true",
+    g.add_argument("--split2", action="store_true", default=PAPER.get("split2", False),
         help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
     g.add_argument("--disjoint-classes", action="store_true",
         help="each client holds its own classes: N disjoint sets (7 classes, 3 clients: 2, 2, 3; FedLN Table 5)")
@@ -78,36 +97,35 @@ def parse_args():
         help="share of each client's training data held out for validation: val_acc, and test_acc_at_best_val "
              "in summary.json (0: none)")
     g = p.add_argument_group("federation")
-    g.add_argument("--num-clients", type=positive_int, default=100,
+    g.add_argument("--num-clients", type=positive_int, default=PAPER["num_clients"],
         help="N: number of clients")  # FedFN: the paper's symbols
-    g.add_argument("--frac", type=fraction, default=0.1,
+    g.add_argument("--frac", type=fraction, default=PAPER["frac"],
         help="r: fraction of clients sampled per round, in (0, 1]")  # FedFN: the paper's symbols
-    g.add_argument("--rounds", type=positive_int, default=320, help="R: communication rounds")  # FedFN: 320 rounds
-    g.add_argument("--local-epochs", type=positive_int, default=15,
-        help="E: local epochs per round (15 for CIFAR-10, 5 for CIFAR-100)")  # FedFN: E=15
+    g.add_argument("--rounds", type=positive_int, default=PAPER["rounds"],
+        help="R: communication rounds")  # FedFN: the paper's symbols
+    g.add_argument("--local-epochs", type=positive_int, default=PAPER["local_epochs"], help="E: local epochs per round")
     g.add_argument("--local-steps", type=positive_int, default=None,
         help="local SGD steps per round instead of --local-epochs")
-    g.add_argument("--batch-size", type=positive_int, default=50, help="B: local batch size")
+    g.add_argument("--batch-size", type=positive_int, default=PAPER["batch_size"], help="B: local batch size")
     g.add_argument("--weighting", default="samples", choices=["samples", "uniform"],
         help="aggregation weights: n_k/n, or 1/m")
     g = p.add_argument_group("optimization")
-    g.add_argument("--model", default="vgg11",
-        help="vgg11 | mobilenet | resnet18 | cnn | ... (see common.MODELS)")  # FedFN: VGG11
-    g.add_argument("--lr", type=positive_float, default=0.03,
-        help="eta: initial local learning rate (FN: 0.03 CIFAR-10 VGG11, 0.5 CIFAR-100 MobileNet, 0.1 ResNet18; "
-             "FedAvg 0.01)")  # FedFN: tuned FN rate
-    g.add_argument("--momentum", type=decay_rate, default=0.9, help="local SGD momentum (reset every round)")
-    g.add_argument("--weight-decay", type=non_negative_float, default=0.0,
-        help="local L2 weight decay (paper: not stated; FedBABU code: none)")  # FedFN: no weight decay
-    # FedFN: x0.1 at 1/2, 3/4
-    g.add_argument("--lr-decay-at", type=inner_fraction, nargs="*", default=[0.5, 0.75],
-        help="fractions of the run at which lr is multiplied by --lr-decay (B.2: half and three quarters)")
+    g.add_argument("--model", default=PAPER["model"],
+        help="vgg11 | mobilenet | resnet18 | cnn | ... (see common.MODELS)")  # FedFN: the paper's models
+    g.add_argument("--lr", type=positive_float, default=PAPER["lr"],
+        help="eta: local learning rate (FedAvg's, with --no-fn: 0.01)")  # FedFN: FN's rate is higher
+    g.add_argument("--momentum", type=decay_rate, default=PAPER["momentum"],
+        help="local SGD momentum (reset every round)")
+    g.add_argument("--weight-decay", type=non_negative_float, default=PAPER["weight_decay"],
+        help="local L2 weight decay")
+    g.add_argument("--lr-decay-at", type=inner_fraction, nargs="*", default=PAPER["lr_decay_at"],
+        help="fractions of the run at which lr is multiplied by --lr-decay, e.g. 0.5 0.75")
     g.add_argument("--lr-decay", type=fraction, default=0.1, help="lr multiplier at each --lr-decay-at")
     g.add_argument("--prox-mu", type=non_negative_float, default=0.0,
         help="mu: FedProx proximal term mu/2 ||w - w_t||^2 (0 = FedAvg)")
     g = p.add_argument_group("FedFN")  # FedFN: the method's flags
     g.add_argument("--no-fn", dest="fn", action="store_false",
-        help="logits theta_cls f instead of theta_cls f/||f||_2 (FedAvg on this code path)")  # FedFN
+        help="logits theta_cls f instead of theta_cls f/||f||_2 (FedAvg on this code path) (default: FN on)")  # FedFN
     g.add_argument("--fn-scale", type=fn_scale, default=1.0,
         help="s in z = theta_cls (s f/||f||_2): 1 is the paper's FedFN; a number, or sqrt-d for s = sqrt(d) (FedLN's "
              "FN, fedln.py)")  # FedFN: our control, not in the paper
@@ -133,21 +151,11 @@ def parse_args():
     g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
     g.add_argument("--eval-every", type=positive_int, default=1,
         help="evaluate every this many rounds (and at the last)")
-    g.add_argument("--checkpoint-every", type=positive_int, default=None,
-        help="write checkpoint.pt every this many rounds (default: at each evaluation; with --agg scaffold it holds "
-             "every client's c_i)")  # FedFN
-    g.add_argument("--out", default=None, help="run folder (default runs/fedfn__<dataset>__<seed>__<time>)")  # FedFN
-    g.add_argument("--overwrite", action="store_true",
-        help="replace the run already in --out (without it, such an --out is refused)")
-    g.add_argument("--save-model", action="store_true", help="write the final global state_dict to OUT/model.pt")
-    g.add_argument("--resume", default=None, metavar="DIR",
-        help="continue the run in DIR (its config.json is used); with a larger --rounds, extend it")
-    g.add_argument("--stop-after", type=positive_int, default=None,
-        help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
+    add_run_flags(g, "fedfn")  # --checkpoint-every, --out, --overwrite, --save-model, --resume, --stop-after
     args = p.parse_args()  # FedFN: check the method's flags first
     if args.ft_epochs > 0 and not args.client_test:
         p.error("--ft-epochs: FedFN-FT needs --client-test (per-client test sets)")
-    return finish_args(p, args, "fedfn", default_partition=("shards", 10))  # FedFN: s=10 (Table 1)
+    return finish_args(p, args, "fedfn")
 # fmt: on
 
 
@@ -299,11 +307,12 @@ if __name__ == "__main__":
     seed_everything(args.seed)
     data = load_data(args)
     partition = make_partition(args, data)  # uses its own generator seeded by --data-seed
-    run = Run(args, "fedfn")  # the run folder and the loop's control (bar, checkpoints, stop, resume)
-    run.write_partition(partition, data)
+    folder = RunFolder(args, "fedfn")  # config.json; then partition.json, metrics.jsonl, checkpoint.pt, summary.json
+    loop = RoundLoop(args, folder)  # the rounds under a bar: which evaluate, checkpoints, --stop-after, Ctrl-C
+    folder.write_partition(partition, data)
     model = build_model(args.model, data).to(args.device)  # the global model w_t
     client = build_model(args.model, data).to(args.device)  # one client model, reloaded for every client
-    run.announce(model, partition)  # start-up line: device, model, partition, run folder
+    announce(folder, model, partition)  # start-up line: device, model, partition, run folder
     sampler = np.random.default_rng(args.seed)  # client sampling, independent of the partition
     sizes = [len(p) for p in partition.train]
     scaffold, fedexp = args.agg == "scaffold", args.agg == "fedexp"  # FedFN
@@ -313,7 +322,7 @@ if __name__ == "__main__":
     c_of = lambda k: c_local.get(k) or zeros()  # FedFN: c_i, 0 until client i trains
     param_names = [n for n, _ in model.named_parameters()]  # FedFN: y_i = these entries of client i's state
     if args.resume:
-        ckpt = run.load_checkpoint()  # run.rounds() continues after its round
+        ckpt = loop.resume()  # checkpoint.pt; loop.rounds() continues after its round
         model.load_state_dict(ckpt["model"])
         set_rng_state(ckpt["rng"], sampler)
         if scaffold:  # FedFN: control variates travel with the checkpoint
@@ -324,7 +333,7 @@ if __name__ == "__main__":
         return {"model": model.state_dict(), "rng": rng_state(sampler), **extra}
 
     eval_model = model  # FedFN: the model evaluated (FedEXP: averaged iterates)
-    for rnd in run.rounds(state):
+    for rnd in loop.rounds(state):
         lr = lr_at(rnd, args)
         clients = sample_clients(sampler, args.num_clients, args.frac)
         weights = client_weights([sizes[k] for k in clients], args.weighting)
@@ -369,9 +378,9 @@ if __name__ == "__main__":
                 if rnd > 0:
                     midpoint_(list(client.parameters()), x_old)
                 eval_model = client
-        train_loss = run.check_loss(train_loss, rnd)  # NaN or inf: summary.json says diverged, exit
+        train_loss = exit_if_diverged(train_loss, rnd, folder)  # NaN or inf: summary.json says diverged, exit 1
 
-        if run.evaluates(rnd):  # every --eval-every rounds and the last
+        if loop.evaluates(rnd):  # every --eval-every rounds and the last
             eval_model.eval()  # FedFN
             forward = lambda x: fn_forward(eval_model, x, args.fn, args.fn_scale)[0]  # FedFN: FN at evaluation, too
             # test_acc, test_loss; per-client mean, std, worst 10%; --balanced-acc: the same of balanced accuracy
@@ -382,33 +391,29 @@ if __name__ == "__main__":
             if args.analyze == "every" or (args.analyze and rnd + 1 == args.rounds):  # FedFN
                 metrics.update(analyze(eval_model, data, args))
                 metrics.update(client_traces(torch.stack(traces), param_norm(invariant_layer(eval_model))))
-            run.log(metrics)
+            folder.log(metrics)
     model.load_state_dict(eval_model.state_dict())  # FedFN: the evaluated final model (FedEXP: averaged)
     final = {}  # FedFN: FedFN-FT's results, added to summary.json
     if args.ft_epochs > 0:  # FedFN: FedFN-FT (App. D.3): fine-tune the final model on each client, FN kept
         ft_lr = args.ft_lr if args.ft_lr is not None else 0.1 * args.lr
-        res = personalize(
-            client,
-            model.state_dict(),
-            data,
-            partition.train,
-            partition.test,
+        ft = FineTuning(
             epochs=args.ft_epochs,
-            eval_epochs=[0],
             lr=ft_lr,
             part="full",
             batch_size=args.batch_size,
             augment=args.augment,
+            eval_epochs=[0],
             momentum=args.momentum,
             amp=args.amp,
-            forward=lambda m, x: fn_forward(m, x, args.fn, args.fn_scale)[0],
         )
+        forward = lambda m, x: fn_forward(m, x, args.fn, args.fn_scale)[0]  # FN kept
+        res = personalize(client, model.state_dict(), data, partition.train, partition.test, ft, forward)
         final.update(
             ft_acc_mean=res["acc_mean"][args.ft_epochs],
             ft_acc_std=res["acc_std"][args.ft_epochs],
             ft_lr=ft_lr,
             ft_acc_mean_before=res["acc_mean"][0],
         )
-    run.finish(model, **final)  # FedFN: summary.json also holds FedFN-FT
+    folder.finish(model, **final)  # FedFN: summary.json also holds FedFN-FT
     if args.ft_epochs > 0:  # FedFN
         print(f"FedFN-FT personalized accuracy {final['ft_acc_mean']:.4f} +- {final['ft_acc_std']:.4f}")

@@ -28,22 +28,43 @@ import torch.nn as nn  # FedLN: nn.Sequential to append ScaleNorm
 import torch.nn.functional as F
 
 # fmt: off
-from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights, decay_rate,
-                    device_flag, each_client, eval_metrics, finish_args, fraction, inner_fraction, load_average,
-                    load_data, lr_at, make_partition, non_negative_float, non_negative_int, positive_float,
-                    positive_int, prepare_batch, prox_term, rng_state, sample_clients, seed_everything, seed_int,
-                    set_rng_state, setup_distributed,
+from common import (AUGMENTATIONS, HelpFormatter, RoundLoop, RunFolder, accumulate, add_run_flags, announce, autocast,
+                    build_model, client_batches, client_weights, decay_rate, device_flag, each_client, eval_metrics,
+                    exit_if_diverged, finish_args, fraction, inner_fraction, load_average, load_data, lr_at,
+                    make_partition, non_negative_float, non_negative_int, positive_float, positive_int, prepare_batch,
+                    prox_term, rng_state, sample_clients, seed_everything, seed_int, set_rng_state, setup_distributed,
                     local_step_sum, scaffold_control, scaffold_correction, scaffold_server,  # FedLN: SCAFFOLD
                     ScaleNorm)  # FedLN: sqrt(d)-scaled normalization n
+# fmt: on
 
+# The paper's setting: the defaults of the flags below (--help shows them). Table 7's CNN on CIFAR-10 with one
+# class per client (App. C.3, Tables 8-10); FedYogi's and FedProx's constants are App. C.4's.
+PAPER = dict(
+    dataset="cifar10",
+    classes_per_client=1,  # n=1: the paper's "1 class"
+    num_clients=10,  # K (Table 8)
+    frac=1.0,  # all clients every round
+    rounds=10000,  # T (App. C.3)
+    local_steps=10,  # E: local SGD steps (batches) per round, not epochs (App. C.3)
+    batch_size=32,  # B (Table 9)
+    model="normcnn",  # Table 7's bias-free CNN
+    width=64,  # its channels (Table 7)
+    lr=0.01,  # eta_l (Table 9)
+    momentum=0.0,  # plain SGD
+    weight_decay=0.0,
+    eval_every=100,
+    norm="ln",  # FedLN: layer norm after each activation
+    server_lr=0.01,  # FedYogi's eta
+    yogi_v0=1e-6,  # FedYogi's v_0
+)
 NORM_MODELS = ("normcnn", "resnet18", "resnet50")  # FedLN: models with normalization slots (--norm ln | gn | bn)
 
 
+# fmt: off
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", default="cifar10",
+    g.add_argument("--dataset", default=PAPER["dataset"],
         help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | tinyimagenet | synthetic")
     g.add_argument("--data-dir", default="./data",
         help="download folder, the image folder of --dataset folder (train/<class>/*, test/<class>/*; in groups: "
@@ -51,16 +72,15 @@ def parse_args():
     g.add_argument("--augment", default="crop-flip", choices=AUGMENTATIONS,
         help="on-device augmentation of training batches")
     g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2, "
-                             "--disjoint-classes, --natural)")
-    g.add_argument("--iid", action="store_true", help="uniform random split")
-    g.add_argument("--shards", type=positive_int, default=None,
-        help="S: sort by label, N*S shards, S per client")  # FedLN: not the default
-    g.add_argument("--classes-per-client", type=positive_int, default=None,
-        help="n: each client holds n classes, each class split evenly among its holders (default: n=1, the paper's '1"
-             " class')")  # FedLN: default 1
-    g.add_argument("--alpha", type=positive_float, default=None,
+                             "--disjoint-classes, --natural; one given replaces the default)")
+    g.add_argument("--iid", action="store_true", default=PAPER.get("iid", False), help="uniform random split")
+    g.add_argument("--shards", type=positive_int, default=PAPER.get("shards"),
+        help="S: sort by label, N*S shards, S per client")
+    g.add_argument("--classes-per-client", type=positive_int, default=PAPER.get("classes_per_client"),
+        help="n: each client holds n classes, each class split evenly among its holders")  # FedLN: paper's symbol
+    g.add_argument("--alpha", type=positive_float, default=PAPER.get("alpha"),
         help="beta: Dirichlet label skew Dir(beta) (Hsu et al. 2019; the paper's Dir(0.1))")  # FedLN: paper's symbol
-    g.add_argument("--split2", action="store_true",
+    g.add_argument("--split2", action="store_true", default=PAPER.get("split2", False),
         help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
     g.add_argument("--disjoint-classes", action="store_true",
         help="each client holds its own classes: N disjoint sets (7 classes, 3 clients: 2, 2, 3; FedLN Table 5)")
@@ -80,28 +100,26 @@ def parse_args():
         help="share of each client's training data held out for validation: val_acc, and test_acc_at_best_val "
              "in summary.json (0: none)")
     g = p.add_argument_group("federation")
-    g.add_argument("--num-clients", type=positive_int, default=10, help="K: number of clients")  # FedLN: 10 (Table 8)
-    g.add_argument("--frac", type=fraction, default=1.0,
-        help="fraction of clients sampled per round, in (0, 1] (paper: all)")  # FedLN: full participation
-    g.add_argument("--rounds", type=positive_int, default=10000,
-        help="T: communication rounds (Appendix C.3)")  # FedLN: 10,000
-    g.add_argument("--local-steps", type=positive_int, default=10,
-        help="E: local SGD steps (batches) per round (Appendix C.3)")  # FedLN: steps, not epochs
-    g.add_argument("--batch-size", type=positive_int, default=32, help="B: local batch size (Table 9)")  # FedLN: 32
+    g.add_argument("--num-clients", type=positive_int, default=PAPER["num_clients"], help="K: number of clients")
+    g.add_argument("--frac", type=fraction, default=PAPER["frac"],
+        help="fraction of clients sampled per round, in (0, 1]")  # FedLN: the paper has no symbol
+    g.add_argument("--rounds", type=positive_int, default=PAPER["rounds"], help="T: communication rounds")
+    g.add_argument("--local-steps", type=positive_int, default=PAPER["local_steps"],
+        help="E: local SGD steps (batches) per round")  # FedLN: steps, not epochs
+    g.add_argument("--batch-size", type=positive_int, default=PAPER["batch_size"], help="B: local batch size")
     g.add_argument("--weighting", default="samples", choices=["samples", "uniform"],
         help="aggregation weights: m_k/m (Eq. 1), or 1/|S|")  # FedLN: paper's symbols
     g = p.add_argument_group("optimization")
-    g.add_argument("--model", default="normcnn",
-        help="normcnn (Table 7) | resnet18 (Appendix C.1) | cnn | ... (see common.MODELS)")  # FedLN: Table 7 CNN
-    # FedLN: narrow models for tests
-    g.add_argument("--width", type=positive_int, default=64,
-        help="channels of normcnn's convolutions (Table 7: 64) or resnet18's first stage (64)")
-    g.add_argument("--lr", type=positive_float, default=0.01,
-        help="eta_l: local learning rate (Table 9)")  # FedLN: paper's symbol
-    g.add_argument("--momentum", type=decay_rate, default=0.0,
-        help="local SGD momentum (reset every round; paper: none)")  # FedLN: plain SGD
-    g.add_argument("--weight-decay", type=non_negative_float, default=0.0,
-        help="local L2 weight decay (paper: none)")  # FedLN: none
+    g.add_argument("--model", default=PAPER["model"],
+        help="normcnn (Table 7) | resnet18 (Appendix C.1) | cnn | ... (see common.MODELS)")  # FedLN: its models
+    g.add_argument("--width", type=positive_int, default=PAPER["width"],
+        help="channels of normcnn's convolutions or resnet18's first stage")  # FedLN: narrow models for CPU runs
+    g.add_argument("--lr", type=positive_float, default=PAPER["lr"],
+        help="eta_l: local learning rate")  # FedLN: paper's symbol
+    g.add_argument("--momentum", type=decay_rate, default=PAPER["momentum"],
+        help="local SGD momentum (reset every round)")
+    g.add_argument("--weight-decay", type=non_negative_float, default=PAPER["weight_decay"],
+        help="local L2 weight decay")
     g.add_argument("--lr-decay-at", type=inner_fraction, nargs="*", default=[],
         help="fractions of the run at which lr is multiplied by --lr-decay, e.g. 0.5 0.75")
     g.add_argument("--lr-decay", type=fraction, default=0.1, help="lr multiplier at each --lr-decay-at")
@@ -109,7 +127,7 @@ def parse_args():
         help="mu: FedProx proximal term mu/2 ||w - w_t||^2 of --agg fedprox (default there: 0.01, Appendix C.4); with"
              " another --agg it is refused (exit 2), never ignored")  # FedLN: --agg fedprox's mu
     g = p.add_argument_group("FedLN: normalization and aggregation")  # FedLN: the method's flags
-    g.add_argument("--norm", default="ln", choices=["none", "ln", "fn", "gn", "bn", "fn-each", "ln-last"],
+    g.add_argument("--norm", default=PAPER["norm"], choices=["none", "ln", "fn", "gn", "bn", "fn-each", "ln-last"],
         help="ln: layer norm after each activation (FedLN, Table 3 n^L_MV); fn: n(z) = sqrt(d) z / max(eps, ||z||) on"
              " the last feature (FedFN, Eq. 7, Table 3 n 1^{L-1}); gn: group norm; bn: batch norm; none: vanilla; "
              "normcnn only: fn-each: n after each activation (Table 3 n^L), ln-last: mean shift s after each "
@@ -121,14 +139,14 @@ def parse_args():
              "conv-norm-ReLU ResNet)")  # FedLN
     g.add_argument("--agg", default="fedavg", choices=["fedavg", "fedprox", "scaffold", "fedyogi"],
         help="FedAvg; FedProx (--prox-mu); SCAFFOLD (Option II); FedYogi (server Yogi on the mean update)")  # FedLN
-    g.add_argument("--server-lr", type=positive_float, default=0.01,
-        help="eta: FedYogi server learning rate (Appendix C.4)")  # FedLN
+    g.add_argument("--server-lr", type=positive_float, default=PAPER["server_lr"],
+        help="eta: FedYogi server learning rate")  # FedLN
     g.add_argument("--yogi-beta1", type=decay_rate, default=0.9, help="beta_1: FedYogi first-moment decay")  # FedLN
     g.add_argument("--yogi-beta2", type=decay_rate, default=0.99, help="beta_2: FedYogi second-moment decay")  # FedLN
     g.add_argument("--yogi-tau", type=positive_float, default=1e-3,
         help="tau: FedYogi adaptivity (added to sqrt(v))")  # FedLN
-    g.add_argument("--yogi-v0", type=non_negative_float, default=1e-6,
-        help="v_0: FedYogi initial second moment (Appendix C.4)")  # FedLN
+    g.add_argument("--yogi-v0", type=non_negative_float, default=PAPER["yogi_v0"],
+        help="v_0: FedYogi initial second moment")  # FedLN
     g.add_argument("--track-singular-values", action="store_true",
         help="log the singular values of the feature matrix [g(x_1)..g(x_20)] of 20 fixed test images of different "
              "classes at each evaluation (feature collapse, Figure 3 right: the global model)")  # FedLN
@@ -141,20 +159,14 @@ def parse_args():
     g.add_argument("--device", type=device_flag, default=None,
         help="cpu, cuda, cuda:N or mps (default: cuda if available, else cpu)")
     g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
-    g.add_argument("--eval-every", type=positive_int, default=100,
-        help="evaluate every this many rounds (and at the last)")  # FedLN: 100
-    g.add_argument("--checkpoint-every", type=positive_int, default=None,
-        help="write checkpoint.pt every this many rounds (default: at each evaluation)")
-    g.add_argument("--out", default=None, help="run folder (default runs/fedln__<dataset>__<seed>__<time>)")  # FedLN
-    g.add_argument("--overwrite", action="store_true",
-        help="replace the run already in --out (without it, such an --out is refused)")
-    g.add_argument("--save-model", action="store_true", help="write the final global state_dict to OUT/model.pt")
-    g.add_argument("--resume", default=None, metavar="DIR",
-        help="continue the run in DIR (its config.json is used); with a larger --rounds, extend it")
-    g.add_argument("--stop-after", type=positive_int, default=None,
-        help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
-    # FedLN: 1 class per client
-    args = finish_args(p, p.parse_args(), "fedln", default_partition=("classes_per_client", 1))
+    g.add_argument("--eval-every", type=positive_int, default=PAPER["eval_every"],
+        help="evaluate every this many rounds (and at the last)")
+    add_run_flags(g, "fedln")  # --checkpoint-every, --out, --overwrite, --save-model, --resume, --stop-after
+    return check_args(p, finish_args(p, p.parse_args(), "fedln"))  # FedLN: + this script's flags together
+
+
+def check_args(p, args):  # FedLN: this script's flags together
+    """Refuse what cannot run (exit 2, the flag named) and resolve --prox-mu (0: no proximal term)."""
     if args.norm in ("ln", "gn", "bn") and args.model not in NORM_MODELS:  # FedLN: --model cnn has no slots
         p.error(f"--norm: {args.norm} needs a model with normalization slots ({', '.join(NORM_MODELS)}), "
                 f"not {args.model}")  # FedLN
@@ -279,12 +291,13 @@ if __name__ == "__main__":
     seed_everything(args.seed)
     data = load_data(args)
     partition = make_partition(args, data)  # uses its own generator seeded by --data-seed
-    run = Run(args, "fedln")  # the run folder and the loop's control (bar, checkpoints, stop, resume)
-    run.write_partition(partition, data)
+    folder = RunFolder(args, "fedln")  # config.json; then partition.json, metrics.jsonl, checkpoint.pt, summary.json
+    loop = RoundLoop(args, folder)  # the rounds under a bar: which evaluate, checkpoints, --stop-after, Ctrl-C
+    folder.write_partition(partition, data)
     model = build(args, data).to(args.device)  # the global model w_t; FedLN: build() adds --norm
     # one client model, reloaded for every client
     client = build(args, data).to(args.device)
-    run.announce(model, partition)  # start-up line: device, model, partition, run folder
+    announce(folder, model, partition)  # start-up line: device, model, partition, run folder
     sampler = np.random.default_rng(args.seed)  # client sampling, independent of the partition
     sizes = [len(p) for p in partition.train]
     # FedLN: SCAFFOLD and FedYogi act on parameters; buffers are averaged
@@ -307,7 +320,7 @@ if __name__ == "__main__":
             data,
         )
     if args.resume:
-        ckpt = run.load_checkpoint()  # run.rounds() continues after its round
+        ckpt = loop.resume()  # checkpoint.pt; loop.rounds() continues after its round
         model.load_state_dict(ckpt["model"])
         server = ckpt["server"]  # FedLN: control variates / moments
         set_rng_state(ckpt["rng"], sampler)
@@ -315,7 +328,7 @@ if __name__ == "__main__":
     def state():  # what a checkpoint holds
         return {"model": model.state_dict(), "rng": rng_state(sampler), "server": server}  # FedLN: + server
 
-    for rnd in run.rounds(state):
+    for rnd in loop.rounds(state):
         lr = lr_at(rnd, args)
         clients = sample_clients(sampler, args.num_clients, args.frac)
         # FedLN: client K alone (Figure 3 left, Appendix D); weight 1: the model is its own
@@ -355,9 +368,9 @@ if __name__ == "__main__":
             )
             total.update(x)
         load_average(model, total)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (each entry cast back to its dtype)
-        train_loss = run.check_loss(train_loss, rnd)  # NaN or inf: summary.json says diverged, exit
+        train_loss = exit_if_diverged(train_loss, rnd, folder)  # NaN or inf: summary.json says diverged, exit 1
 
-        if run.evaluates(rnd):  # every --eval-every rounds and the last
+        if loop.evaluates(rnd):  # every --eval-every rounds and the last
             model.eval()
             # test_acc, test_loss; per-client mean, std, worst 10%; --balanced-acc: the same of balanced accuracy
             tests = eval_metrics(model, data, partition.test, args.balanced_acc, args.amp, val=partition.val)
@@ -366,5 +379,5 @@ if __name__ == "__main__":
                 metrics["feature_sv"], metrics["feature_sv_unit"] = singular_values(model, sv_x)
             if own_x is not None:  # FedLN: Figure 3 left and middle left
                 metrics["client_feature_norms"], metrics["class_norms"] = feature_norms(model, own_x)
-            run.log(metrics)
-    run.finish(model)  # summary.json: the final round's metrics
+            folder.log(metrics)
+    folder.finish(model)  # summary.json: the final round's metrics

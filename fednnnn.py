@@ -29,36 +29,56 @@ import torch.nn as nn  # FedNNNN: module types for the conv / fc split
 import torch.nn.functional as F
 
 # fmt: off
-from common import (AUGMENTATIONS, Run, accumulate, autocast, build_model, client_batches, client_weights, decay_rate,
-                    device_flag, each_client, eval_metrics, finish_args, fraction, inner_fraction, load_average,
-                    load_data, lr_at, make_partition, non_negative_float, positive_float, positive_int, prepare_batch,
-                    prox_term, rng_state, sample_clients, seed_everything, seed_int, set_rng_state, setup_distributed)
+from common import (AUGMENTATIONS, HelpFormatter, RoundLoop, RunFolder, accumulate, add_run_flags, announce, autocast,
+                    build_model, client_batches, client_weights, decay_rate, device_flag, each_client, eval_metrics,
+                    exit_if_diverged, finish_args, fraction, inner_fraction, load_average, load_data, lr_at,
+                    make_partition, non_negative_float, positive_float, positive_int, prepare_batch, prox_term,
+                    rng_state, sample_clients, seed_everything, seed_int, set_rng_state, setup_distributed)
+# fmt: on
+
+# The paper's setting: the defaults of the flags below (--help shows them). CIFAR-10 non-IID-B of Table 1 with
+# Table 4's CNN (Table 2: FedNNNN 76.7); beta and gamma from Table 5.
+PAPER = dict(
+    dataset="cifar10",
+    shards=2,  # non-IID "2 classes", by McMahan's recipe (--classes-per-client 2: exactly 2 classes each)
+    num_clients=100,  # K
+    frac=1.0,  # C=1: all clients every round
+    rounds=250,  # T
+    local_epochs=5,  # E
+    batch_size=50,  # B
+    model="cnn6",  # Table 4
+    lr=0.05,  # eta
+    momentum=0.0,  # plain SGD (Sec. 5.1)
+    weight_decay=5e-4,  # lambda (none on MNIST)
+    augment="none",  # inputs are only normalized
+    beta=0.6,  # the normalized step's norm, beta * E
+    gamma=0.7,  # server momentum
+)
 
 
+# fmt: off
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", default="cifar10",
+    g.add_argument("--dataset", default=PAPER["dataset"],
         help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | tinyimagenet | synthetic")
     g.add_argument("--data-dir", default="./data",
         help="download folder, the image folder of --dataset folder (train/<class>/*, test/<class>/*; in groups: "
              "train/<group>/<class>/*), or tiny-imagenet-200/")
-    # FedNNNN: no augmentation
-    g.add_argument("--augment", default="none", choices=AUGMENTATIONS,
-        help="on-device augmentation of training batches (the paper: none, inputs are only normalized)")
+    g.add_argument("--augment", default=PAPER["augment"], choices=AUGMENTATIONS,
+        help="on-device augmentation of training batches")
     g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2, "
-                             "--disjoint-classes, --natural)")
-    g.add_argument("--iid", action="store_true", help="uniform random split (the paper's IID)")
-    g.add_argument("--shards", type=positive_int, default=None,
-        help="S: sort by label, N*S shards, S per client (default: S=2, McMahan's recipe for the paper's non-IID '2 "
-             "classes'; on CIFAR-10 5-9 of the 100 clients get 2 shards of one class; --classes-per-client 2 gives "
-             "exactly 2)")
-    g.add_argument("--classes-per-client", type=positive_int, default=None,
+                             "--disjoint-classes, --natural; one given replaces the default)")
+    g.add_argument("--iid", action="store_true", default=PAPER.get("iid", False),
+        help="uniform random split (the paper's IID)")  # FedNNNN: its name in the paper
+    g.add_argument("--shards", type=positive_int, default=PAPER.get("shards"),
+        help="S: sort by label, N*S shards, S per client (on CIFAR-10 5-9 of the 100 clients get 2 shards of one "
+             "class)")  # FedNNNN: not always 2 classes
+    g.add_argument("--classes-per-client", type=positive_int, default=PAPER.get("classes_per_client"),
         help="C: each client holds C classes, each class split evenly among its holders")
-    g.add_argument("--alpha", type=positive_float, default=None,
+    g.add_argument("--alpha", type=positive_float, default=PAPER.get("alpha"),
         help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
-    g.add_argument("--split2", action="store_true",
+    g.add_argument("--split2", action="store_true", default=PAPER.get("split2", False),
         help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
     g.add_argument("--disjoint-classes", action="store_true",
         help="each client holds its own classes: N disjoint sets (7 classes, 3 clients: 2, 2, 3; FedLN Table 5)")
@@ -67,7 +87,7 @@ def parse_args():
     g.add_argument("--clients-per-domain", type=positive_int, default=None,
         help="M: an image folder train/<domain>/<class>/*, each domain split over M clients by the partition flag")
     g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"],
-        help="client sizes: equal (B), or power law (the paper's unbalanced UB)")
+        help="client sizes: equal (B), or power law (the paper's unbalanced UB)")  # FedNNNN: the paper's names
     g.add_argument("--client-test", action="store_true",
         help="also evaluate on per-client test sets with each client's label distribution")
     g.add_argument("--balanced-acc", action="store_true",
@@ -78,26 +98,24 @@ def parse_args():
         help="share of each client's training data held out for validation: val_acc, and test_acc_at_best_val "
              "in summary.json (0: none)")
     g = p.add_argument_group("federation")
-    g.add_argument("--num-clients", type=positive_int, default=100, help="K: number of clients")
-    g.add_argument("--frac", type=fraction, default=1.0,
-        help="C: fraction of clients sampled per round, in (0, 1]")  # FedNNNN: C=1 (Table 1)
-    g.add_argument("--rounds", type=positive_int, default=250,
-        help="T: communication rounds")  # FedNNNN: 250 (Table 1, CIFAR-10)
-    g.add_argument("--local-epochs", type=positive_int, default=5, help="E: local epochs per round")
+    g.add_argument("--num-clients", type=positive_int, default=PAPER["num_clients"], help="K: number of clients")
+    g.add_argument("--frac", type=fraction, default=PAPER["frac"],
+        help="C: fraction of clients sampled per round, in (0, 1]")
+    g.add_argument("--rounds", type=positive_int, default=PAPER["rounds"], help="T: communication rounds")
+    g.add_argument("--local-epochs", type=positive_int, default=PAPER["local_epochs"], help="E: local epochs per round")
     g.add_argument("--local-steps", type=positive_int, default=None,
         help="local SGD steps per round instead of --local-epochs")
-    g.add_argument("--batch-size", type=positive_int, default=50, help="B: local batch size")
+    g.add_argument("--batch-size", type=positive_int, default=PAPER["batch_size"], help="B: local batch size")
     g.add_argument("--weighting", default="samples", choices=["samples", "uniform"],
         help="aggregation weights: n_k/n, or 1/m (the paper's unbalanced setting: sizes unknown to the server)")
     g = p.add_argument_group("optimization")
-    g.add_argument("--model", default="cnn6",
-        help="cnn6 (Table 4, CIFAR-10) | lenet (Table 3, MNIST) | cnn | ... (see common.MODELS)")  # FedNNNN: Table 4
-    g.add_argument("--lr", type=positive_float, default=0.05,
-        help="eta: local learning rate")  # FedNNNN: 0.05 (Table 1)
-    g.add_argument("--momentum", type=decay_rate, default=0.0,
-        help="local SGD momentum (reset every round; the paper: none)")  # FedNNNN: plain SGD (Sec. 5.1)
-    g.add_argument("--weight-decay", type=non_negative_float, default=5e-4,
-        help="lambda: local L2 weight decay (paper: 5e-4 on CIFAR-10, none on MNIST)")
+    g.add_argument("--model", default=PAPER["model"],
+        help="cnn6 (Table 4, CIFAR-10) | lenet (Table 3, MNIST) | cnn | ... (see common.MODELS)")  # FedNNNN: its models
+    g.add_argument("--lr", type=positive_float, default=PAPER["lr"], help="eta: local learning rate")
+    g.add_argument("--momentum", type=decay_rate, default=PAPER["momentum"],
+        help="local SGD momentum (reset every round)")
+    g.add_argument("--weight-decay", type=non_negative_float, default=PAPER["weight_decay"],
+        help="local L2 weight decay")
     g.add_argument("--lr-decay-at", type=inner_fraction, nargs="*", default=[],
         help="fractions of the run at which lr is multiplied by --lr-decay, e.g. 0.5 0.75")
     g.add_argument("--lr-decay", type=fraction, default=0.1, help="lr multiplier at each --lr-decay-at")
@@ -105,9 +123,9 @@ def parse_args():
         help="mu: FedProx proximal term mu/2 ||w - w_t||^2 (0 = FedAvg); > 0 turns FedProx on, combined with the "
              "server aggregation")
     g = p.add_argument_group("FedNNNN server aggregation (Algorithm 3)")  # FedNNNN: the method's flags
-    g.add_argument("--beta", type=positive_float, default=0.6,
+    g.add_argument("--beta", type=positive_float, default=PAPER["beta"],
         help="beta: the normalized step has norm beta * E (Eqs. 8-9, 12)")  # FedNNNN
-    g.add_argument("--gamma", type=decay_rate, default=0.7,
+    g.add_argument("--gamma", type=decay_rate, default=PAPER["gamma"],
         help="gamma: server momentum d_{t+1} = gamma d_t + ... (Eq. 12); 0 = Norm-Norm")  # FedNNNN
     g.add_argument("--no-normalize", action="store_true",
         help="use E/N = 1 (Momentum variant, Eq. 10; with --beta 1 --gamma 0: FedAvg)")  # FedNNNN
@@ -122,19 +140,8 @@ def parse_args():
     g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
     g.add_argument("--eval-every", type=positive_int, default=1,
         help="evaluate every this many rounds (and at the last)")
-    g.add_argument("--checkpoint-every", type=positive_int, default=None,
-        help="write checkpoint.pt every this many rounds (default: at each evaluation)")
-    g.add_argument("--out", default=None,
-        help="run folder (default runs/fednnnn__<dataset>__<seed>__<time>)")  # FedNNNN
-    g.add_argument("--overwrite", action="store_true",
-        help="replace the run already in --out (without it, such an --out is refused)")
-    g.add_argument("--save-model", action="store_true",
-        help="write the final evaluation model's state_dict (the FedAvg average) to OUT/model.pt")  # FedNNNN
-    g.add_argument("--resume", default=None, metavar="DIR",
-        help="continue the run in DIR (its config.json is used); with a larger --rounds, extend it")
-    g.add_argument("--stop-after", type=positive_int, default=None,
-        help="checkpoint and stop after this many rounds of this invocation (wall-time-limited jobs)")
-    return finish_args(p, p.parse_args(), "fednnnn", default_partition=("shards", 2))
+    add_run_flags(g, "fednnnn")  # --checkpoint-every, --out, --overwrite, --save-model, --resume, --stop-after
+    return finish_args(p, p.parse_args(), "fednnnn")
 # fmt: on
 
 
@@ -232,19 +239,20 @@ if __name__ == "__main__":
     seed_everything(args.seed)
     data = load_data(args)
     partition = make_partition(args, data)  # uses its own generator seeded by --data-seed
-    run = Run(args, "fednnnn")  # the run folder and the loop's control (bar, checkpoints, stop, resume)
-    run.write_partition(partition, data)
+    folder = RunFolder(args, "fednnnn")  # config.json; then partition.json, metrics.jsonl, checkpoint.pt, summary.json
+    loop = RoundLoop(args, folder)  # the rounds under a bar: which evaluate, checkpoints, --stop-after, Ctrl-C
+    folder.write_partition(partition, data)
     model = build_model(args.model, data).to(args.device)  # FedNNNN: the broadcast (normalized) model w_t
     # one client model, reloaded for every client; FedNNNN: also holds the evaluation model
     client = build_model(args.model, data).to(args.device)
-    run.announce(model, partition)  # start-up line: device, model, partition, run folder
+    announce(folder, model, partition)  # start-up line: device, model, partition, run folder
     sampler = np.random.default_rng(args.seed)  # client sampling, independent of the partition
     sizes = [len(p) for p in partition.train]
     kinds = param_kinds(model)  # FedNNNN: the normalized entries (trainable parameters) and their conv/fc kind
     names = list(kinds)  # FedNNNN
     momentum = {n: torch.zeros_like(p) for n, p in model.named_parameters()}  # FedNNNN: d_0 = 0
     if args.resume:
-        ckpt = run.load_checkpoint()  # run.rounds() continues after its round
+        ckpt = loop.resume()  # checkpoint.pt; loop.rounds() continues after its round
         model.load_state_dict(ckpt["model"])
         momentum = ckpt["momentum"]  # FedNNNN: d_t
         set_rng_state(ckpt["rng"], sampler)
@@ -252,7 +260,7 @@ if __name__ == "__main__":
     def state():  # what a checkpoint holds
         return {"model": model.state_dict(), "momentum": momentum, "rng": rng_state(sampler)}  # FedNNNN: + d_t
 
-    for rnd in run.rounds(state):
+    for rnd in loop.rounds(state):
         lr = lr_at(rnd, args)
         clients = sample_clients(sampler, args.num_clients, args.frac)
         weights = client_weights([sizes[k] for k in clients], args.weighting)
@@ -288,16 +296,16 @@ if __name__ == "__main__":
         )
         norms = norm_stats(w_t, w_next, total, client_sq, weights, kinds)  # FedNNNN: before w_t is overwritten
         load_average(model, {**total, **w_next})  # FedNNNN: broadcast w_{t+1}; BN running statistics: the plain average
-        train_loss = run.check_loss(train_loss, rnd)  # NaN or inf: summary.json says diverged, exit
+        train_loss = exit_if_diverged(train_loss, rnd, folder)  # NaN or inf: summary.json says diverged, exit 1
 
-        if run.evaluates(rnd):  # every --eval-every rounds and the last
+        if loop.evaluates(rnd):  # every --eval-every rounds and the last
             load_average(client, total)  # FedNNNN: the evaluation model = FedAvg average (Sec. 4.1)
             client.eval()  # FedNNNN: evaluate the evaluation model, not the broadcast one
             # test_acc, test_loss; per-client mean, std, worst 10%; --balanced-acc: the same of balanced accuracy
             tests = eval_metrics(
                 client, data, partition.test, args.balanced_acc, args.amp, val=partition.val
             )  # FedNNNN: the evaluation model
-            run.log({"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr, **norms})  # FedNNNN: + norms
+            folder.log({"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr, **norms})  # FedNNNN: + norms
         else:  # FedNNNN
-            run.log({"round": rnd + 1, "train_loss": train_loss, "lr": lr, **norms})  # FedNNNN: norms every round
-    run.finish(client)  # FedNNNN: --save-model writes the evaluation model
+            folder.log({"round": rnd + 1, "train_loss": train_loss, "lr": lr, **norms})  # FedNNNN: norms every round
+    folder.finish(client)  # FedNNNN: --save-model writes the evaluation model

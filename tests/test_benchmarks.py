@@ -329,7 +329,7 @@ def test_plot_runs_labels_name_script_and_differing_flags(tmp_path, capsys):
 
 
 def test_plot_partition_reads_what_run_writes(tmp_path, capsys):
-    """partition.json as common.Run.write_partition writes it -> the clients x classes count matrix."""
+    """partition.json as common.RunFolder.write_partition writes it -> the clients x classes count matrix."""
     import types
     import torch
     import common
@@ -342,7 +342,7 @@ def test_plot_partition_reads_what_run_writes(tmp_path, capsys):
     data = types.SimpleNamespace(y_train=labels, num_classes=3)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    common.Run.write_partition(types.SimpleNamespace(dir=str(run_dir), main=True), part, data)
+    common.RunFolder.write_partition(types.SimpleNamespace(dir=str(run_dir), main=True), part, data)
     counts, scheme, names, _ = plot.load_partition(str(run_dir))
     assert counts.tolist() == [[2, 1, 0], [1, 1, 3]] and scheme == "shards=2" and names == ["0", "1", "2"]
     assert plot.load_partition(str(run_dir / "partition.json"))[0].tolist() == counts.tolist()

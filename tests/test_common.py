@@ -337,18 +337,18 @@ def test_eval_metrics_scores_the_held_out_samples():
 
 def test_summary_reports_the_test_accuracy_at_the_first_best_validation_round(tmp_path):
     args = argparse.Namespace(out=str(tmp_path / "r"), resume=None, rounds=4, save_model=False, device="cpu")
-    run = common.Run(args, "fedavg")
+    folder = common.RunFolder(args, "fedavg")
     for rnd, val, test in [(1, 0.5, 0.6), (2, 0.7, 0.4), (3, 0.7, 0.9), (4, 0.6, 0.8)]:
-        run.log({"round": rnd, "test_acc": test, "val_acc": val, "train_loss": 1.0})
-    got = run.finish()
+        folder.log({"round": rnd, "test_acc": test, "val_acc": val, "train_loss": 1.0})
+    got = folder.finish()
     assert (got["test_acc"], got["test_acc_at_best_val"], got["best_val_round"], got["best_val_acc"]) == (
         0.8,
         0.4,
         2,
         0.7,
     )
-    run.save_checkpoint(4, {})  # a resumed run finds the same best row in metrics.jsonl
-    again = common.Run(argparse.Namespace(**{**vars(args), "resume": args.out}), "fedavg")
+    folder.save_checkpoint(4, {})  # a resumed run finds the same best row in metrics.jsonl
+    again = common.RunFolder(argparse.Namespace(**{**vars(args), "resume": args.out}), "fedavg")
     again.load_checkpoint()
     assert again.best_val["round"] == 2
 

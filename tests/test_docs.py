@@ -443,7 +443,7 @@ def test_method_page_has_the_fixed_sections(method):
 
 
 # ---------------------------------------------------------------------------------------------
-# Code pointers: `fedfn.py: fn_forward`, `common.py: accumulate, load_average`, `common.py: Run.finish`,
+# Code pointers: `fedfn.py: fn_forward`, `common.py: accumulate, load_average`, `common.py: RunFolder.finish`,
 # `fedbabu.py: the __main__ block`; names, never line numbers
 # ---------------------------------------------------------------------------------------------
 POINTER_ITEM = r"(?:the __main__ (?:loop|block)|[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)?)"

@@ -14,7 +14,7 @@ import common
 import torch.nn as nn
 
 import fedbabu
-from common import MODELS, Classifier, Data, evaluate, personalize
+from common import MODELS, Classifier, Data, FineTuning, evaluate, personalize
 from helpers import ROOT, assert_same_model, metrics, run_script, set_state, summary
 
 # 4 clients, 2 sampled per round; the 8-channel 4convNet keeps the whole file fast on a CPU.
@@ -148,9 +148,8 @@ def test_personalize_updates_only_the_chosen_part(part, moved):
     model = bn_model()
     glob = {k: v.clone() for k, v in model.state_dict().items()}
     train, test = [torch.arange(0, 32)], [torch.arange(32, 64)]
-    res = personalize(
-        model, glob, data, train, test, epochs=2, eval_epochs=[0, 1], lr=0.05, part=part, batch_size=8, augment="none"
-    )
+    ft = FineTuning(epochs=2, eval_epochs=[0, 1], lr=0.05, part=part, batch_size=8, augment="none")
+    res = personalize(model, glob, data, train, test, ft)
     for name in ("head", "body"):  # the model is left holding the (only) client's fine-tuned weights
         same = states_equal(
             {k: v for k, v in model.state_dict().items() if k.startswith(name + ".")},
@@ -171,9 +170,8 @@ def test_personalize_statistics_over_clients():
     glob = {k: v.clone() for k, v in model.state_dict().items()}
     train = [torch.arange(0, 16), torch.arange(16, 32), torch.arange(32, 48)]
     test = [torch.arange(0, 8), torch.arange(0), torch.arange(40, 64)]  # client 1 has no test data: skipped
-    res = personalize(
-        model, glob, data, train, test, epochs=1, eval_epochs=[0], lr=0.05, part="full", batch_size=8, augment="none"
-    )
+    ft = FineTuning(epochs=1, eval_epochs=[0], lr=0.05, part="full", batch_size=8, augment="none")
+    res = personalize(model, glob, data, train, test, ft)
     assert res["clients"] == [0, 2] and len(res["per_client"][1]) == 2
     accs = torch.tensor(res["per_client"][1], dtype=torch.float64)
     assert res["acc_mean"][1] == pytest.approx(accs.mean().item())
