@@ -198,8 +198,8 @@ def runs(tmp_path_factory):
                 tmp / "learn",
             ],
         ],
+        [["fedavg.py", *BASE, "--out", tmp / "again"]],  # its own process: sharing one changes nothing
     )
-    run_script("fedavg.py", *BASE, "--out", tmp / "again")  # its own process: sharing one changes nothing
     return tmp
 
 
