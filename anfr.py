@@ -362,8 +362,8 @@ def last_gains(model):  # ANFR: --analyze, what closes each residual branch at t
     timm starts both at 0, so each block starts as its shortcut."""
     gains = []
     for block in model.body.stages:
-        conv, norm = (block.conv3, block.n3) if hasattr(block, "conv3") else (block.conv2, block.n2)
-        gains.append(conv.gain if hasattr(conv, "gain") else norm.weight)
+        conv = block.conv3 if hasattr(block, "conv3") else block.conv2  # the branch's last conv: NF's gain g
+        gains.append(conv.gain if hasattr(conv, "gain") else (block.n3 if hasattr(block, "n3") else block.n2).weight)
     return gains
 
 

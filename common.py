@@ -951,46 +951,15 @@ class ScaledStdConv2d(nn.Conv2d):
         return F.conv2d(x, self.gain * self.scale * self.standardized_weight(), self.bias, self.stride, self.padding)
 
 
-def make_conv(norm, cin, cout, kernel, stride=1, padding=0, gain_init=1.0):
-    """A ResNet convolution: plain and bias-free before an activation norm; for norm 'nf' a Scaled
-    Weight Standardized conv with bias and gain g starting at gain_init (ANFR Eq. 5; ScaledStdConv2d below)."""
-    if norm == "nf":
-        return ScaledStdConv2d(cin, cout, kernel, stride, padding, gamma=RELU_GAMMA, gain_init=gain_init)
-    return nn.Conv2d(cin, cout, kernel, stride, padding, bias=False)
+def resnet_conv(cin, cout, kernel, stride=1):
+    """A convolution of the normalized ResNets (an activation norm follows it): no bias, padding kernel // 2."""
+    return nn.Conv2d(cin, cout, kernel, stride, kernel // 2, bias=False)
 
 
-def make_shortcut(norm, cin, cout, stride, norm_after_act=False):
-    """A block's projection shortcut: conv1x1 with the block's stride, then the norm (none with norm_after_act,
-    which normalizes the sum instead). NF: timm's DownsampleAvg, a 2x2 average pool (strided blocks only)
-    and then a conv1x1 at stride 1."""
-    if norm == "nf":  # named as timm's (downsample.pool, downsample.conv)
-        shortcut = nn.Sequential()
-        shortcut.add_module(
-            "pool", nn.AvgPool2d(2, stride, ceil_mode=True, count_include_pad=False) if stride > 1 else nn.Identity()
-        )
-        shortcut.add_module("conv", make_conv(norm, cin, cout, 1))
-        return shortcut
-    return nn.Sequential(make_conv(norm, cin, cout, 1, stride), make_norm("none" if norm_after_act else norm, cout))
-
-
-def nf_setup(block, norm, attention, beta, transition):
-    """A ResNet block's NF-ResNet constants (used when norm == 'nf'): alpha, beta = 1/sqrt(expected
-    Var(x) at the block input), the attention gain, and whether the shortcut is a (transition) conv."""
-    block.nf, block.alpha, block.beta, block.transition = norm == "nf", NF_ALPHA, beta, transition
-    block.attn_gain = NF_ATTN_GAIN if attention not in (None, "none") else 1.0
-
-
-def nf_merge(block, branch, x, h):
-    """NF residual sum x_{l+1} = shortcut + alpha * f(h), h = relu(x) * beta (Brock et al. 2021a):
-    the shortcut is x itself, or for a transition block the shortcut conv applied to h."""
-    return (block.shortcut(h) if block.transition else x) + block.alpha * block.attn_gain * branch
-
-
-def nf_expected_var(block, var):
-    """Expected-variance bookkeeping (Brock et al. 2021a): Var(x_{l+1}) = Var(x_l) + alpha^2, where a
-    transition block's shortcut (a conv on relu(x)*beta, variance ~1) first resets Var(x_l) to 1.
-    timm resets at each stage's first block, which is always a transition in its NF-ResNets."""
-    return (1.0 if block.transition else var) + NF_ALPHA**2
+def nf_conv(cin, cout, kernel, stride=1, gain_init=1.0):
+    """A convolution of the NF-ResNets: Scaled Weight Standardized for a ReLU input (gamma = RELU_GAMMA), with
+    bias and gain g starting at gain_init (ANFR Eq. 5; ScaledStdConv2d above), padding kernel // 2."""
+    return ScaledStdConv2d(cin, cout, kernel, stride, kernel // 2, gamma=RELU_GAMMA, gain_init=gain_init)
 
 
 def round_channels(v, divisor):
@@ -1065,79 +1034,168 @@ def make_attention(kind, channels, norm="bn"):
     raise ValueError(f"unknown attention '{kind}'")
 
 
-class BasicBlock(nn.Module):
-    expansion = 1
+def projection(cin, cout, stride, norm):
+    """The shortcut of BasicBlock and Bottleneck: the identity, or where the block changes the shape a conv1x1 with
+    the block's stride, then the norm."""
+    if stride == 1 and cin == cout:
+        return nn.Identity()
+    return nn.Sequential(resnet_conv(cin, cout, 1, stride), make_norm(norm, cout))
 
-    def __init__(self, cin, planes, stride, norm, attention, norm_after_act=False, beta=1.0, last_gain_init=0.0):
+
+class BasicBlock(nn.Module):
+    """He et al. 2016, ResNet-18/34: conv3x3 -> norm -> ReLU -> conv3x3 -> norm -> attention, plus the
+    shortcut, then ReLU. norm: bn | gn | ln | none (make_norm)."""
+
+    expansion = 1
+    shortcut_norm = True  # FedLNBasicBlock: the norm goes on the sum instead
+
+    def __init__(self, cin, planes, stride, norm="bn", attention=None):
         super().__init__()
         cout = planes * self.expansion
-        self.norm_after_act = norm_after_act
-        nf_setup(self, norm, attention, beta, transition=stride != 1 or cin != cout)
-        self.conv1 = make_conv(norm, cin, planes, 3, stride, 1)
-        self.n1 = make_norm(norm, planes)
-        self.conv2 = make_conv(norm, planes, cout, 3, 1, 1, gain_init=last_gain_init)  # NF: timm starts it at 0
-        self.n2 = make_norm(norm, cout)
+        self.conv1, self.n1 = resnet_conv(cin, planes, 3, stride), make_norm(norm, planes)
+        self.conv2, self.n2 = resnet_conv(planes, cout, 3), make_norm(norm, cout)
         self.attn = make_attention(attention, cout, norm)
-        self.shortcut = nn.Identity()
-        if stride != 1 or cin != cout:
-            self.shortcut = make_shortcut(norm, cin, cout, stride, norm_after_act)
+        self.shortcut = projection(cin, cout, stride, norm if self.shortcut_norm else "none")
 
     def forward(self, x):
-        if self.norm_after_act:  # norm after each ReLU (FedLN, Zhang et al. 2024, Eq. 10)
-            out = self.attn(self.conv2(self.n1(F.relu(self.conv1(x)))))
-            return self.n2(F.relu(out + self.shortcut(x)))
-        if self.nf:  # NF-ResNet (Brock et al. 2021a): pre-activation h = relu(x) * beta, no activation norm
-            h = F.relu(x) * self.beta
-            return nf_merge(self, self.attn(self.conv2(F.relu(self.conv1(h)))), x, h)
         out = F.relu(self.n1(self.conv1(x)))
         out = self.attn(self.n2(self.conv2(out)))
         return F.relu(out + self.shortcut(x))
 
 
 class Bottleneck(nn.Module):
-    expansion = 4
+    """He et al. 2016, ResNet-26/50: conv1x1 -> norm -> ReLU -> conv3x3 (the block's stride) -> norm -> ReLU ->
+    conv1x1 to 4x the planes -> norm -> attention, plus the shortcut, then ReLU. norm: bn | gn | ln | none."""
 
-    def __init__(self, cin, planes, stride, norm, attention, norm_after_act=False, beta=1.0, last_gain_init=0.0):
+    expansion = 4
+    shortcut_norm = True  # FedLNBottleneck: the norm goes on the sum instead
+
+    def __init__(self, cin, planes, stride, norm="bn", attention=None):
         super().__init__()
         cout = planes * self.expansion
-        self.norm_after_act = norm_after_act
-        nf_setup(self, norm, attention, beta, transition=stride != 1 or cin != cout)
-        self.conv1, self.n1 = make_conv(norm, cin, planes, 1), make_norm(norm, planes)
-        self.conv2, self.n2 = make_conv(norm, planes, planes, 3, stride, 1), make_norm(norm, planes)
-        # NF: timm: 0
-        self.conv3, self.n3 = make_conv(norm, planes, cout, 1, gain_init=last_gain_init), make_norm(norm, cout)
+        self.conv1, self.n1 = resnet_conv(cin, planes, 1), make_norm(norm, planes)
+        self.conv2, self.n2 = resnet_conv(planes, planes, 3, stride), make_norm(norm, planes)
+        self.conv3, self.n3 = resnet_conv(planes, cout, 1), make_norm(norm, cout)
         self.attn = make_attention(attention, cout, norm)
-        self.shortcut = nn.Identity()
-        if stride != 1 or cin != cout:
-            self.shortcut = make_shortcut(norm, cin, cout, stride, norm_after_act)
+        self.shortcut = projection(cin, cout, stride, norm if self.shortcut_norm else "none")
 
     def forward(self, x):
-        if self.norm_after_act:  # norm after each ReLU (FedLN, Zhang et al. 2024, Eq. 10)
-            out = self.n2(F.relu(self.conv2(self.n1(F.relu(self.conv1(x))))))
-            return self.n3(F.relu(self.attn(self.conv3(out)) + self.shortcut(x)))
-        if self.nf:  # NF-ResNet (Brock et al. 2021a): pre-activation h = relu(x) * beta, no activation norm
-            h = F.relu(x) * self.beta
-            return nf_merge(self, self.attn(self.conv3(F.relu(self.conv2(F.relu(self.conv1(h)))))), x, h)
         out = F.relu(self.n1(self.conv1(x)))
         out = F.relu(self.n2(self.conv2(out)))
         out = self.attn(self.n3(self.conv3(out)))
         return F.relu(out + self.shortcut(x))
 
 
+class FedLNBasicBlock(BasicBlock):
+    """FedLN's ResNet-18 block (Zhang et al. 2024, Eq. 10 and Appendix C.1; the authors' code): BasicBlock's
+    layers with the norm after each ReLU, and on the block's sum instead of its shortcut."""
+
+    shortcut_norm = False
+
+    def forward(self, x):
+        out = self.n1(F.relu(self.conv1(x)))
+        out = self.attn(self.conv2(out))
+        return self.n2(F.relu(out + self.shortcut(x)))
+
+
+class FedLNBottleneck(Bottleneck):
+    """FedLN's normalization (Eq. 10) in a bottleneck: Bottleneck's layers with the norm after each ReLU, and on
+    the block's sum instead of its shortcut."""
+
+    shortcut_norm = False
+
+    def forward(self, x):
+        out = self.n1(F.relu(self.conv1(x)))
+        out = self.n2(F.relu(self.conv2(out)))
+        return self.n3(F.relu(self.attn(self.conv3(out)) + self.shortcut(x)))
+
+
+def nf_downsample(cin, cout, stride):
+    """The shortcut of an NF transition block, timm's DownsampleAvg (named as timm's: pool, conv): a 2x2 average
+    pool (strided blocks only; ceil mode, padding not counted), then a conv1x1 at stride 1."""
+    shortcut = nn.Sequential()
+    shortcut.add_module(
+        "pool", nn.AvgPool2d(2, stride, ceil_mode=True, count_include_pad=False) if stride > 1 else nn.Identity()
+    )
+    shortcut.add_module("conv", nf_conv(cin, cout, 1))
+    return shortcut
+
+
+class NFBasicBlock(nn.Module):
+    """NF-ResNet basic block (Brock et al. 2021a; timm's NormFreeBlock; ANFR with attention), no activation norm.
+    Pre-activation h = relu(x) * beta, beta = 1/sqrt(expected Var(x)) (ResNetBody); branch
+    f(h) = attn(conv3x3(relu(conv3x3(h)))) with Scaled WS convs, the last one's gain starting at last_gain_init
+    (timm: 0, so the block starts as its shortcut); x_{l+1} = shortcut + alpha * attn_gain * f(h), the shortcut x
+    itself, or for a transition block (a new stride or width) the downsampling conv applied to h."""
+
+    expansion = 1
+    alpha = NF_ALPHA
+
+    def __init__(self, cin, planes, stride, attention=None, beta=1.0, last_gain_init=0.0):
+        super().__init__()
+        cout = planes * self.expansion
+        self.beta, self.transition = beta, stride != 1 or cin != cout
+        self.attn_gain = NF_ATTN_GAIN if attention not in (None, "none") else 1.0
+        self.conv1 = nf_conv(cin, planes, 3, stride)
+        self.conv2 = nf_conv(planes, cout, 3, gain_init=last_gain_init)
+        self.attn = make_attention(attention, cout, "nf")
+        self.shortcut = nf_downsample(cin, cout, stride) if self.transition else nn.Identity()
+
+    def forward(self, x):
+        h = F.relu(x) * self.beta
+        branch = self.attn(self.conv2(F.relu(self.conv1(h))))
+        return (self.shortcut(h) if self.transition else x) + self.alpha * self.attn_gain * branch
+
+
+class NFBottleneck(nn.Module):
+    """NF-ResNet bottleneck (timm's NormFreeBlock in nf_resnet50): NFBasicBlock with the branch
+    f(h) = attn(conv1x1(relu(conv3x3(relu(conv1x1(h)))))) to 4x the planes, the stride on the conv3x3."""
+
+    expansion = 4
+    alpha = NF_ALPHA
+
+    def __init__(self, cin, planes, stride, attention=None, beta=1.0, last_gain_init=0.0):
+        super().__init__()
+        cout = planes * self.expansion
+        self.beta, self.transition = beta, stride != 1 or cin != cout
+        self.attn_gain = NF_ATTN_GAIN if attention not in (None, "none") else 1.0
+        self.conv1 = nf_conv(cin, planes, 1)
+        self.conv2 = nf_conv(planes, planes, 3, stride)
+        self.conv3 = nf_conv(planes, cout, 1, gain_init=last_gain_init)
+        self.attn = make_attention(attention, cout, "nf")
+        self.shortcut = nf_downsample(cin, cout, stride) if self.transition else nn.Identity()
+
+    def forward(self, x):
+        h = F.relu(x) * self.beta
+        branch = self.attn(self.conv3(F.relu(self.conv2(F.relu(self.conv1(h))))))
+        return (self.shortcut(h) if self.transition else x) + self.alpha * self.attn_gain * branch
+
+
+# depth -> (block kind, blocks per stage); the block of a kind for each placement of the norm
 RESNET_LAYOUT = {
-    18: (BasicBlock, [2, 2, 2, 2]),
-    26: (Bottleneck, [2, 2, 2, 2]),
-    34: (BasicBlock, [3, 4, 6, 3]),
-    50: (Bottleneck, [3, 4, 6, 3]),
+    18: ("basic", [2, 2, 2, 2]),
+    26: ("bottleneck", [2, 2, 2, 2]),
+    34: ("basic", [3, 4, 6, 3]),
+    50: ("bottleneck", [3, 4, 6, 3]),
+}
+RESNET_BLOCKS = {
+    "basic": {"conv-norm-relu": BasicBlock, "norm-after-act": FedLNBasicBlock, "nf": NFBasicBlock},
+    "bottleneck": {"conv-norm-relu": Bottleneck, "norm-after-act": FedLNBottleneck, "nf": NFBottleneck},
 }
 
 
 class ResNetBody(nn.Module):
-    """He et al. 2016 ResNet up to global average pooling.
+    """He et al. 2016 ResNet up to global average pooling, with one of three kinds of block:
+
+    - norm bn | gn | ln | none: BasicBlock / Bottleneck, conv -> norm -> ReLU;
+    - norm_after_act=True: FedLNBasicBlock / FedLNBottleneck, the norm after each ReLU (the stem's too) and on the
+      block's sum, not its shortcut (FedLN, Zhang et al. 2024, Eq. 10 and Appendix C.1);
+    - norm 'nf': NFBasicBlock / NFBottleneck, weight-standardized and pre-activated (NF-ResNet, Brock et al. 2021a;
+      ANFR): the stem ends at its conv, each block gets beta = 1/sqrt(expected Var of its input), where
+      Var(x_{l+1}) = Var(x_l) + alpha^2 and a transition block's shortcut first resets it to 1 (timm resets at
+      each stage's first block, always a transition in its NF-ResNets), and a ReLU ends the last block.
 
     stem 'cifar': conv3x3 stride 1, no max-pool (32x32 inputs); 'imagenet': conv7x7 stride 2 + max-pool.
-    norm_after_act: normalization after each ReLU (and on the block's sum, not its shortcut), as in
-    FedLN (Zhang et al. 2024, Eq. 10 and Appendix C.1); default: conv -> norm -> ReLU.
     """
 
     def __init__(
@@ -1152,34 +1210,33 @@ class ResNetBody(nn.Module):
         last_gain_init=0.0,
     ):
         super().__init__()
-        block, layers = RESNET_LAYOUT[depth]
-        norm_relu = (nn.ReLU(), make_norm(norm, width)) if norm_after_act else (make_norm(norm, width), nn.ReLU())
-        if norm == "nf":  # NF blocks pre-activate, so the stem ends at its conv (as timm's NF-ResNet)
-            norm_relu = (nn.Identity(), nn.Identity())
-        if stem == "cifar":
-            self.stem = nn.Sequential(make_conv(norm, in_channels, width, 3, 1, 1), *norm_relu)
+        if norm == "nf" and norm_after_act:
+            raise ValueError("norm 'nf' has no activation norm to put after the activation")
+        kind, layers = RESNET_LAYOUT[depth]
+        placement = "nf" if norm == "nf" else "norm-after-act" if norm_after_act else "conv-norm-relu"
+        block = RESNET_BLOCKS[kind][placement]
+        kernel, stride = (3, 1) if stem == "cifar" else (7, 2)
+        if placement == "nf":
+            stem_layers = [nf_conv(in_channels, width, kernel, stride)]
+        elif placement == "norm-after-act":
+            stem_layers = [resnet_conv(in_channels, width, kernel, stride), nn.ReLU(), make_norm(norm, width)]
         else:
-            self.stem = nn.Sequential(make_conv(norm, in_channels, width, 7, 2, 3), *norm_relu, nn.MaxPool2d(3, 2, 1))
+            stem_layers = [resnet_conv(in_channels, width, kernel, stride), make_norm(norm, width), nn.ReLU()]
+        self.stem = nn.Sequential(*stem_layers, *([nn.MaxPool2d(3, 2, 1)] if stem == "imagenet" else []))
         stages, cin, expected_var = [], width, 1.0
         for i, blocks in enumerate(layers):
             planes = width * 2**i
             for j in range(blocks):
-                stages.append(
-                    block(
-                        cin,
-                        planes,
-                        2 if (j == 0 and i > 0) else 1,
-                        norm,
-                        attention,
-                        norm_after_act=norm_after_act,
-                        beta=expected_var**-0.5,
-                        last_gain_init=last_gain_init,
-                    )
-                )
-                expected_var = nf_expected_var(stages[-1], expected_var)  # used by norm 'nf' only
+                stride = 2 if (j == 0 and i > 0) else 1
+                if placement == "nf":
+                    beta = expected_var**-0.5
+                    stages.append(block(cin, planes, stride, attention, beta=beta, last_gain_init=last_gain_init))
+                    expected_var = (1.0 if stages[-1].transition else expected_var) + NF_ALPHA**2
+                else:
+                    stages.append(block(cin, planes, stride, norm, attention))
                 cin = planes * block.expansion
         self.stages = nn.Sequential(*stages)
-        self.final_act = nn.ReLU() if norm == "nf" else nn.Identity()  # NF: the last block ends without ReLU
+        self.final_act = nn.ReLU() if placement == "nf" else nn.Identity()  # NF: the last block ends without ReLU
         self.out_dim = cin
 
     def forward(self, x):
@@ -1215,9 +1272,10 @@ def timm_init(model, norm):
     """Start a ResNet as timm's fresh ones start. Activation-normed (resnet50, resnet50_gn, seresnet50:
     ResNet.init_weights(zero_init_last=True)): every Conv2d weight (SE's and CBAM's too) kaiming-normal,
     fan-out, gain sqrt(2), their biases PyTorch's; the last norm of each residual branch with weight 0, so
-    every block starts as its shortcut; the head PyTorch's. NF (nf_resnet50, nf_seresnet50: NormFreeNet's
-    init): every Conv2d weight kaiming-normal, fan-in, gain 1, bias 0; the head's weight N(0, 0.01^2), bias 0;
-    the last conv's gain of each branch is last_gain_init (0 in timm). ECA's Conv1d keeps PyTorch's in both."""
+    every block starts as its shortcut (norm none: no norm, the branches stay open); the head PyTorch's.
+    NF (nf_resnet50, nf_seresnet50: NormFreeNet's init): every Conv2d weight kaiming-normal, fan-in, gain 1,
+    bias 0; the head's weight N(0, 0.01^2), bias 0; the last conv's gain of each branch is last_gain_init
+    (0 in timm). ECA's Conv1d keeps PyTorch's in both."""
     for m in model.modules():
         if isinstance(m, nn.Conv2d) and norm == "nf":
             nn.init.kaiming_normal_(m.weight, mode="fan_in", nonlinearity="linear")
@@ -1228,6 +1286,8 @@ def timm_init(model, norm):
     if norm == "nf":
         nn.init.normal_(model.head.weight, 0.0, 0.01)
         nn.init.zeros_(model.head.bias)
+        return
+    if norm == "none":  # no norm to start at zero: the branches start open
         return
     for block in model.body.stages:
         nn.init.zeros_(block.n3.weight if hasattr(block, "n3") else block.n2.weight)

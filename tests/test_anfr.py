@@ -622,16 +622,26 @@ def _run_here(*argv):
         signal.signal(signal.SIGINT, handler)
 
 
+def anfr_cmd(tmp, out, *flags):
+    return ["anfr.py", *TINY, *flags, "--out", str(tmp / out)]
+
+
+# FedAvg with FedPer and DP-SGD (resume, local heads, accountant), SCAFFOLD (_a is also a learning run), FedBN
+GROUPS = {
+    "scaffold": ["--agg", "scaffold", "--attention", "cbam", "--rounds", "2"],
+    "fedper": ["--pfl", "fedper", "--attention", "eca", "--rounds", "2", "--dp-noise-multiplier", "0.8"],
+    "fedbn": ["--arch", "se", "--pfl", "fedbn", "--rounds", "2", "--local-steps", "10", "--eval-every", "2"],
+}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every end-to-end run of this file, in two processes at a time: this one and one of
-    helpers.run_batches (most of a tiny run's CPU is importing torch). X_a: uninterrupted; X_b: --stop-after 1,
-    then --resume (fedbn_b: not resumed); X_t: a
-    copy of X_b after round 1 with client 0's FedPer/FedBN parts shifted by 0.5, then --resume."""
+    """The uninterrupted runs, in two processes at a time: this one (every --arch) and one of
+    helpers.run_batches (every --agg, FedPer with DP-SGD; most of a tiny run's CPU is importing torch)."""
     tmp = tmp_path_factory.mktemp("anfr")
-    cmd = lambda out, *flags: ["anfr.py", *TINY, *flags, "--out", str(tmp / out)]
     arch = [
-        cmd(
+        anfr_cmd(
+            tmp,
             f"arch_{a}",
             "--arch",
             a,
@@ -644,25 +654,29 @@ def runs(tmp_path_factory):
         )
         for a in ("bn", "gn", "se", "nf", "anfr")
     ]
-    groups = {
-        "scaffold": ["--agg", "scaffold", "--attention", "cbam", "--rounds", "2"],  # _a is also a learning run
-        # FedAvg with FedPer and DP-SGD: resume, local heads, accountant
-        "fedper": ["--pfl", "fedper", "--attention", "eca", "--rounds", "2", "--dp-noise-multiplier", "0.8"],
-        "fedbn": ["--arch", "se", "--pfl", "fedbn", "--rounds", "2", "--local-steps", "10", "--eval-every", "2"],
-    }
-    pairs = [
-        x
-        for g, f in groups.items()
-        for x in (cmd(f"{g}_a", *f, "--save-model"), cmd(f"{g}_b", *f, "--save-model", "--stop-after", "1"))
+    others = [
+        anfr_cmd(tmp, "agg_fedprox", "--agg", "fedprox", "--eval-every", "3"),
+        anfr_cmd(tmp, "agg_fedadam", "--agg", "fedadam", "--server-lr", "0.1", "--eval-every", "3"),
+        *[anfr_cmd(tmp, f"{g}_a", *GROUPS[g], "--save-model") for g in ("scaffold", "fedper")],
     ]
-    resume = lambda g: ["anfr.py", "--resume", str(tmp / g)]
-    with ThreadPoolExecutor(1) as pool:  # one process for the pairs, while this one (torch imported) does the rest
-        pending = pool.submit(run_batches, pairs + [resume("scaffold_b")])
-        for c in arch + [
-            cmd("agg_fedprox", "--agg", "fedprox", "--eval-every", "3"),
-            cmd("agg_fedadam", "--agg", "fedadam", "--server-lr", "0.1", "--eval-every", "3"),
-        ]:
+    with ThreadPoolExecutor(1) as pool:  # one process for the others, while this one (torch imported) does the rest
+        pending = pool.submit(run_batches, others)
+        for c in arch:
             _run_here(*c)
+        pending.result()
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def pairs(runs):
+    """X_b: --stop-after 1, then --resume (fedbn_b: not resumed); X_t: a copy of X_b after round 1 with client 0's
+    FedPer/FedBN parts shifted by 0.5, then --resume; and fedbn_a, uninterrupted. Returns the round-1 checkpoints."""
+    tmp = runs
+    resume = lambda g: ["anfr.py", "--resume", str(tmp / g)]
+    stopped = [anfr_cmd(tmp, f"{g}_b", *f, "--save-model", "--stop-after", "1") for g, f in GROUPS.items()]
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(run_batches, stopped + [resume("scaffold_b")])
+        _run_here(*anfr_cmd(tmp, "fedbn_a", *GROUPS["fedbn"], "--save-model"))
         pending.result()
     # after round 1
     ckpt1 = {g: torch.load(tmp / f"{g}_b" / "checkpoint.pt", weights_only=False) for g in ("fedper", "fedbn")}
@@ -673,20 +687,19 @@ def runs(tmp_path_factory):
         _run_here(*resume(g))
     for run in sorted(os.listdir(tmp)):  # shown with pytest -s
         print(run, [round(r["test_acc"], 3) for r in metrics(tmp / run)])
-    return tmp, ckpt1
+    return ckpt1
 
 
 @pytest.mark.parametrize(
     "run", ["arch_bn", "arch_gn", "arch_se", "arch_nf", "arch_anfr", "agg_fedprox", "scaffold_a", "agg_fedadam"]
 )
 def test_every_arch_and_agg_learns(runs, run):
-    tmp, _ = runs  # --arch runs use FedAvg; --agg runs use ANFR
-    acc = summary(tmp / run)["test_acc"]
+    acc = summary(runs / run)["test_acc"]  # --arch runs use FedAvg; --agg runs use ANFR
     assert acc > 2 * CHANCE, acc
 
 
 def test_analyze_reports_the_final_model(runs):
-    tmp, _ = runs  # the numbers themselves: test_analyze_by_hand
+    tmp = runs  # the numbers themselves: test_analyze_by_hand
     a = summary(tmp / "arch_se")["analysis"]
     args = SimpleNamespace(**json.load(open(tmp / "arch_se" / "config.json")))
     data = common.load_data(args)
@@ -702,9 +715,10 @@ def test_analyze_reports_the_final_model(runs):
     assert all(0 <= r["last_gain_grad_sign_keep"] <= 1 and 0 < r["last_gain_grad_coherence"] <= 1 for r in rows)
 
 
+@pytest.mark.slow  # the stopped and resumed runs
 @pytest.mark.parametrize("name", ["fedper", "scaffold"])  # FedAvg (+ FedPer + DP-SGD), SCAFFOLD
-def test_resume_equals_uninterrupted(runs, name):
-    tmp, _ = runs
+def test_resume_equals_uninterrupted(runs, pairs, name):
+    tmp = runs
     a, b = f"{name}_a", f"{name}_b"
     assert metrics(tmp / a) == metrics(tmp / b)  # includes the DP accountant's epsilons for fedper
     assert_same_model(tmp / a, tmp / b)
@@ -725,10 +739,10 @@ def test_resume_equals_uninterrupted(runs, name):
         )
 
 
+@pytest.mark.slow  # the stopped, tampered and resumed runs
 @pytest.mark.parametrize("name,kind", [("fedper", "head"), ("fedbn", "bn")])
-def test_pfl_keeps_local_parts_per_client(runs, name, kind):
-    tmp, ckpt1 = runs
-    ckpt1 = ckpt1[name]  # after round 1
+def test_pfl_keeps_local_parts_per_client(runs, pairs, name, kind):
+    tmp, ckpt1 = runs, pairs[name]  # after round 1
     a = torch.load(tmp / f"{name}_a" / "checkpoint.pt", weights_only=False)  # after round 2 (the last)
     # same, client 0's parts shifted after round 1
     t = torch.load(tmp / f"{name}_t" / "checkpoint.pt", weights_only=False)
@@ -748,7 +762,7 @@ def test_pfl_keeps_local_parts_per_client(runs, name, kind):
 
 
 def test_dp_epsilon_per_client(runs):
-    tmp, _ = runs  # the FedPer run uses DP-SGD with sigma 0.8, C 1, B 16, 5 steps per round
+    tmp = runs  # the FedPer run uses DP-SGD with sigma 0.8, C 1, B 16, 5 steps per round
     rows = metrics(tmp / "fedper_a")
     sizes = [sum(c) for c in json.load(open(tmp / "fedper_a" / "partition.json"))["train"]]
     for r, row in enumerate(rows, 1):

@@ -571,6 +571,7 @@ def test_overhead_runs_do_the_same_steps_with_the_same_flags(monkeypatch):
     assert fl[fl.index("--model") + 1] == "mlp" and "--no-client-test" not in fl
 
 
+@pytest.mark.slow  # 2 scripts x (FL, centralized) x 2 repeats, a process each
 def test_overhead_times_each_script_against_the_same_steps_centralized(tmp_path):
     cmd = [
         sys.executable,
@@ -601,10 +602,17 @@ def test_overhead_times_each_script_against_the_same_steps_centralized(tmp_path)
         assert steps == 2 * 2 * 3 and fl > 0 and central > 0  # R rounds x m clients x K steps
         ratios = [float(r) for r in cells[5].split("(")[1].rstrip(")").split(", ")]
         assert len(ratios) == 2 and all(0.2 < r < 5 for r in ratios)
-    bad = subprocess.run([*cmd[:2], "--rounds", "0"], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("script,rounds", [("overhead.py", "0"), ("round_time.py", "1")])
+def test_timing_benchmarks_refuse_too_few_rounds(script, rounds):
+    bad = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", script), "--rounds", rounds], capture_output=True, text=True
+    )
     assert bad.returncode == 2 and "--rounds" in bad.stderr
 
 
+@pytest.mark.slow  # fedavg.py's CNN timed twice, rounds long enough to stand out of the noise
 def test_round_time_splits_rounds_from_evaluation():
     cmd = [
         sys.executable,
@@ -633,8 +641,6 @@ def test_round_time_splits_rounds_from_evaluation():
         for c in next(line for line in res.stdout.splitlines() if line.startswith("| cnn")).strip("|").split("|")
     ]
     assert row[:2] == ["cnn", "fp32"] and float(row[2]) > 0  # a round of 2 clients x 2 epochs takes time
-    bad = subprocess.run([*cmd[:2], "--rounds", "1"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "--rounds" in bad.stderr
 
 
 def test_every_hand_mutant_finds_its_snippet_once():

@@ -205,6 +205,25 @@ def test_resnet18_cifar_parameter_count():
     assert n == 11_173_962  # the standard CIFAR ResNet-18 (kuangliu/pytorch-cifar)
 
 
+@pytest.mark.parametrize("depth", [18, 26])
+def test_resnet_builds_one_kind_of_block(depth):
+    """ResNetBody picks one block class per placement of the norm: conv-norm-ReLU, FedLN's norm after the
+    activation, NF; norm none starts with timm's convs (there is no last norm to zero); NF has no norm to move."""
+    basic = depth == 18
+    kinds = [
+        ({"norm": "gn"}, common.BasicBlock if basic else common.Bottleneck),
+        ({"norm": "ln", "norm_after_act": True}, common.FedLNBasicBlock if basic else common.FedLNBottleneck),
+        ({"norm": "nf", "attention": "se"}, common.NFBasicBlock if basic else common.NFBottleneck),
+        ({"norm": "none"}, common.BasicBlock if basic else common.Bottleneck),
+    ]
+    for options, block in kinds:
+        model = common.resnet(3, 10, 16, depth=depth, width=4, **options)
+        assert {type(b) for b in model.body.stages} == {block}, options
+        assert model(torch.randn(2, 3, 16, 16)).shape == (2, 10)
+    with pytest.raises(ValueError, match="'nf' has no activation norm"):
+        common.resnet(3, 10, 16, depth=depth, width=4, norm="nf", norm_after_act=True)
+
+
 def test_scale_norm_by_hand_on_non_square_inputs():
     """n(x) = s x / ||x|| per sample: B = 4 features of d = 4 (norms 5, 2, 2, 0.03), and 2 conv maps of (C, H, W) =
     (2, 1, 3), each normalized over its 6 entries; s = sqrt(d) by default, or a number (FedFN's s = 1)."""

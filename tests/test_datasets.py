@@ -390,6 +390,7 @@ def test_focal_weights_by_hand_and_the_flag(monkeypatch):
     assert parse("anfr", ["--dataset", "synthetic", "--focal-weights", "flamby"], monkeypatch)[0] == 2
 
 
+@pytest.mark.slow  # 4 runs of anfr.py (the weights by hand: above)
 def test_focal_weights_flag_reaches_the_loss(tmp_path):
     """The first round's train_loss is each client's focal loss at the initial model (one local step): local and
     pooled weights give different numbers on three clients with different labels, and equal ones on one client,

@@ -12,6 +12,8 @@ import torch
 from helpers import ROOT, RUN_BATCH, assert_same_model, metrics, run_script, summary
 from test_common import write_folder
 
+pytestmark = pytest.mark.slow  # torchrun: several processes per run (the fast tier leaves it out)
+
 SYNTH = ["--dataset", "synthetic", "--device", "cpu", "--rounds", "3", "--save-model"]
 # Each script with the method state that must travel between ranks: 5 sampled clients, so K = 2 and
 # K = 3 leave a rank without a client in the last wave.

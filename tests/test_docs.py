@@ -4,7 +4,9 @@ every `bash X.sh` / `pip install -r X` names an existing file; every relative li
 (with its #anchor, for markdown targets); every table row has its header's number of cells; each
 method page has the fixed sections in order; every code pointer `<script>.py: <name>` names a definition
 of that script, and each bullet of a method page's "Implementation details and deviations" holds one;
-the README stays short. Parsers only: about a second."""
+the README stays short; every figure the README repeats (Results from the runs in benchmarks/results and the
+docs pages, mutation counts from tests/README.md, the overhead bound from docs/speed.md) agrees with its source.
+Parsers only: about a second."""
 
 import argparse
 import glob
@@ -503,3 +505,139 @@ def test_ci_runs_the_readme_test_command():
     code = [line.split("#")[0] for line in ci.splitlines() if not line.startswith("#!")]
     assert command in ci and any("python3 -m venv" in c for c in code)
     assert not any("--system-site-packages" in c for c in code)  # only what requirements-dev.txt installs
+
+
+# ---------------------------------------------------------------------------------------------
+# Figures the README repeats: each is checked against its one source (the runs in benchmarks/results, as
+# benchmarks/collect.py reads them, and the docs pages' tables; tests/README.md's mutation runs)
+# ---------------------------------------------------------------------------------------------
+NUMBER = re.compile(r"\d+\.\d+")
+
+
+def runs(claim, scale, *variants, metric="final test acc"):
+    return [("runs", claim, scale, v, metric) for v in variants]
+
+
+def paper(claim, *variants, metric="final test acc"):
+    return [("paper", claim, None, v, metric) for v in variants]
+
+
+def text(path, count):
+    return [("text", path, None, None, None)] * count
+
+
+# README "Results": row (its first word) -> column -> where each decimal number of that cell comes from, in order
+PERS, INIT, FT1 = "personalized (5 ft epochs)", "initial (0 ft epochs)", "after 1 ft epoch"
+RESULTS_SOURCES = {
+    "1.": {
+        "paper": paper("fedfn-s2", "fedfn", "fedavg") + paper("fedfn-s10", "fedfn", "fedavg"),
+        "ours, small scale": runs("fedfn-s2", "small", "fedfn", "fedavg")
+        + runs("fedfn-s10", "small", "fedfn", "fedavg"),
+        "verdict": runs("fedfn-s2", "proxy", "fedfn", "fedavg") + runs("fedfn-s10", "proxy", "fedfn", "fedavg"),
+    },
+    "1b.": {"ours, small scale": runs("fedfn-s2", "small", "fedfn-sqrtd") + runs("fedfn-s10", "small", "fedfn-sqrtd")},
+    "2.": {
+        "claim": text("docs/fedbabu.md", 2),  # Table 6's CIFAR-100 numbers, quoted on the page
+        "paper": paper("fedbabu", "fedbabu", "fedavg", metric=PERS),
+        "ours, small scale": runs("fedbabu", "small", "fedbabu", "fedavg", metric=PERS)
+        + runs("fedbabu", "small", "fedbabu", "fedavg", metric=FT1),
+        "ours, paper scale": runs("fedbabu", "paper", "fedbabu", "fedavg", metric=PERS)
+        + runs("fedbabu", "paper", "fedbabu", "fedavg", metric=INIT)
+        + runs("fedbabu", "paper", "fedbabu", "fedavg", metric=FT1),
+        "verdict": runs("fedbabu", "proxy", "fedbabu", "fedavg", metric=PERS),
+    },
+    "3.": {
+        "paper": paper("fedln", "ln", "fn", "vanilla", "bn"),
+        "ours, small scale": runs("fedln", "small", "ln", "fn", "vanilla", "bn"),
+    },
+    "4.": {
+        "paper": paper("fednnnn", "fednnnn", "fedavg"),
+        "ours, small scale": runs("fednnnn", "small", "fednnnn", "fedavg"),
+    },
+    "5.": {
+        "paper": paper("anfr", "anfr", "bn", "gn", "se", "nf"),
+        "ours, small scale": runs("anfr", "small", "anfr", "bn", "gn", "se", "nf", "anfr-gain1", "nf-gain1"),
+        "verdict": runs("anfr", "proxy", "anfr", "bn", "gn", "se", "nf") + text("docs/anfr.md", 2),  # mean |g|
+    },
+}
+
+
+def readme_table(heading):
+    """The README table under `## heading`: {first word of a row: {column: cell}}, split at unescaped pipes."""
+    section = read("README.md").split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("|") and not line.startswith("| ---")]
+    cells = [[c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]] for line in lines]
+    return {row[0].split()[0]: dict(zip(cells[0], row)) for row in cells[1:]}
+
+
+def test_readme_results_are_the_runs_and_the_docs_tables():
+    """Every decimal number of the README's Results table, cell by cell: a result of ours is the mean over the
+    seeds of the runs in benchmarks/results (benchmarks/collect.py's reading, the docs tables' source) to the
+    README's digits, and its docs page (the row's details link) shows the same mean to two decimals; a paper's
+    number is the one collect.py tables beside it; a quoted one stands in the linked page."""
+    import collect
+
+    found = collect.gather(os.path.join(ROOT, "benchmarks", "results"))
+    table = readme_table("Results")
+    assert set(table) == set(RESULTS_SOURCES), "a row was added or renamed: say where its numbers come from"
+    checked = 0
+    for row, cells in table.items():
+        page = read(re.search(r"\(([\w/.-]+\.md)#results\)", cells["details"]).group(1))
+        for column, cell in cells.items():
+            numbers = NUMBER.findall(cell) if column != "details" else []
+            sources = RESULTS_SOURCES.get(row, {}).get(column, [])
+            assert len(numbers) == len(sources), f"README Results {row} {column}: {numbers} but sources {sources}"
+            for shown, (kind, source, scale, variant, metric) in zip(numbers, sources):
+                where = f"README Results {row} {column}: {shown}"
+                if kind == "text":  # source: a page
+                    assert shown in read(source), f"{where} is not in {source}"
+                    continue
+                # source: a claim of collect.py, with its variants' metrics and the paper's numbers beside them
+                _, how, papers = next(m for m in collect.CLAIMS[source]["metrics"] if m[0] == metric)
+                if kind == "paper":
+                    assert shown in NUMBER.findall(papers[variant]), (
+                        f"{where}, the paper's {variant}: {papers[variant]}"
+                    )
+                    continue
+                ok = [r for r in found[(source, scale)][variant]["runs"] if not r["summary"].get("diverged")]
+                mean = 100 * collect.mean_std([collect.value(r, how) for r in ok])[0]
+                digits = len(shown.split(".")[1])
+                assert abs(float(shown) - mean) <= 0.5 * 10**-digits + 1e-9, f"{where}, the runs: {mean:.3f}"
+                two = {f"{mean + d:.2f}" for d in (-1e-6, 0, 1e-6)}  # either way at a tie (x.xx5)
+                assert any(t in page for t in two), f"{where}: its page does not show {mean:.2f}"
+                checked += 1
+    assert checked == 40  # every result of ours in the table
+
+
+def test_readme_mutation_figures_are_tests_readmes():
+    """tests/README.md documents the mutmut runs (each run's total, its survivors listed in a table, both runs
+    together) and the hand-made mutants; the README repeats the sum and the count of benchmarks/hand_mutants.py."""
+    import hand_mutants
+
+    doc = read("tests/README.md")
+    runs = [(int(k), int(n)) for k, n in re.findall(r"\*\*(\d+) of (\d+) mutants killed\*\*", doc)]
+    tables = re.findall(r"^\| mutant \| change \| why it is equivalent \|\n\|[- |]+\|\n((?:\|.*\n)+)", doc, re.M)
+    listed = [sum(len(re.findall(r"`[^`]+`", row.split("|")[1])) for row in t.splitlines()) for t in tables]
+    assert len(runs) == len(tables) == 2 and listed == [n - k for k, n in runs]  # every survivor explained
+    both = re.search(r"Both runs together: \*\*(\d+) of (\d+) mutants killed, the (\d+) survivors equivalent\*\*", doc)
+    killed, made, survivors = map(int, both.groups())
+    assert (killed, made) == tuple(map(sum, zip(*runs))) and survivors == made - killed
+    hand = re.search(r"(\d+)/(\d+) are killed", doc)
+    assert int(hand[1]) == int(hand[2]) == len(hand_mutants.MUTANTS)
+    readme = " ".join(read("README.md").split("\n## Tests and CI\n", 1)[1].split())
+    m = re.search(
+        r"(\d+) of (\d+) one-token mutants of the math killed, the (\d+) survivors equivalent; (\d+) of (\d+) hand",
+        readme,
+    )
+    assert tuple(map(int, m.groups())) == (killed, made, survivors) + (len(hand_mutants.MUTANTS),) * 2
+
+
+def test_readme_speed_figure_is_speed_mds():
+    """The README's overhead bound is docs/speed.md's, and it holds for the medians of its table."""
+    speed = read("docs/speed.md")
+    table = speed.split("<!-- overhead:start -->", 1)[1].split("<!-- overhead:end -->", 1)[0]
+    medians = [float(x) for x in re.findall(r"\*\*(\d+\.\d+)\*\*", table)]
+    readme = " ".join(read("README.md").split())
+    percent = int(re.search(r"every script is within (\d+)% of the same SGD steps centralized", readme).group(1))
+    assert f"Every script is within {percent}% of the centralized loop" in " ".join(speed.split())
+    assert len(medians) == len(METHODS) and max(abs(x - 1) for x in medians) <= percent / 100 + 1e-9

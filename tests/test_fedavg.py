@@ -198,8 +198,8 @@ def runs(tmp_path_factory):
                 tmp / "learn",
             ],
         ],
+        [["fedavg.py", *BASE, "--out", tmp / "again"]],  # its own process: sharing one changes nothing
     )
-    run_script("fedavg.py", *BASE, "--out", tmp / "again")  # its own process: sharing one changes nothing
     return tmp
 
 
@@ -234,6 +234,7 @@ def test_learns_well_above_chance(runs):
     assert summary(runs / "learn")["test_acc"] > 0.5  # chance is 0.1
 
 
+@pytest.mark.slow  # two resumes, a process each
 def test_stop_and_resume_equals_uninterrupted(runs):
     assert not os.path.exists(runs / "cut" / "summary.json")
     assert len(metrics(runs / "cut")) == 2
@@ -245,6 +246,7 @@ def test_stop_and_resume_equals_uninterrupted(runs):
     assert summary(runs / "cut")["test_acc"] == summary(runs / "a")["test_acc"]
 
 
+@pytest.mark.slow  # a run interrupted and resumed
 def test_ctrl_c_writes_checkpoint_and_resume_finishes(tmp_path):
     out = tmp_path / "run"
     proc = start_script("fedavg.py", *TINY, "--iid", "--rounds", "30", "--local-steps", "1", "--out", out)

@@ -298,6 +298,7 @@ def test_global_head_stays_initial_unless_train_head(full_run, tmp_path):
     assert "pers_acc_mean" not in summary(tmp_path / "avg")
 
 
+@pytest.mark.slow  # a second run, stopped and resumed
 def test_stop_and_resume_equals_uninterrupted(full_run, tmp_path):
     proc = run_script("fedbabu.py", *E2E, "--out", tmp_path / "cut", "--stop-after", "2")
     assert "--resume" in proc.stdout and len(metrics(tmp_path / "cut")) == 1  # evaluated at round 2 only

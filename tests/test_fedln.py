@@ -545,25 +545,31 @@ def resume_flags(agg, norm):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Stage 1 (two processes): fedavg.py vs fedln.py --norm none (mlp: the loop is compared, the model is
-    in test_norm_none_is_the_plain_table7_cnn), the one-class runs, and for each --agg an uninterrupted run
-    and one stopped after round 1. Stage 2 (a fresh process): resume the stopped runs."""
+    """Two processes (helpers.run_batches): fedavg.py vs fedln.py --norm none (mlp: the loop is compared, the
+    model is in test_norm_none_is_the_plain_table7_cnn), each in its own, and the one-class runs."""
     d = tmp_path_factory.mktemp("fedln")
     run_batches(
         [
             ["fedavg.py", *EQUAL, "--out", d / "avg"],
-            ["fedln.py", *EQUAL, "--norm", "none", "--agg", "fedavg", "--out", d / "plain"],
-            *[["fedln.py", *LEARN, "--norm", n, "--out", d / n] for n in ("ln", "fn", "none")],
-            ["fedln.py", *OVERFIT, "--out", d / "overfit"],
+            *[["fedln.py", *LEARN, "--norm", n, "--out", d / n] for n in ("ln", "none")],
         ],
         [
-            c
-            for agg, norm in AGGS
-            for c in (
-                ["fedln.py", *resume_flags(agg, norm), "--out", d / f"{agg}_full"],
-                ["fedln.py", *resume_flags(agg, norm), "--out", d / f"{agg}_cut", "--stop-after", "1"],
-            )
+            ["fedln.py", *EQUAL, "--norm", "none", "--agg", "fedavg", "--out", d / "plain"],
+            ["fedln.py", *LEARN, "--norm", "fn", "--out", d / "fn"],
+            ["fedln.py", *OVERFIT, "--out", d / "overfit"],
         ],
+    )
+    return d
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """For each --agg an uninterrupted run and one stopped after round 1 (two processes), then the stopped
+    runs resumed in a fresh process."""
+    d = tmp_path_factory.mktemp("fedln_resume")
+    run_batches(
+        [["fedln.py", *resume_flags(agg, norm), "--out", d / f"{agg}_full"] for agg, norm in AGGS],
+        [["fedln.py", *resume_flags(agg, norm), "--out", d / f"{agg}_cut", "--stop-after", "1"] for agg, norm in AGGS],
     )
     cut = {agg: torch.load(d / f"{agg}_cut" / "checkpoint.pt", weights_only=False) for agg, _ in AGGS}
     run_batches([["fedln.py", "--resume", d / f"{agg}_cut"] for agg, _ in AGGS])
@@ -571,15 +577,15 @@ def runs(tmp_path_factory):
 
 
 def test_norm_none_fedavg_reproduces_fedavg_py(runs):
-    d, _ = runs
-    assert len(metrics(d / "avg")) == 2
-    assert metrics(d / "avg") == metrics(d / "plain")
-    assert_same_model(d / "avg", d / "plain")
+    assert len(metrics(runs / "avg")) == 2
+    assert metrics(runs / "avg") == metrics(runs / "plain")
+    assert_same_model(runs / "avg", runs / "plain")
 
 
+@pytest.mark.slow  # two runs of each --agg and a resume
 @pytest.mark.parametrize("agg", [a for a, _ in AGGS])
-def test_resume_equals_uninterrupted(runs, agg):
-    d, cut = runs
+def test_resume_equals_uninterrupted(resumed, agg):
+    d, cut = resumed
     server = cut[agg]["server"]
     assert cut[agg]["round"] == 1  # the run really stopped after round 1
     if agg == "scaffold":  # the method state travels in the checkpoint
@@ -595,7 +601,7 @@ def test_resume_equals_uninterrupted(runs, agg):
 
 def test_one_class_per_client_beats_chance_with_ln_and_fn(runs):
     """Measured: ln 0.77, fn 0.51, vanilla (--norm none) 0.17 after these 8 rounds (chance 0.1)."""
-    d, _ = runs
+    d = runs
     with open(d / "ln" / "partition.json") as f:
         assert all(sum(c > 0 for c in counts) == 1 for counts in json.load(f)["train"])
     vanilla = summary(d / "none")["test_acc"]
@@ -609,7 +615,7 @@ def test_overfit_client_trains_one_client_alone_and_collapses(runs):
     """--overfit-client 0 (Figure 3 left): the model fits client 0's one class, so it predicts that class for
     every test image (accuracy = its share, 0.1), its class embedding has the largest norm (Figure 3 left),
     and the 20 test images' features collapse onto one direction (sigma_1 >> sigma_2; measured ~30x)."""
-    d, _ = runs
+    d = runs
     with open(d / "overfit" / "partition.json") as f:
         own = [c for c, n in enumerate(json.load(f)["train"][0]) if n > 0]
     s = logged_svs_match_the_saved_model(d / "overfit", "none", overfit=True)

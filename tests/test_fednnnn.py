@@ -16,7 +16,7 @@ import torch.nn as nn
 import common
 import fednnnn
 from common import Data
-from helpers import ROOT, assert_same_model, metrics, run_script, summary
+from helpers import ROOT, assert_same_model, metrics, run_batches, run_script, summary
 
 SHAPES = {"conv.w": (4, 3, 2, 2), "conv.b": (4,), "fc.w": (5, 6), "bn.w": (7,)}
 KINDS = {"conv.w": "conv", "conv.b": "conv", "fc.w": "fc", "bn.w": "other"}
@@ -255,45 +255,66 @@ BASE = [
 ]
 
 
-def test_beta1_gamma0_no_normalize_reproduces_fedavg(tmp_path):
-    flags = BASE + [
-        "--frac",
-        "0.5",
-        "--local-steps",
-        "3",
-        "--rounds",
-        "2",
-        "--eval-every",
-        "2",
-        "--augment",
-        "crop-flip",
-        "--quantity",
-        "powerlaw",
-        "--seed",
-        "3",
-        "--save-model",
-    ]
-    run_script("fedavg.py", *flags, "--out", tmp_path / "fedavg")
-    run_script("fednnnn.py", *flags, "--beta", "1", "--gamma", "0", "--no-normalize", "--out", tmp_path / "nnnn")
-    a, b = metrics(tmp_path / "fedavg"), metrics(tmp_path / "nnnn")
+AS_FEDAVG = BASE + [
+    "--frac",
+    "0.5",
+    "--local-steps",
+    "3",
+    "--rounds",
+    "2",
+    "--eval-every",
+    "2",
+    "--augment",
+    "crop-flip",
+    "--quantity",
+    "powerlaw",
+    "--seed",
+    "3",
+    "--save-model",
+]
+RESUMED = BASE + ["--frac", "1", "--local-steps", "3", "--rounds", "3", "--eval-every", "3", "--save-model"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """fedavg.py and fednnnn.py as FedAvg, each in its own process, and (beside the second) a fednnnn.py run stopped
+    after round 2, a round without evaluation: its checkpoint is kept as round2.pt and it is resumed in this process."""
+    d = tmp_path_factory.mktemp("fednnnn_e2e")
+    run_batches(
+        [["fedavg.py", *AS_FEDAVG, "--out", d / "fedavg"]],
+        [
+            ["fednnnn.py", *AS_FEDAVG, "--beta", "1", "--gamma", "0", "--no-normalize", "--out", d / "nnnn"],
+            ["fednnnn.py", *RESUMED, "--out", d / "part", "--stop-after", "2"],
+        ],
+    )
+    shutil.copy(d / "part" / "checkpoint.pt", d / "round2.pt")
+    run_here(["fednnnn.py", "--resume", d / "part"])
+    return d
+
+
+def test_beta1_gamma0_no_normalize_reproduces_fedavg(runs):
+    a, b = metrics(runs / "fedavg"), metrics(runs / "nnnn")
     assert [r["round"] for r in a] == [2] and [r["round"] for r in b] == [1, 2]  # + a norms-only row
     assert {k: b[1][k] for k in a[0]} == a[0]  # shared keys identical (test_acc, test_loss, train_loss, lr)
     assert all(r["step_norm"] == r["N"] < r["E"] for r in b)  # FedAvg's server step is the plain average
-    assert_same_model(tmp_path / "fedavg", tmp_path / "nnnn")
+    assert_same_model(runs / "fedavg", runs / "nnnn")
 
 
-def test_fednnnn_resume_evaluation_model_and_learning(tmp_path):
-    flags = BASE + ["--frac", "1", "--local-steps", "3", "--rounds", "3", "--eval-every", "3", "--save-model"]
-    full, part = tmp_path / "full", tmp_path / "part"
-    run_script("fednnnn.py", *flags, "--out", full)
-    run_script("fednnnn.py", *flags, "--out", part, "--stop-after", "2")  # stops after a round without evaluation
-    shutil.copy(part / "checkpoint.pt", tmp_path / "round2.pt")
-    run_script("fednnnn.py", "--resume", part)
-    rows = metrics(full)
-    assert rows == metrics(part)  # interrupted and resumed equals uninterrupted, bitwise
+@pytest.mark.slow  # a second, uninterrupted run
+def test_fednnnn_resume_equals_uninterrupted(runs, tmp_path):
+    full, part = tmp_path / "full", runs / "part"
+    run_script("fednnnn.py", *RESUMED, "--out", full)
+    assert metrics(full) == metrics(part)  # interrupted and resumed equals uninterrupted, bitwise
     assert_same_model(full, part)
     c_full, c_part = (torch.load(d / "checkpoint.pt", weights_only=False) for d in (full, part))
     assert all(torch.equal(c_full["momentum"][n], c_part["momentum"][n]) for n in c_full["momentum"])
+
+
+def test_fednnnn_evaluation_model_and_learning(runs):
+    """The run resumed from round 2 (round 3 from the saved states; uninterrupted runs end the same: above)."""
+    full = runs / "part"
+    rows = metrics(full)
+    c_full = torch.load(full / "checkpoint.pt", weights_only=False)
     assert [r["round"] for r in rows] == [1, 2, 3]  # norms every round, test metrics at the evaluation
     assert ["test_acc" in r for r in rows] == [False, False, True]
     assert all(r["N"] < r["E"] and r["N_conv"] <= r["E_conv"] and r["N_fc"] <= r["E_fc"] for r in rows)
@@ -302,7 +323,7 @@ def test_fednnnn_resume_evaluation_model_and_learning(tmp_path):
     # Round 3 from the saved states: evaluation model (model.pt) = w_2 + average update with norm N_3;
     # broadcast model (checkpoint) = w_2 + d_3, d_3 = gamma d_2 + beta E_3/N_3 (average update). E_3 needs the
     # clients' models, which no file keeps: the factor E/N is checked by hand in test_two_rounds_against_eqs_4_5_12_13.
-    c2, evaluated = torch.load(tmp_path / "round2.pt", weights_only=False), torch.load(full / "model.pt")
+    c2, evaluated = torch.load(runs / "round2.pt", weights_only=False), torch.load(full / "model.pt")
     names = list(c2["momentum"])
     avg = flat(evaluated, names) - flat(c2["model"], names)
     assert avg.norm().item() == pytest.approx(rows[2]["N"], rel=1e-4)  # the logged N (Eq. 4), from the saved models

@@ -107,6 +107,7 @@ def test_dry_run_prints_commands_each_parser_accepts(tmp_path, places, monkeypat
     assert "JOBS=6" in res.stdout and "bash benchmarks/reproduce/fedbabu.sh paper" in res.stdout
 
 
+@pytest.mark.slow  # every stage of gpu.sh, each script several times
 def test_tiny_mode_runs_every_stage_end_to_end(tmp_path):
     res = gpu_sh(tmp_path, MODE="tiny", DEVICE="cpu", timeout=600)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]

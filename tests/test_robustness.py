@@ -261,6 +261,7 @@ def test_out_below_a_file_is_refused(tmp_path, monkeypatch, capsys):
     assert os.listdir(tmp_path) == ["file"]
 
 
+@pytest.mark.slow  # processes that hang or fail
 def test_hangs_and_tracebacks_end_within_seconds_in_a_process(tmp_path):
     """The inputs that hung (--local-epochs -1) or raised deep in torch, as a user runs them."""
     from concurrent.futures import ThreadPoolExecutor
@@ -336,6 +337,7 @@ def finished(tmp_path_factory):
     return tmp
 
 
+@pytest.mark.slow  # a process per script
 def test_out_holding_a_run_is_refused_and_kept(finished, tmp_path):
     import shutil
 
@@ -351,6 +353,7 @@ def test_out_holding_a_run_is_refused_and_kept(finished, tmp_path):
     assert summary(run)["final_round"] == 2
 
 
+@pytest.mark.slow  # a run in a process
 def test_out_with_other_files_is_accepted(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "command.txt").write_text("python fedavg.py ...")  # benchmarks/reproduce writes this first
@@ -358,6 +361,7 @@ def test_out_with_other_files_is_accepted(tmp_path):
     assert (tmp_path / "run" / "command.txt").exists() and summary(tmp_path / "run")["final_round"] == 1
 
 
+@pytest.mark.slow  # two resumes, a process each
 def test_resume_of_a_finished_run_changes_nothing(finished, tmp_path):
     import shutil
 
@@ -370,6 +374,7 @@ def test_resume_of_a_finished_run_changes_nothing(finished, tmp_path):
     assert "finished" in proc.stdout and files_of(run) == before
 
 
+@pytest.mark.slow  # resumes, a process each
 def test_resume_with_more_rounds_extends_like_an_uninterrupted_run(finished, tmp_path):
     import shutil
 
@@ -383,12 +388,14 @@ def test_resume_with_more_rounds_extends_like_an_uninterrupted_run(finished, tmp
     assert proc.returncode == 2 and "--rounds" in proc.stderr.splitlines()[-1]
 
 
+@pytest.mark.slow  # two runs and a resume
 def test_extension_of_a_run_checkpointed_sparsely_continues_from_its_last_round(tmp_path):
     """--checkpoint-every 3 over 4 rounds: the last round is checkpointed too, so an extension goes on from it."""
     run_script(*tiny(tmp_path / "a", "--checkpoint-every", "3"))
     assert torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)["round"] == 4
 
 
+@pytest.mark.slow  # needs the finished runs (two processes)
 def test_resume_refuses_other_flags_and_other_scripts_runs(finished, tmp_path, monkeypatch, capsys):
     import shutil
 
@@ -411,6 +418,7 @@ def test_resume_refuses_other_flags_and_other_scripts_runs(finished, tmp_path, m
     assert importlib.import_module("fedavg").parse_args().data_dir == str(tmp_path / "moved")  # the data moved
 
 
+@pytest.mark.slow  # a diverging run
 def test_resume_without_checkpoint_or_of_a_diverged_run_says_what_is_missing(tmp_path, monkeypatch, capsys):
     run = tmp_path / "run"
     proc = run_script(*tiny(run, "--lr", "1e12", "--momentum", "0"), check=False)
@@ -462,6 +470,7 @@ def test_start_up_line_names_device_model_parameters_partition_and_folder(tmp_pa
     assert str(tmp_path / "run") in line
 
 
+@pytest.mark.slow  # a run interrupted twice
 def test_ctrl_c_twice_ends_with_one_line_and_no_traceback(tmp_path):
     out = tmp_path / "run"
     proc = start_script(*tiny(out, "--rounds", "200", "--local-steps", "400"))  # rounds of seconds
