@@ -55,10 +55,12 @@ PAPER = dict(
     batch_size=32,  # B (A.1)
     arch="anfr",
     depth=50,  # ResNet-50
+    optimizer="adamw",  # B.3 (from random init; Pieri et al.'s from ImageNet weights: SGD)
     lr=1e-3,  # AdamW, cosine-decayed over the run (B.3)
     weight_decay=0.05,  # Pieri et al.
     warmup_steps=100,  # Pieri et al.
     clip=1.0,  # gradient-norm clipping (A.1)
+    client_state="keep",  # each client keeps its optimizer state and scheduler position between rounds (A.2)
 )
 # ANFR: --arch -> (norm, attention?)
 ARCHS = {"bn": ("bn", False), "gn": ("gn", False), "se": ("bn", True), "nf": ("nf", False), "anfr": ("nf", True)}
@@ -150,10 +152,17 @@ def parse_args():
         help="ANFR: start value of the gain g (Eq. 5) of the last conv of each NF residual branch; 0 = timm's "
              "NF-ResNets, the paper's models")  # ANFR
     g = p.add_argument_group("optimization")
+    g.add_argument("--optimizer", default=PAPER["optimizer"], choices=["adamw", "sgd"],
+        help="ANFR: the clients' optimizer: AdamW, or SGD with momentum 0.9 (Pieri et al.'s from ImageNet weights, "
+             "lr 0.03, and their CelebA)")  # ANFR
     g.add_argument("--lr", type=positive_float, default=PAPER["lr"],
-        help="eta: local AdamW learning rate, cosine-decayed over the run")  # ANFR: AdamW, cosine
+        help="eta: local learning rate, warmed up and cosine-decayed over the run")  # ANFR: AdamW, cosine
     g.add_argument("--weight-decay", type=non_negative_float, default=PAPER["weight_decay"],
-        help="AdamW decoupled weight decay")  # ANFR: AdamW
+        help="weight decay: AdamW's decoupled one, or SGD's L2 (not given with --optimizer sgd: 0, Pieri et al.'s)")
+    g.add_argument("--client-state", default=PAPER["client_state"], choices=["keep", "reset"],
+        help="ANFR: keep: each client keeps its optimizer state and schedule position between rounds (A.2); reset: "
+             "a fresh optimizer every round and the schedule at the round's place in the run (cross-device: "
+             "nothing per client in memory, e.g. CelebA's 9,343 clients)")  # ANFR
     g.add_argument("--warmup-steps", type=non_negative_int, default=PAPER["warmup_steps"],
         help="ANFR: linear warm-up from 0 over a client's first steps, then the cosine")  # ANFR
     g.add_argument("--loss", default="ce", choices=["ce", "focal"],
@@ -237,6 +246,8 @@ def check_args(p, args):  # ANFR: this script's flags together
           for name in ("focal_gamma", "focal_weights")]]:
         if bad:
             p.error(msg)
+    if args.optimizer == "sgd" and "weight_decay" not in given_flags(p):
+        args.weight_decay = 0.0  # Pieri et al.'s SGD
     # 0 = no proximal term
     args.prox_mu = (0.01 if args.prox_mu is None else args.prox_mu) if args.agg == "fedprox" else 0.0
     return args
@@ -307,6 +318,12 @@ def load_pretrained(model, src, layout):  # ANFR: --init-from
             raise ValueError(f"{len(bad)} entries {what}: {', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}")
     model.load_state_dict(match, strict=False)
     return len(match), len(own)
+
+
+def make_optimizer(params, args):  # ANFR: --optimizer
+    if args.optimizer == "sgd":  # Pieri et al.'s SGD: momentum 0.9, L2 weight decay
+        return torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=args.weight_decay)
+    return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
 
 
 def cosine_lr(lr, step, total, warmup=0):  # ANFR: cosine decay over the run, at the client's own step counter
@@ -617,11 +634,9 @@ if __name__ == "__main__":
     sampler = np.random.default_rng(args.seed)  # client sampling, independent of the partition
     sizes = [len(p) for p in partition.train]
     n_clients = len(sizes)
-    # ANFR: per-client state kept between rounds: AdamW state, scheduler position, FedPer/FedBN parts,
-    # SCAFFOLD c_i, DP steps
-    opts = [
-        torch.optim.AdamW(client.parameters(), lr=args.lr, weight_decay=args.weight_decay) for _ in range(n_clients)
-    ]
+    # ANFR: per-client state kept between rounds: optimizer state (--client-state keep), scheduler position,
+    # FedPer/FedBN parts, SCAFFOLD c_i, DP steps
+    opts = [make_optimizer(client.parameters(), args) for _ in range(n_clients)] if args.client_state == "keep" else []
     total_steps = [args.rounds * steps_per_round(n, args) for n in sizes]
     client_steps, dp_steps = [0] * n_clients, [0] * n_clients
     local_keys = personal_keys(model, args.pfl, args.bn_stats)  # ANFR: FedPer / FedBN / --bn-stats local
@@ -641,7 +656,7 @@ if __name__ == "__main__":
         ckpt = loop.resume()  # checkpoint.pt; loop.rounds() continues after its round
         model.load_state_dict(ckpt["model"])
         set_rng_state(ckpt["rng"], sampler)
-        for opt, state in zip(opts, ckpt["opts"]):  # ANFR: the clients' AdamW states
+        for opt, state in zip(opts, ckpt["opts"] or []):  # ANFR: the clients' optimizer states
             opt.load_state_dict(state)
         client_steps, dp_steps, local = ckpt["client_steps"], ckpt["dp_steps"], ckpt["local"]  # ANFR
         c, c_i, m, v = ckpt["c"], ckpt["c_i"], ckpt["m"], ckpt["v"]  # ANFR
@@ -650,7 +665,7 @@ if __name__ == "__main__":
         return {
             "model": model.state_dict(),
             "rng": rng_state(sampler),  # ANFR: + all client/server state
-            "opts": [o.state_dict() for o in opts],
+            "opts": [o.state_dict() for o in opts] if opts else None,
             "client_steps": client_steps,
             "dp_steps": dp_steps,
             "local": local,
@@ -688,13 +703,15 @@ if __name__ == "__main__":
                 c_k = c_i[k] if c_i[k] is not None else zeros()
                 c_minus_c_k = scaffold_correction(c, c_k)
                 correction = ([named[n] for n in shared_params], [c_minus_c_k[n] for n in shared_params])
+            opt = opts[k] if opts else make_optimizer(client.parameters(), args)  # ANFR: --client-state reset: new
+            first = client_steps[k] if opts else rnd * steps_per_round(sizes[k], args)  # ANFR: reset: the round's place
             loss, steps, lr_sum, gain_stats = local_train(
                 client,
-                opts[k],
+                opt,
                 batches,
                 data,
                 args,
-                client_steps[k],
+                first,
                 total_steps[k],
                 prox_pairs,
                 correction,
@@ -706,13 +723,14 @@ if __name__ == "__main__":
                 "steps": steps,
                 "lr_sum": lr_sum,
                 "state": client.state_dict(),
-                "opt": opts[k].state_dict(),
+                "opt": opt.state_dict() if opts else None,
                 "gain_stats": gain_stats,
             }
 
         # own seed per client; torchrun: split over ranks, summed in order
         for k, w, out in each_client(clients, weights, train_client, args.seed, rnd):
-            opts[k].load_state_dict(out["opt"])  # ANFR: client k's AdamW state, on every rank (a no-op where k trained)
+            if opts:  # ANFR: client k's optimizer state, on every rank (a no-op where k trained)
+                opts[k].load_state_dict(out["opt"])
             client_steps[k] += out["steps"]
             dp_steps[k] += out["steps"] if args.dp_noise_multiplier is not None else 0
             train_loss += w * out["loss"]
@@ -772,7 +790,9 @@ if __name__ == "__main__":
                     lists=True,
                     val=partition.val,
                 )
-            lr_now = cosine_lr(args.lr, client_steps[clients[0]], total_steps[clients[0]], args.warmup_steps)
+            first = clients[0]  # ANFR: the lr its next step would take
+            at = client_steps[first] if opts else (rnd + 1) * steps_per_round(sizes[first], args)
+            lr_now = cosine_lr(args.lr, at, total_steps[first], args.warmup_steps)
             metrics = {"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr_now}
             if args.analyze:  # ANFR: how far the residual branches have opened, and why (gain_statistics)
                 metrics["last_gain_abs_mean"] = float(

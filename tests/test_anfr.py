@@ -859,3 +859,45 @@ def test_bn_stats_local_keeps_each_clients_statistics_and_scores_each_clients_mo
     assert row["val_acc"] == pytest.approx(np.mean([s[1] for s in scores]), abs=1e-12)
     assert len({s[0] for s in scores}) > 1  # the clients' models differ
     assert summary(out)["test_acc_at_best_val"] in {r["test_acc"] for r in metrics(out)}
+
+
+def test_optimizer_flag_and_weight_decay_defaults(monkeypatch):
+    parse = lambda *flags: anfr_args(monkeypatch, *flags)
+    sgd, adamw = parse("--optimizer", "sgd"), parse()
+    assert (
+        sgd.weight_decay,
+        adamw.weight_decay,
+        parse("--optimizer", "sgd", "--weight-decay", "0.1").weight_decay,
+    ) == (
+        0.0,  # Pieri et al.'s SGD
+        0.05,  # their AdamW
+        0.1,
+    )
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    opt = anfr.make_optimizer(params, sgd)
+    assert isinstance(opt, torch.optim.SGD) and opt.defaults["momentum"] == 0.9 and opt.defaults["weight_decay"] == 0
+    assert isinstance(anfr.make_optimizer(params, adamw), torch.optim.AdamW)
+
+
+def anfr_args(monkeypatch, *flags):
+    monkeypatch.setattr(
+        sys, "argv", ["anfr.py", "--dataset", "synthetic", "--device", "cpu", "--out", "unused", *flags]
+    )
+    return anfr.parse_args()
+
+
+def test_client_state_reset_keeps_nothing_per_client_and_schedules_by_round(tmp_path):
+    """--client-state reset (cross-device): the first round equals keep's bit for bit (both start fresh); the
+    second does not (keep carries AdamW's moments); the checkpoint holds no optimizer state; the lr follows the
+    round's place in the run, also for a client that trains for the first time."""
+    flags = ["--rounds", "2", "--eval-every", "1", "--frac", "0.5", "--warmup-steps", "0", "--save-model"]
+    runs = {name: tmp_path / name for name in ("keep", "reset")}
+    for name, out in runs.items():
+        _run_here("anfr.py", *TINY, *flags, "--client-state", name, "--out", out)
+    keep, reset = metrics(runs["keep"]), metrics(runs["reset"])
+    assert keep[0] == reset[0]  # (helpers.metrics drops elapsed_s)
+    assert keep[1]["train_loss"] != reset[1]["train_loss"]
+    assert torch.load(runs["reset"] / "checkpoint.pt", weights_only=False)["opts"] is None
+    steps = 5  # TINY's --local-steps
+    assert reset[1]["lr"] == pytest.approx(anfr.cosine_lr(0.03, 2 * steps, 2 * steps))  # after round 2 of 2: 0
+    assert reset[0]["lr"] == pytest.approx(anfr.cosine_lr(0.03, steps, 2 * steps))
