@@ -241,7 +241,7 @@ def check_args(p, args):  # ANFR: this script's flags together
          f"--bn-stats local: --pfl {args.pfl} evaluates personalized models already; use --bn-stats average"),
         (args.bn_stats == "local" and args.client_test,
          "--bn-stats local: each client's model is scored on the whole test set; drop --client-test"),
-        *[(args.loss != "focal" and name in given_flags(p),
+        *[(args.loss != "focal" and getattr(args, name) != p.get_default(name),
            f"--{name.replace('_', '-')}: a setting of the focal loss; add --loss focal")
           for name in ("focal_gamma", "focal_weights")]]:
         if bad:
