@@ -506,6 +506,13 @@ def focal_loss(logits, y, alpha, gamma):  # ANFR: Fed-ISIC2019's loss (FLamby's;
     return (-((1 - log_p.exp()) ** gamma) * (log_p * alpha[y])).mean()  # FLamby's order of operations: equal bits
 
 
+def gain_steps(deltas, weights):  # ANFR: --analyze, what averaging does to the clients' moves of the last gains
+    """deltas [m, gains]: each client's change of the last gains in its round; weights [m]: its p_k. (the
+    clients' mean move, sum_k p_k mean|delta_k|; the server's, mean|sum_k p_k delta_k|): equal when every client
+    moves every gain the same way, the server's near 0 when their moves cancel."""
+    return float((weights * deltas.abs().mean(1)).sum()), float((weights[:, None] * deltas).sum(0).abs().mean())
+
+
 def fedadam_step(x, delta, m, v, lr, betas, tau):  # ANFR: FedAdam (Reddi et al. 2021, Algorithm 2)
     """m = b1 m + (1-b1) Delta; v = b2 v + (1-b2) Delta^2; x + lr m / (sqrt(v) + tau). m, v updated in place."""
     for n in delta:
@@ -687,7 +694,8 @@ if __name__ == "__main__":
         dc_sum = zeros() if c is not None else None
         train_loss = torch.zeros((), device=args.device)
         x_params = {n: p.detach().clone() for n, p in model.named_parameters() if n in shared_params}
-        gain_stats = []  # ANFR: --analyze, per client of the round
+        gain_stats, gain_deltas, gain_weights = [], [], []  # ANFR: --analyze, per client of the round
+        gains_before = torch.cat([g.detach().flatten() for g in last_gains(model)]) if args.analyze else None
 
         def train_client(k):  # what client k does this round; returns what the server sums and what client k keeps
             load_client(k)
@@ -725,6 +733,9 @@ if __name__ == "__main__":
                 "state": client.state_dict(),
                 "opt": opt.state_dict() if opts else None,
                 "gain_stats": gain_stats,
+                "gain_delta": torch.cat([g.detach().flatten() for g in last_gains(client)]) - gains_before
+                if args.analyze
+                else None,
             }
 
         # own seed per client; torchrun: split over ranks, summed in order
@@ -736,6 +747,8 @@ if __name__ == "__main__":
             train_loss += w * out["loss"]
             if out["gain_stats"] is not None:  # ANFR
                 gain_stats.append(out["gain_stats"])
+                gain_deltas.append(out["gain_delta"])
+                gain_weights.append(w)
             client_state = out["state"]
             accumulate(total, {key: client_state[key] for key in shared}, w)  # the shared entries (BN statistics too)
             if local_keys:  # ANFR: FedPer / FedBN: these entries stay with client k
@@ -800,6 +813,8 @@ if __name__ == "__main__":
                 )
                 keep, coherence = torch.stack(gain_stats).nanmean(0).tolist()
                 metrics.update(last_gain_grad_sign_keep=keep, last_gain_grad_coherence=coherence)
+                moved = gain_steps(torch.stack(gain_deltas), torch.tensor(gain_weights, device=args.device))
+                metrics.update(last_gain_client_step=moved[0], last_gain_server_step=moved[1])
             if args.pfl != "none":  # ANFR: pFL reports the personalized models (the global one lacks the local parts)
                 for name in ("acc", "bacc") if args.balanced_acc else ("acc",):
                     metrics[f"global_test_{name}"] = metrics[f"test_{name}"]

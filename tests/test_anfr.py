@@ -326,6 +326,13 @@ def test_gain_statistics_by_hand():
     assert coherence == pytest.approx((6 / 6 + 1 / 3) / 2)
 
 
+def test_gain_steps_by_hand():
+    deltas, weights = torch.tensor([[1.0, -2.0], [-1.0, 2.0], [3.0, 0.0]]), torch.tensor([0.25, 0.25, 0.5])
+    client, server = anfr.gain_steps(deltas, weights)
+    assert client == pytest.approx(0.25 * 1.5 + 0.25 * 1.5 + 0.5 * 1.5)  # each client's mean |delta|, weighted
+    assert server == pytest.approx((1.5 + 0.0) / 2)  # the average moves gain 0 by 1.5, gain 1 not at all
+
+
 def test_cosine_with_warmup_by_hand():
     lr = lambda step: anfr.cosine_lr(2.0, step, 110, warmup=10)
     assert [lr(0), lr(5), lr(10)] == [0.0, 1.0, 2.0]  # linear from 0, as Pieri et al.'s LambdaLR
@@ -713,6 +720,7 @@ def test_analyze_reports_the_final_model(runs):
     rows = metrics(tmp / "arch_se")
     assert rows[-1]["last_gain_abs_mean"] == pytest.approx(final_gains, rel=1e-6) and final_gains > 0  # opened
     assert all(0 <= r["last_gain_grad_sign_keep"] <= 1 and 0 < r["last_gain_grad_coherence"] <= 1 for r in rows)
+    assert all(0 < r["last_gain_server_step"] <= r["last_gain_client_step"] for r in rows)  # the triangle inequality
 
 
 @pytest.mark.slow  # the stopped and resumed runs

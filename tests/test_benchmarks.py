@@ -672,14 +672,17 @@ def test_fn_growth_replays_the_round_and_fn_only_lengthens_the_invariant_layer(t
     run = tmp_path / "run"
     flags = ["--dataset", "synthetic", "--model", "cnn", "--num-clients", "6", "--frac", "0.5", "--rounds", "3"]
     flags += ["--local-epochs", "1", "--alpha", "0.5", "--momentum", "0", "--lr", "0.05", "--save-model"]
-    subprocess.run([sys.executable, "fedfn.py", *flags, "--stop-after", "2", "--out", run], cwd=ROOT, check=True)
+    one_thread = {**os.environ, "OMP_NUM_THREADS": "1"}  # as this process (conftest.py): the same float sums
+    subprocess.run([sys.executable, "fedfn.py", *flags, "--stop-after", "2", "--out", run], cwd=ROOT, check=True,
+                   env=one_thread)  # fmt: skip
     with open(run / "config.json") as f:
         args = argparse.Namespace(**{**json.load(f), "device": "cpu"})
     ckpt = torch.load(run / "checkpoint.pt", map_location="cpu", weights_only=False)
     data = common.load_data(args)
     partition = common.make_partition(args, data)
     result, averaged = fn_growth.trace_round(args, data, partition, ckpt, probe_size=20)
-    subprocess.run([sys.executable, "fedfn.py", "--resume", run], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run([sys.executable, "fedfn.py", "--resume", run], cwd=ROOT, check=True, capture_output=True,
+                   env=one_thread)  # fmt: skip
     final = torch.load(run / "model.pt")
     assert all(torch.equal(final[k], v) for k, v in averaged.state_dict().items())
     assert result["round"] == 3 and len(result["clients"]) == 3

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -477,10 +478,21 @@ def test_ctrl_c_twice_ends_with_one_line_and_no_traceback(tmp_path):
     deadline = time.time() + 120
     while time.time() < deadline and not (out.joinpath("metrics.jsonl").exists() and metrics(out)):
         time.sleep(0.05)
+    lines = []  # stderr, read as it comes: the second Ctrl-C goes once the first is acknowledged, mid-round
+
+    def read():
+        for line in iter(proc.stderr.readline, ""):
+            lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.3)
+    while time.time() < deadline and not any("interrupt: finishing this round" in line for line in list(lines)):
+        time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    proc.wait(timeout=120)
+    reader.join(timeout=10)
+    err = "".join(lines)
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     assert err.count("interrupted;") == 1
