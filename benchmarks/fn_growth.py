@@ -11,8 +11,10 @@ measured on the average.
 
     OMP_NUM_THREADS=1 python benchmarks/fn_growth.py --run RUN_DIR [--data-dir DIR] [--clients K] [--json OUT]
 
-Prints one markdown row per client (samples n_k, local steps K, ||f|| on its probe at the first and the last
-step, their change per step per unit of lr, the layer's norm before and after) and a row for the average.
+Prints one markdown row per client (samples n_k, the share of its largest class, local steps K, ||f|| on its probe
+at the first and the last step, their change per step per unit of lr, the layer's norm and the change of its square,
+the client's weight and its share of the server's update of the layer) and a row for the average.
+`python benchmarks/plot.py fn-growth OUT.json` draws the per-step traces.
 """
 
 import argparse
@@ -96,8 +98,10 @@ def trace_round(args, data, partition, ckpt, limit=None, probe_size=50):
             hook.remove()
         accumulate(total, client.state_dict(), w)
         deltas.append(w * (flat(client) - start))  # the client's weighted update of the layer
+        labels = data.y_train[partition.train[k]]
+        top_share = float(torch.bincount(labels).max()) / len(labels)  # how much of its data is one class
         out["clients"].append(
-            {"client": k, "samples": len(partition.train[k]), "weight": w, "steps": steps, "trace": trace}
+            {"client": k, "samples": len(labels), "top_share": top_share, "weight": w, "steps": steps, "trace": trace}
         )
     if limit is not None and limit < len(clients):  # the average is the server's only when every client trained
         return out, None
@@ -117,15 +121,15 @@ def table(result):
     lines = [
         f"round {result['round']}, lr {lr:g}",
         "",
-        "| client | n_k | steps K | mean ‖f‖, first -> last step | change / (K lr) | ‖layer‖ | ‖layer‖² change "
-        "| weight p_k | share of the layer's update |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| client | n_k | largest class | steps K | mean ‖f‖, first -> last step | change / (K lr) | ‖layer‖ "
+        "| ‖layer‖² change | weight p_k | share of the layer's update |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in result["clients"]:
         (f0, w0), (f1, w1) = c["trace"][0], c["trace"][-1]
         share = f"{c['update_share']:.3f}" if "update_share" in c else ""  # only when every client trained
         lines.append(
-            f"| {c['client']} | {c['samples']} | {c['steps']} | {f0:.3f} -> {f1:.3f} | "
+            f"| {c['client']} | {c['samples']} | {100 * c['top_share']:.0f}% | {c['steps']} | {f0:.3f} -> {f1:.3f} | "
             f"{(f1 - f0) / (c['steps'] * lr):+.3f} | {w0:.4f} | {w1**2 - w0**2:+.3e} | {c['weight']:.3f} | {share} |"
         )
     if "average" in result:
@@ -134,7 +138,7 @@ def table(result):
         w2_mean = np.mean([c["trace"][-1][1] ** 2 for c in result["clients"]])
         f_avg, w_avg = np.mean([a[0] for a in result["average"]]), result["average"][0][1]
         lines.append(
-            f"| the clients' mean / the average | | | {f_mean:.3f} / {f_avg:.3f} | | | "
+            f"| the clients' mean / the average | | | | {f_mean:.3f} / {f_avg:.3f} | | | "
             f"{w2_mean - start**2:+.3e} / {w_avg**2 - start**2:+.3e} | 1 | 1 |"
         )
     return "\n".join(lines)

@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from collect import CLAIMS, NEGATED, read_metrics, split_claim, variant_order, DEFAULT_CLAIM  # noqa: E402
 
-COMMANDS = ("claims", "runs", "partition")
+COMMANDS = ("claims", "runs", "partition", "fn-growth")
 SCRIPTS = ("fedavg", "fedbabu", "fedfn", "fedln", "fednnnn", "anfr")
 # config.json keys that never tell two runs apart in a label (where the run went, how it was checkpointed).
 NOT_IN_LABEL = {"out", "resume", "stop_after", "checkpoint_every", "save_model", "data_dir", "device"}
@@ -321,6 +321,28 @@ def class_names(run_dir, num_classes):
     return [str(c) for c in range(num_classes)]
 
 
+def plot_fn_growth(a, plt):
+    """One line per client of the traced round: mean ||f|| on its probe at each local step (log scale), labelled
+    with its samples and the share of its largest class (from the run's partition.json beside the trace's run)."""
+    with open(a.path) as f:
+        trace = json.load(f)
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for c in trace["clients"]:
+        label = f"client {c['client']}: n={c['samples']}"
+        if "top_share" in c:
+            label += f", {100 * c['top_share']:.0f}% one class"
+        ax.plot([t[0] for t in c["trace"]], label=label)
+    ax.set_yscale("log")
+    ax.set_xlabel("local step")
+    ax.set_ylabel("mean ||f|| on the client's probe batch")
+    ax.set_title(f"FedFN, round {trace['round']} (lr {trace['lr']:g}): the feature norm inside local training")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(a.out, dpi=120)
+    print(f"wrote {a.out}")
+    return 0
+
+
 def plot_partition(a, plt):
     try:
         counts, scheme, names, clients = load_partition(a.path, a.split)
@@ -407,6 +429,9 @@ def parser():
         help="training counts, or the per-client test sets' (--client-test)",
     )
     t.add_argument("--title", default=None, help="figure title (default: scheme, clients, classes, sizes)")
+    g = sub.add_parser("fn-growth", help="benchmarks/fn_growth.py --json: each client's mean ||f|| per local step")
+    g.add_argument("path", metavar="JSON", help="the trace benchmarks/fn_growth.py --json wrote")
+    g.add_argument("--out", default="fn-growth.png", help="the PNG to write")
     return p
 
 
@@ -432,7 +457,8 @@ def main(argv=None):
             file=sys.stderr,
         )
         return 1
-    return {"claims": plot_claims, "runs": plot_runs, "partition": plot_partition}[a.command](a, plt)
+    commands = {"claims": plot_claims, "runs": plot_runs, "partition": plot_partition, "fn-growth": plot_fn_growth}
+    return commands[a.command](a, plt)
 
 
 if __name__ == "__main__":
