@@ -322,21 +322,25 @@ def class_names(run_dir, num_classes):
 
 
 def plot_fn_growth(a, plt):
-    """One line per client of the traced round: mean ||f|| on its probe at each local step (log scale), labelled
-    with its samples and the share of its largest class (from the run's partition.json beside the trace's run)."""
-    with open(a.path) as f:
-        trace = json.load(f)
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for c in trace["clients"]:
-        label = f"client {c['client']}: n={c['samples']}"
-        if "top_share" in c:
-            label += f", {100 * c['top_share']:.0f}% one class"
-        ax.plot([t[0] for t in c["trace"]], label=label)
-    ax.set_yscale("log")
-    ax.set_xlabel("local step")
-    ax.set_ylabel("mean ||f|| on the client's probe batch")
-    ax.set_title(f"FedFN, round {trace['round']} (lr {trace['lr']:g}): the feature norm inside local training")
-    ax.legend(fontsize=6, ncol=2)
+    """One panel per trace (e.g. FedFN's and FedAvg's replay of the same round), one line per client of the traced
+    round: mean ||f|| on its probe at each local step (log scale, one y axis for all panels), labelled with its
+    samples and the share of its largest class (from the run's partition.json beside the trace's run)."""
+    traces = []
+    for path in a.paths:
+        with open(path) as f:
+            traces.append((os.path.splitext(os.path.basename(path))[0], json.load(f)))
+    fig, axes = plt.subplots(1, len(traces), figsize=(5.4 * len(traces), 4.0), sharey=True, squeeze=False)
+    for ax, (name, trace) in zip(axes[0], traces):
+        for c in trace["clients"]:
+            label = f"client {c['client']}: n={c['samples']}"
+            if "top_share" in c:
+                label += f", {100 * c['top_share']:.0f}% one class"
+            ax.plot([t[0] for t in c["trace"]], label=label)
+        ax.set_yscale("log")
+        ax.set_xlabel("local step")
+        ax.set_title(f"{name}: round {trace['round']} (lr {trace['lr']:g}), ||f|| inside local training", fontsize=9)
+        ax.legend(fontsize=6, ncol=2)
+    axes[0][0].set_ylabel("mean ||f|| on the client's probe batch")
     fig.tight_layout()
     fig.savefig(a.out, dpi=120)
     print(f"wrote {a.out}")
@@ -430,7 +434,7 @@ def parser():
     )
     t.add_argument("--title", default=None, help="figure title (default: scheme, clients, classes, sizes)")
     g = sub.add_parser("fn-growth", help="benchmarks/fn_growth.py --json: each client's mean ||f|| per local step")
-    g.add_argument("path", metavar="JSON", help="the trace benchmarks/fn_growth.py --json wrote")
+    g.add_argument("paths", metavar="JSON", nargs="+", help="traces benchmarks/fn_growth.py --json wrote: a panel each")
     g.add_argument("--out", default="fn-growth.png", help="the PNG to write")
     return p
 

@@ -250,29 +250,33 @@ def test_plot_cli_modes_and_the_old_form():
     assert e.value.code == 2
 
 
-def test_plot_fn_growth_draws_one_line_per_client(tmp_path):
+def test_plot_fn_growth_draws_a_panel_per_trace_and_a_line_per_client(tmp_path):
     pytest.importorskip("matplotlib")
     plot = importlib.import_module("plot")
     trace = {"round": 3, "lr": 0.03, "clients": [
         {"client": 4, "samples": 9, "top_share": 0.9, "trace": [[1.0, 13.0], [2.0, 13.1], [4.0, 13.2]]},
         {"client": 7, "samples": 5, "trace": [[3.0, 13.0], [2.5, 13.0]]},
     ]}  # fmt: skip
-    (tmp_path / "t.json").write_text(json.dumps(trace))
-    lines = []  # the figure is drawn for real; its lines are read back from its axes
+    other = {"round": 3, "lr": 0.01, "clients": [{"client": 4, "samples": 9, "trace": [[5.0, 1.0], [6.0, 1.0]]}]}
+    (tmp_path / "fedfn.json").write_text(json.dumps(trace))
+    (tmp_path / "fedavg.json").write_text(json.dumps(other))
+    panels = []  # the figure is drawn for real; its lines are read back from its axes
 
     def keep(a, plt):
         out = plot.plot_fn_growth(a, plt)
-        lines.extend(line.get_ydata().tolist() for line in plt.gcf().axes[0].get_lines())
+        for ax in plt.gcf().axes:
+            panels.append((ax.get_title().split(":")[0], [line.get_ydata().tolist() for line in ax.get_lines()]))
         return out
 
-    a = plot.parse(["fn-growth", str(tmp_path / "t.json"), "--out", str(tmp_path / "g.png")])
+    paths = [str(tmp_path / "fedfn.json"), str(tmp_path / "fedavg.json")]
+    a = plot.parse(["fn-growth", *paths, "--out", str(tmp_path / "g.png")])
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     assert keep(a, plt) == 0 and (tmp_path / "g.png").stat().st_size > 1000
-    assert lines == [[1.0, 2.0, 4.0], [3.0, 2.5]]
+    assert panels == [("fedfn", [[1.0, 2.0, 4.0], [3.0, 2.5]]), ("fedavg", [[5.0, 6.0]])]
 
 
 def write_run(d, config, script=None, accs=(), losses=()):
