@@ -326,9 +326,16 @@ def plot_fn_growth(a, plt):
     round: mean ||f|| on its probe at each local step (log scale, one y axis for all panels), labelled with its
     samples and the share of its largest class (from the run's partition.json beside the trace's run)."""
     traces = []
-    for path in a.paths:
-        with open(path) as f:
-            traces.append((os.path.splitext(os.path.basename(path))[0], json.load(f)))
+    for path in a.paths:  # every trace read and checked before anything is drawn
+        try:
+            with open(path) as f:
+                trace = json.load(f)
+            if not isinstance(trace, dict) or not {"round", "lr", "clients"} <= set(trace):
+                raise ValueError("not a trace of benchmarks/fn_growth.py --json (round, lr, clients)")
+        except (OSError, ValueError) as e:
+            print(f"plot.py fn-growth: JSON {path}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
+            return 2
+        traces.append((os.path.splitext(os.path.basename(path))[0], trace))
     fig, axes = plt.subplots(1, len(traces), figsize=(5.4 * len(traces), 4.0), sharey=True, squeeze=False)
     for ax, (name, trace) in zip(axes[0], traces):
         for c in trace["clients"]:

@@ -279,6 +279,26 @@ def test_plot_fn_growth_draws_a_panel_per_trace_and_a_line_per_client(tmp_path):
     assert panels == [("fedfn", [[1.0, 2.0, 4.0], [3.0, 2.5]]), ("fedavg", [[5.0, 6.0]])]
 
 
+@pytest.mark.parametrize("content", [None, "{not json", '{"round": 3}', "[1, 2]"])
+def test_plot_fn_growth_refuses_a_missing_or_foreign_trace(tmp_path, content, capsys):
+    pytest.importorskip("matplotlib")
+    plot = importlib.import_module("plot")
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    good.write_text(json.dumps({"round": 1, "lr": 0.1, "clients": []}))
+    if content is not None:
+        bad.write_text(content)
+    a = plot.parse(["fn-growth", str(good), str(bad), "--out", str(tmp_path / "g.png")])
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    assert plot.plot_fn_growth(a, plt) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"plot.py fn-growth: JSON {bad}: ") and err.count("\n") == 1
+    assert not (tmp_path / "g.png").exists()  # nothing drawn
+
+
 def write_run(d, config, script=None, accs=(), losses=()):
     os.makedirs(d)
     with open(os.path.join(d, "config.json"), "w") as f:
