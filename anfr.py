@@ -13,8 +13,8 @@ CIFAR-10 split-2 from random initialization, App. B.3 / Table 9 (ANFR 83.20; a G
     python anfr.py --dataset cifar10 --arch anfr --stem imagenet --image-size 224 --augment rrc --crop-scale 0.05 1 \
         --normalize half --bn-stats local --val-frac 0.1
 Measured (benchmarks/reproduce/anfr.sh small: ResNet-18 of width 8, 25 rounds of 50 steps, 32x32, the recipe and
-timm's init; real CIFAR-10 split-2, seeds 0-1, 2-core CPU, test accuracy at the best validation round): SE 42.8,
-BN 41.9, GN 28.5, ANFR 26.7, NF 26.0 (Table 9: 81.19, 80.89, 78.52, 83.20, 81.66).
+timm's init; real CIFAR-10 split-2, seeds 0-2, 2-core CPU, test accuracy at the best validation round): SE 42.1,
+BN 41.9, GN 28.5, ANFR 27.1, NF 25.0 (Table 9: 81.19, 80.89, 78.52, 83.20, 81.66).
 
 Docs: docs/anfr.md, with the pretrained (timm) setting. Its "Implementation details and deviations"
 gives each choice with its reason: timm's init, Pieri et al.'s recipe, per-client AdamW and cosine state,
