@@ -321,21 +321,29 @@ def class_names(run_dir, num_classes):
     return [str(c) for c in range(num_classes)]
 
 
+def load_trace(path):
+    """A trace written by benchmarks/fn_growth.py --json: {"round", "lr", "clients": [...]}; ValueError otherwise."""
+    try:
+        with open(path) as f:
+            trace = json.load(f)
+    except OSError as e:
+        raise ValueError(f"JSON {path}: {e.strerror}") from e
+    except ValueError as e:
+        raise ValueError(f"JSON {path}: {e}") from e
+    if not isinstance(trace, dict) or not {"round", "lr", "clients"} <= set(trace):
+        raise ValueError(f"JSON {path}: not a trace of benchmarks/fn_growth.py --json (round, lr, clients)")
+    return trace
+
+
 def plot_fn_growth(a, plt):
     """One panel per trace (e.g. FedFN's and FedAvg's replay of the same round), one line per client of the traced
     round: mean ||f|| on its probe at each local step (log scale, one y axis for all panels), labelled with its
     samples and the share of its largest class (from the run's partition.json beside the trace's run)."""
-    traces = []
-    for path in a.paths:  # every trace read and checked before anything is drawn
-        try:
-            with open(path) as f:
-                trace = json.load(f)
-            if not isinstance(trace, dict) or not {"round", "lr", "clients"} <= set(trace):
-                raise ValueError("not a trace of benchmarks/fn_growth.py --json (round, lr, clients)")
-        except (OSError, ValueError) as e:
-            print(f"plot.py fn-growth: JSON {path}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
-            return 2
-        traces.append((os.path.splitext(os.path.basename(path))[0], trace))
+    try:  # every trace read and checked before anything is drawn
+        traces = [(os.path.splitext(os.path.basename(path))[0], load_trace(path)) for path in a.paths]
+    except ValueError as e:
+        print(f"plot.py fn-growth: {e}", file=sys.stderr)
+        return 2
     fig, axes = plt.subplots(1, len(traces), figsize=(5.4 * len(traces), 4.0), sharey=True, squeeze=False)
     for ax, (name, trace) in zip(axes[0], traces):
         for c in trace["clients"]:
