@@ -15,7 +15,7 @@ Measured (benchmarks/reproduce/fedfn.sh; real CIFAR-10, seeds 0-2, one thread of
 proxy (vgg11-narrow: VGG11 at a quarter width, VGG11's feature and head-row norms; 200 rounds of E=2):
 s=2 FedFN 37.7 vs FedAvg 32.9, s=10 66.5 vs 62.1; Dirichlet (Table 8): alpha 0.5 65.1 vs 62.6, alpha 0.1
 39.9 vs 48.9 (seeds 0-2; there ||f||, which FN's loss leaves free, runs away inside local training);
-small (convnet4-tiny, batch norm, 50 rounds): s=2 34.0 vs 42.0, s=10 51.8 vs 55.2 (--fn-scale sqrt-d: 41.9, 54.0).
+small (convnet4-tiny, batch norm, 50 rounds): s=2 34.0 vs 41.9, s=10 51.8 vs 55.2 (--fn-scale sqrt-d: 41.9, 54.0).
 
 Docs: docs/fedfn.md. Its "Implementation details and deviations" gives each choice with its reason:
 VGG11 without batch norm, no weight decay, the head's bias, SCAFFOLD's momentum step count, FedEXP.
