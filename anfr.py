@@ -14,7 +14,8 @@ CIFAR-10 split-2 from random initialization, App. B.3 / Table 9 (ANFR 83.20; a G
         --normalize half --bn-stats local --val-frac 0.1
 Measured (benchmarks/reproduce/anfr.sh small: ResNet-18 of width 8, 25 rounds of 50 steps, 32x32, the recipe and
 timm's init; real CIFAR-10 split-2, seeds 0-2, 2-core CPU, test accuracy at the best validation round): SE 42.1,
-BN 41.9, GN 28.5, ANFR 27.1, NF 25.0 (Table 9: 81.19, 80.89, 78.52, 83.20, 81.66).
+BN 41.9, GN 28.5, ANFR 27.1, NF 25.0 (Table 9: 81.19, 80.89, 78.52, 83.20, 81.66); anfr.sh proxy (200 steps a
+round): SE 55.4, BN 55.0, GN 45.5, ANFR 44.3, NF 43.5.
 
 Docs: docs/anfr.md, with the pretrained (timm) setting. Its "Implementation details and deviations"
 gives each choice with its reason: timm's init, Pieri et al.'s recipe, per-client AdamW and cosine state,
