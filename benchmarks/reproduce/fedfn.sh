@@ -58,6 +58,11 @@ for a in ${ALPHAS-}; do  # Table 8's Dirichlet rows (Dir(alpha) per class over 1
     SEEDS=${SEEDS%% *} run "fedfn-a$a" fedavg-wd1e-5 fedfn.py "${COMMON[@]}" --alpha "$a" --no-fn --lr 0.01 \
       --weight-decay 1e-5
     SEEDS=${SEEDS%% *} run "fedfn-a$a" fedfn-wd1e-5 fedfn.py "${COMMON[@]}" --alpha "$a" --lr 0.03 --weight-decay 1e-5
+    # More local work, toward the paper's E=15: FN's norm grows inside local training, so E decides how far it runs
+    e5=("${COMMON[@]}")
+    for i in "${!e5[@]}"; do [ "${e5[$i]}" = --local-epochs ] && e5[i + 1]=5; done
+    run "fedfn-a$a" fedavg-e5 fedfn.py "${e5[@]}" --alpha "$a" --no-fn --lr 0.01
+    run "fedfn-a$a" fedfn-e5 fedfn.py "${e5[@]}" --alpha "$a" --lr 0.03
   fi
 done
 finish
