@@ -1,25 +1,18 @@
 """ANFR: An Architecture Built for Federated Learning: Addressing Data Heterogeneity through Adaptive
 Normalization-Free Feature Recalibration (anonymous authors, under review at ICML).
 
-Idea: the method is the backbone, not the aggregation. ANFR = an NF-ResNet (Scaled Weight
-Standardization, Eq. 5: no activation normalization, so no client batch statistics to mismatch or
-average) plus channel attention (SE / ECA / CBAM). It is compared with BN-, GN-, SE- and NF-ResNets
-(--arch) under FedAvg, FedProx, SCAFFOLD and FedAdam (--agg, Table 1), FedPer and FedBN (--pfl,
-Table 2), and DP-SGD (Sec. 4.3). The models are timm's ResNet-50s, checked logit for logit in tests.
+Idea: the method is the backbone, not the aggregation. ANFR = an NF-ResNet (Scaled Weight Standardization, Eq. 5: no
+activation normalization, so no client batch statistics to mismatch or average) plus channel attention (SE / ECA /
+CBAM). It is compared with BN-, GN-, SE- and NF-ResNets (--arch) under FedAvg, FedProx, SCAFFOLD and FedAdam (--agg,
+Table 1), FedPer and FedBN (--pfl, Table 2), and DP-SGD (Sec. 4.3). The models are timm's ResNet-50s, checked logit
+for logit in tests.
 
-Reproduce (CPU, synthetic data, about a minute):
-    python anfr.py --dataset synthetic --arch anfr --depth 18 --width 16 --rounds 10 --local-steps 10
-CIFAR-10 split-2 from random initialization, App. B.3 / Table 9 (ANFR 83.20; a GPU; Pieri et al.'s recipe):
     python anfr.py --dataset cifar10 --arch anfr --stem imagenet --image-size 224 --augment rrc --crop-scale 0.05 1 \
-        --normalize half --bn-stats local --val-frac 0.1
-Measured (benchmarks/reproduce/anfr.sh small: ResNet-18 of width 8, 25 rounds of 50 steps, 32x32, the recipe and
-timm's init; real CIFAR-10 split-2, seeds 0-2, 2-core CPU, test accuracy at the best validation round): SE 42.1,
-BN 41.9, GN 28.5, ANFR 27.1, NF 25.0 (Table 9: 81.19, 80.89, 78.52, 83.20, 81.66); anfr.sh proxy (200 steps a
-round): SE 55.4, BN 55.0, GN 45.5, ANFR 44.3, NF 43.5.
+        --normalize half --bn-stats local --val-frac 0.1      # Table 9: CIFAR-10 split-2 from scratch (a GPU)
 
-Docs: docs/anfr.md, with the pretrained (timm) setting. Its "Implementation details and deviations"
-gives each choice with its reason: timm's init, Pieri et al.'s recipe, per-client AdamW and cosine state,
-FedAdam, SCAFFOLD after each AdamW step, DP-SGD's sampling and accountant, batch-norm averaging.
+Usage (with the pretrained, timm setting), logged metrics, implementation details (timm's init, Pieri et al.'s recipe,
+per-client AdamW and cosine state, FedAdam, SCAFFOLD after each AdamW step, DP-SGD's sampling and accountant,
+batch-norm averaging) and results: docs/anfr.md.
 """
 
 import argparse
@@ -33,20 +26,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call, grad_and_value, vmap  # ANFR: per-sample gradients for DP-SGD
 
-# fmt: off
-from common import (AUGMENTATIONS, RESNET_LAYOUT, HelpFormatter, RoundLoop, RunFolder, accumulate, add_run_flags,
-                    announce, autocast, build_model, client_batches, client_weights, decay_rate, device_flag,
-                    each_client, eval_metrics, exit_if_diverged, finish_args, flag_type, fraction, given_flags,
-                    load_average, load_data, make_partition, non_negative_float, non_negative_int, positive_float,
-                    positive_int, prepare_batch, prox_term, refuse, rng_state, sample_clients, seed_everything,
-                    seed_int, set_rng_state, setup_distributed,
-                    scaffold_control, scaffold_correction, scaffold_server)  # ANFR: SCAFFOLD
-# fmt: on
+from common import (ATTENTION, AUGMENTATIONS, DATASETS, RESNET_LAYOUT, HelpFormatter, Run, ScaledStdConv2d,
+                    accumulate, autocast, build_model, client_batches, client_weights, decay_rate, device_flag,
+                    each_client, eval_metrics, finish_args, flag_type, fraction, given_flags, load_average,
+                    load_data, make_norm, make_partition, non_negative_float, non_negative_int, positive_float,
+                    positive_int, prepare_batch, progress, prox_term, refuse, round_channels, sample_clients, seed_int,
+                    scaffold_control, scaffold_correction, scaffold_server)  # ANFR: SCAFFOLD  # fmt: skip
 
-# The paper's from-scratch CIFAR-10 setting: the defaults of the flags below (--help shows them). App. A.1 and B.3,
-# Table 9 (ANFR 83.20), with Pieri et al. 2023's recipe, which B.3 follows, where marked. The rest of that recipe,
-# at the paper's 224x224: --augment rrc --crop-scale 0.05 1 --normalize half --image-size 224 --stem imagenet
-# (benchmarks/reproduce/anfr.sh paper).
+# The paper's from-scratch CIFAR-10 setting, the defaults of the flags below: App. A.1 and B.3, Table 9, with Pieri et
+# al. 2023's recipe, which B.3 follows, where marked. The rest of that recipe, at the paper's 224x224: --augment rrc
+# --crop-scale 0.05 1 --normalize half --image-size 224 --stem imagenet (benchmarks/reproduce/anfr.sh paper).
 PAPER = dict(
     dataset="cifar10",
     split2=True,  # split-2 of Qu et al. 2022: 5 clients of 4 classes each (A.1)
@@ -69,66 +58,87 @@ ARCHS = {"bn": ("bn", False), "gn": ("gn", False), "se": ("bn", True), "nf": ("n
 DP_ORDERS = [1 + x / 10 for x in range(1, 100)] + list(range(12, 64))  # ANFR: Renyi orders (those of Opacus)
 
 
+class EfficientChannelAttention(nn.Module):  # ANFR: Table 5's attention variants
+    """ECA (Wang et al. 2020): channel weights sigmoid(conv1d_k over the channels of the average pool), k = |(log2 C +
+    1) / 2| rounded up to odd, at least 3 (timm's EcaModule)."""
+
+    def __init__(self, channels, norm=None, gamma=2, b=1):
+        super().__init__()
+        t = int(abs(math.log2(channels) + b) / gamma)
+        k = max(t if t % 2 else t + 1, 3)
+        self.conv = nn.Conv1d(1, 1, k, padding=(k - 1) // 2, bias=False)
+
+    def weights(self, x):
+        return torch.sigmoid(self.conv(x.mean((2, 3)).unsqueeze(1))).transpose(1, 2).unsqueeze(-1)
+
+    def forward(self, x):
+        return x * self.weights(x)
+
+
+class CBAM(nn.Module):  # ANFR
+    """CBAM (Woo et al. 2018; timm's CbamModule): channel gate sigmoid(MLP(avg pool) + MLP(max pool)), a shared
+    bias-free MLP (C/16), then spatial gate sigmoid(conv7x7([mean_c, max_c])), that conv followed by the net's norm."""
+
+    def __init__(self, channels, norm="bn", reduction=16):
+        super().__init__()
+        hidden = round_channels(channels / reduction, 1)
+        self.fc1, self.fc2 = nn.Conv2d(channels, hidden, 1, bias=False), nn.Conv2d(hidden, channels, 1, bias=False)
+        conv = ScaledStdConv2d(2, 1, 7, 1, 3) if norm == "nf" else nn.Conv2d(2, 1, 7, 1, 3, bias=False)
+        self.spatial = nn.Sequential(conv, make_norm(norm, 1))
+
+    def weights(self, x):
+        mlp = lambda z: self.fc2(F.relu(self.fc1(z)))
+        return torch.sigmoid(mlp(x.mean((2, 3), keepdim=True)) + mlp(x.amax((2, 3), keepdim=True)))
+
+    def forward(self, x):
+        x = x * self.weights(x)
+        return x * torch.sigmoid(self.spatial(torch.cat([x.mean(1, keepdim=True), x.amax(1, keepdim=True)], 1)))
+
+
+ATTENTION.update(eca=EfficientChannelAttention, cbam=CBAM)  # ANFR: --attention, beside common's SE
+
+
 # fmt: off
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", default=PAPER["dataset"],
-        help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | tinyimagenet | synthetic")
-    g.add_argument("--data-dir", default="./data",
-        help="download folder, the image folder of --dataset folder (train/<class>/*, test/<class>/*; in groups: "
-             "train/<group>/<class>/*), or tiny-imagenet-200/")
+    g.add_argument("--dataset", default=PAPER["dataset"], choices=sorted(DATASETS), help="folder: --data-dir's images")
+    g.add_argument("--data-dir", default="./data", help="download folder, image folder DIR/{train,test}/<class>/*")
     g.add_argument("--augment", default="crop-flip", choices=AUGMENTATIONS,
-        help="on-device augmentation of training batches: crop-flip, flip, none at the stored size; rrc(-flip): "
-             "RandomResizedCrop to --image-size (Pieri et al. 2023, the paper's CIFAR-10 recipe: rrc, no flip)")
+        help="of training batches, on device; rrc: RandomResizedCrop to --image-size (the paper's recipe, no flip)")
     g.add_argument("--crop-scale", type=fraction, nargs=2, default=[0.08, 1.0], metavar=("LO", "HI"),
-        help="ANFR: area fraction range of --augment rrc (torchvision's 0.08 1; the paper's recipe: 0.05 1)")  # ANFR
-    g.add_argument("--image-size", type=flag_type(int, 8), default=None,
-        help="ANFR: the size the model sees (the paper: 224; default: keep): --augment rrc crops to it, other "
-             "augmentations are resized to it afterwards, test images are resized to it")  # ANFR
+        help="ANFR: area fraction range of --augment rrc (torchvision's; the paper's recipe: 0.05 1)")  # ANFR
+    g.add_argument("--image-size", type=flag_type(int, 8),
+        help="ANFR: the size the model sees (the paper: 224; default: as stored); rrc crops to it, the other "
+             "augmentations and the test images are resized to it")  # ANFR
     g.add_argument("--normalize", default="dataset", choices=["dataset", "half"],
-        help="ANFR: subtract the training split's per-channel mean and divide by its std, or (x - 0.5) / 0.5 "
-             "(the paper's recipe)")  # ANFR
-    g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2, "
-                             "--disjoint-classes, --natural; one given replaces the default)")
-    g.add_argument("--iid", action="store_true", default=PAPER.get("iid", False), help="uniform random split")
-    g.add_argument("--shards", type=positive_int, default=PAPER.get("shards"),
-        help="S: sort by label, N*S shards, S per client")
-    g.add_argument("--classes-per-client", type=positive_int, default=PAPER.get("classes_per_client"),
-        help="C: each client holds C classes, each class split evenly among its holders")
-    g.add_argument("--alpha", type=positive_float, default=PAPER.get("alpha"),
-        help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
-    g.add_argument("--split2", action="store_true", default=PAPER.get("split2", False),
-        help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
-    g.add_argument("--disjoint-classes", action="store_true",
-        help="each client holds its own classes: N disjoint sets (7 classes, 3 clients: 2, 2, 3; FedLN Table 5)")
-    g.add_argument("--natural", action="store_true",
-        help="the clients are the folders of an image folder, train/<client>/<class>/* (N: their number)")
-    g.add_argument("--clients-per-domain", type=positive_int, default=None,
-        help="M: an image folder train/<domain>/<class>/*, each domain split over M clients by the partition flag")
-    g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"],
-        help="client sizes: equal, or power law (unbalanced)")
+        help="ANFR: by the training split's per-channel mean and std, or (x - 0.5) / 0.5 (the paper's recipe)")  # ANFR
+    g = p.add_argument_group("partition: one of these (default: --split2, the paper's)")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--iid", action="store_true", help="a uniform random split")
+    x.add_argument("--shards", type=positive_int, help="S: sort by label, cut N*S shards, deal S to each client")
+    x.add_argument("--classes-per-client", type=positive_int, help="C classes a client, each split among its holders")
+    x.add_argument("--alpha", type=positive_float, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
+    x.add_argument("--split2", action="store_true", help="CIFAR-10 split-2 (Qu et al. 2022): 5 clients, 4 classes each")
+    x.add_argument("--disjoint-classes", action="store_true", help="N disjoint class sets (FedLN T5: 2, 2, 3 of 7)")
+    x.add_argument("--natural", action="store_true", help="the clients are the folders DIR/train/<client>/<class>/*")
+    g.add_argument("--clients-per-domain", type=positive_int, help="M: DIR/train/<domain>/<class>/*, split M ways each")
+    g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes")
     g.add_argument("--client-test", action="store_true",
-        help="also evaluate on per-client test sets with each client's label distribution (always on with --pfl)")
-    g.add_argument("--balanced-acc", action="store_true",
-        help="also log the balanced accuracy (mean per-class recall) of the global and per-client tests")
-    g.add_argument("--data-seed", type=seed_int, default=None,
-        help="seed of the partition (default: --seed); client sampling uses --seed")
-    g.add_argument("--val-frac", type=decay_rate, default=0.0,
-        help="share of each client's training data held out for validation: val_acc, and test_acc_at_best_val "
-             "in summary.json (0: none)")
+        help="also test each client on its own label distribution (always with --pfl)")  # ANFR
+    g.add_argument("--balanced-acc", action="store_true", help="also log the balanced accuracy (mean class recall)")
+    g.add_argument("--data-seed", type=seed_int, help="seed of the partition (default: --seed)")
+    g.add_argument("--val-frac", type=decay_rate, default=0.0, help="share of each client's data held out: val_acc")
     g = p.add_argument_group("federation")
     g.add_argument("--num-clients", type=positive_int, default=PAPER["num_clients"],
         help="C: number of clients")  # ANFR: the paper's symbol
-    g.add_argument("--frac", type=fraction, default=PAPER["frac"],
-        help="fraction of clients sampled per round, in (0, 1]")  # ANFR: the paper has no symbol
+    g.add_argument("--frac", type=fraction, default=PAPER["frac"], help="fraction of clients a round, in (0, 1]")
     g.add_argument("--rounds", type=positive_int, default=PAPER["rounds"], help="T: communication rounds")
-    g.add_argument("--local-epochs", type=positive_int, default=PAPER["local_epochs"], help="E: local epochs per round")
-    g.add_argument("--local-steps", type=positive_int, default=None,
-        help="local steps per round instead of --local-epochs")  # ANFR: AdamW steps
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--local-epochs", type=positive_int, help=f"E: epochs a round (default: {PAPER['local_epochs']})")
+    x.add_argument("--local-steps", type=positive_int, help="local steps a round, not epochs")  # ANFR: AdamW steps
     g.add_argument("--batch-size", type=positive_int, default=PAPER["batch_size"], help="B: local batch size")
-    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"],
-        help="aggregation weights: n_k/n, or 1/m")
+    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"], help="weights n_k/n, or 1/m")
     g.add_argument("--agg", default="fedavg", choices=["fedavg", "fedprox", "scaffold", "fedadam"],
         help="ANFR: aggregation method (Table 1)")  # ANFR
     g.add_argument("--pfl", default="none", choices=["none", "fedper", "fedbn"],
@@ -138,58 +148,50 @@ def parse_args():
         help="ANFR: bn | gn (group norm) | se (bn + attention) | nf (NF-ResNet, Eq. 5) | anfr (nf + attention)")  # ANFR
     g.add_argument("--depth", type=int, default=PAPER["depth"], choices=[18, 26, 50],
         help="ANFR: ResNet depth (18: basic blocks; 26, 50: bottlenecks)")  # ANFR
-    g.add_argument("--width", type=positive_int, default=64,
-        help="ANFR: base channel count (64 = standard ResNet)")  # ANFR
+    g.add_argument("--width", type=positive_int, default=64, help="ANFR: base channels (64: the standard ResNet)")
     g.add_argument("--stem", default="cifar", choices=["cifar", "imagenet"],
         help="ANFR: conv3x3 stem for 32x32 inputs, or conv7x7 + max-pool (paper, at 224)")  # ANFR
     g.add_argument("--attention", default="se", choices=["se", "eca", "cbam"],
         help="ANFR: channel attention of --arch se and anfr (Table 5); SE reduction r=16")  # ANFR
-    g.add_argument("--init-from", default=None, metavar="PATH",
-        help="ANFR: start from this state dict, ours or timm's (the paper: timm's ImageNet weights; see the "
-             "docstring); every entry but the head must load")  # ANFR
+    g.add_argument("--init-from", metavar="PATH",
+        help="ANFR: start from this state dict, ours or timm's (the paper: timm's ImageNet weights; docs/anfr.md); "
+             "every entry but the head must load")  # ANFR
     g.add_argument("--init", default="timm", choices=["timm", "torch"],
-        help="ANFR: start every --arch as timm's fresh ResNet-50s do (zero last norm weight or NF gain of each "
-             "branch, timm's conv and head init; common.timm_init), or with PyTorch's default layer init")  # ANFR
+        help="ANFR: start every --arch as timm's fresh ResNet-50s (each branch's last norm weight or NF gain 0, "
+             "timm's conv and head init; common.resnet), or with PyTorch's default layer init")  # ANFR
     g.add_argument("--last-gain-init", type=non_negative_float, default=0.0,
-        help="ANFR: start value of the gain g (Eq. 5) of the last conv of each NF residual branch; 0 = timm's "
-             "NF-ResNets, the paper's models")  # ANFR
+        help="ANFR: start of the gain g (Eq. 5) of each NF branch's last conv; 0: timm's, the paper's models")  # ANFR
     g = p.add_argument_group("optimization")
     g.add_argument("--optimizer", default=PAPER["optimizer"], choices=["adamw", "sgd"],
-        help="ANFR: the clients' optimizer: AdamW, or SGD with momentum 0.9 (Pieri et al.'s from ImageNet weights, "
-             "lr 0.03, and their CelebA)")  # ANFR
+        help="ANFR: AdamW, or SGD with momentum 0.9 (Pieri et al.'s from ImageNet weights, lr 0.03)")  # ANFR
     g.add_argument("--lr", type=positive_float, default=PAPER["lr"],
         help="eta: local learning rate, warmed up and cosine-decayed over the run")  # ANFR: AdamW, cosine
     g.add_argument("--weight-decay", type=non_negative_float, default=PAPER["weight_decay"],
-        help="weight decay: AdamW's decoupled one, or SGD's L2 (not given with --optimizer sgd: 0, Pieri et al.'s)")
+        help="AdamW's decoupled weight decay, or SGD's L2 (with --optimizer sgd unless given: 0, Pieri et al.'s)")
     g.add_argument("--client-state", default=PAPER["client_state"], choices=["keep", "reset"],
-        help="ANFR: keep: each client keeps its optimizer state and schedule position between rounds (A.2); reset: "
-             "a fresh optimizer every round and the schedule at the round's place in the run (cross-device: "
-             "nothing per client in memory, e.g. CelebA's 9,343 clients)")  # ANFR
+        help="ANFR: keep: each client keeps its optimizer state and schedule between rounds (A.2); reset: a fresh "
+             "optimizer a round, the schedule at the round's place (cross-device, e.g. CelebA's 9,343)")  # ANFR
     g.add_argument("--warmup-steps", type=non_negative_int, default=PAPER["warmup_steps"],
         help="ANFR: linear warm-up from 0 over a client's first steps, then the cosine")  # ANFR
     g.add_argument("--loss", default="ce", choices=["ce", "focal"],
-        help="ANFR: cross-entropy, or Fed-ISIC2019's focal loss, FLamby's BaselineLoss: the batch mean of "
-             "-alpha_y (1 - p_y)^gamma log p_y with the class weights alpha of --focal-weights")  # ANFR
+        help="ANFR: cross-entropy, or Fed-ISIC2019's focal loss (FLamby's BaselineLoss): the batch mean of -alpha_y "
+             "(1 - p_y)^gamma log p_y with the weights of --focal-weights")  # ANFR
     g.add_argument("--focal-gamma", type=non_negative_float, default=2.0,
         help="ANFR: gamma of --loss focal (FLamby's 2; 0 with weights 1 is cross-entropy)")  # ANFR
     g.add_argument("--focal-weights", default="local", choices=["local", "pooled"],
-        help="ANFR: alpha of --loss focal. local: alpha_c = n_k / n_k,c from client k's own training labels, "
-             "'weighted by the local class percentages at each client' (App. A.1), the setting of the main tables "
-             "and the default; pooled: alpha_c = N / n_c from all clients' training labels, fixed and the same for "
-             "every client: FLamby's BaselineLoss weights (Fed-ISIC2019: 5.58 ... 101.07; local ones reach 1,581), "
-             "App. B.2's 'pre-computed class weights' with FLamby's hyper-parameters. A class without training "
-             "labels gets 0")  # ANFR
+        help="ANFR: alpha of --loss focal. local: alpha_c = n_k / n_k,c of client k's own labels (App. A.1, the "
+             "main tables); pooled: N / n_c of all clients' labels, FLamby's fixed weights (App. B.2). A class "
+             "without training labels: 0")  # ANFR
     g.add_argument("--clip", type=non_negative_float, default=PAPER["clip"],
         help="ANFR: local gradient-norm clipping (0 = off)")  # ANFR
     g.add_argument("--agc", type=non_negative_float, default=0.0,
-        help="ANFR: lambda of adaptive gradient clipping (Brock et al. 2021b; in the paper's grid, App. A.2): each "
-             "unit's gradient at most lambda max(||W||, 1e-3), the head unclipped; needs --clip 0 (0 = off)")  # ANFR
+        help="ANFR: lambda of adaptive gradient clipping (Brock et al. 2021b; App. A.2's grid): each unit's gradient "
+             "at most lambda max(||W||, 1e-3), the head unclipped; needs --clip 0 (0 = off)")  # ANFR
     g.add_argument("--bn-stats", default="average", choices=["average", "local"],
         help="ANFR: batch-norm running statistics averaged with the weights, or kept by each client (Pieri et al.: "
-             "the parameters are averaged, each client's model is evaluated and the scores averaged)")  # ANFR
-    g.add_argument("--prox-mu", type=non_negative_float, default=None,
-        help="mu: FedProx proximal term mu/2 ||w - w_t||^2, with --agg fedprox only (default 0.01; tuned in {1e-3, "
-             "1e-2, ...})")  # ANFR
+             "each client's model is tested, the scores averaged)")  # ANFR
+    g.add_argument("--prox-mu", type=non_negative_float,
+        help="mu: FedProx's mu/2 ||w - w_t||^2, with --agg fedprox only (default there: 0.01)")  # ANFR
     g.add_argument("--server-lr", type=positive_float, default=1e-3,
         help="ANFR: FedAdam server learning rate eta (Appendix A.2 range 5e-4..1e-1)")  # ANFR
     g.add_argument("--server-betas", type=decay_rate, nargs=2, default=[0.9, 0.99],
@@ -197,26 +199,29 @@ def parse_args():
     g.add_argument("--server-tau", type=positive_float, default=1e-3,
         help="ANFR: FedAdam adaptivity tau (Reddi et al. 2021)")  # ANFR
     g = p.add_argument_group("differential privacy (Section 4.3)")
-    g.add_argument("--dp-noise-multiplier", type=positive_float, default=None,
-        help="ANFR: sigma; enables DP-SGD on clients (paper: 1.1); architectures without batch norm only")  # ANFR
+    g.add_argument("--dp-noise-multiplier", type=positive_float,
+        help="ANFR: sigma; DP-SGD on the clients (paper: 1.1); architectures without batch norm only")  # ANFR
     g.add_argument("--dp-max-grad-norm", type=positive_float, default=1.0,
         help="ANFR: C, per-sample gradient norm bound of DP-SGD (paper: 1.0)")  # ANFR
     g = p.add_argument_group("run")
-    g.add_argument("--seed", type=seed_int, default=0, help="seed of model init, client sampling and local shuffling")
-    g.add_argument("--device", type=device_flag, default=None,
-        help="cpu, cuda, cuda:N or mps (default: cuda if available, else cpu)")
+    g.add_argument("--seed", type=seed_int, default=0, help="seed of the init, client sampling and local shuffling")
+    g.add_argument("--device", type=device_flag, help="cpu, cuda, cuda:N or mps (default: cuda if there is one)")
     g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes (not with DP)")
-    g.add_argument("--eval-every", type=positive_int, default=1,
-        help="evaluate every this many rounds (and at the last)")
+    g.add_argument("--threads", type=positive_int, help="CPU threads (default: OMP_NUM_THREADS, or the free cores)")
+    g.add_argument("--eval-every", type=positive_int, default=1, help="evaluate every this many rounds and the last")
     g.add_argument("--analyze", action="store_true",
-        help="ANFR: class selectivity index and attention-weight spread of the last attention module (Sec. 3.4) in "
-             "summary.json; at every evaluation the last gains of the residual branches and how their gradients "
-             "agree from step to step")  # ANFR
-    add_run_flags(g, "anfr")  # --checkpoint-every, --out, --overwrite, --save-model, --resume, --stop-after
+        help="ANFR: class selectivity and attention-weight spread of the last attention module (Sec. 3.4) in "
+             "summary.json; at every evaluation the branches' last gains and how their gradients agree")  # ANFR
+    g.add_argument("--checkpoint-every", type=positive_int, help="checkpoint period (default: at each evaluation)")
+    g.add_argument("--out", help="run folder (default: runs/anfr__<dataset>__<seed>__<time>)")
+    g.add_argument("--overwrite", action="store_true", help="replace the run in --out (else such an --out is refused)")
+    g.add_argument("--save-model", action="store_true", help="write the final global model to OUT/model.pt")
+    g.add_argument("--resume", metavar="DIR", help="continue the run in DIR; a larger --rounds extends it")
+    g.add_argument("--stop-after", type=positive_int, help="checkpoint and stop after this many rounds")
     p.set_defaults(model="resnet")  # ANFR: common.resnet with the options of --arch
     args = p.parse_args()
     args.client_test = args.client_test or args.pfl != "none"  # ANFR: pFL is evaluated on per-client test sets
-    args = finish_args(p, args, "anfr")  # ANFR
+    args = finish_args(p, args, "anfr", PAPER)  # ANFR
     return args if args.resume else check_args(p, args)  # ANFR: a resumed run's flags were checked when it began
 
 
@@ -620,12 +625,11 @@ def local_train(
 
 if __name__ == "__main__":
     args = parse_args()
-    setup_distributed(args)  # torchrun: join the other ranks (nothing when run alone)
-    seed_everything(args.seed)
-    data = load_data(args)
+    run = Run(args)  # torchrun's ranks, the seeds, the client sampler (its own generator), Ctrl-C
+    data = load_data(args)  # uint8 tensors on the device; a bad folder is refused as it is read
     if args.normalize == "half":  # ANFR: the recipe's (x - 0.5) / 0.5
         data.mean, data.std = torch.full_like(data.mean, 0.5), torch.full_like(data.std, 0.5)
-    partition = make_partition(args, data)  # uses its own generator seeded by --data-seed
+    partition = make_partition(args, data)  # its own generator, seeded by --data-seed
     model = build(args, data).to(args.device)  # the global model w_t; ANFR: build() from --arch
     client = build(args, data).to(args.device)  # one client model, reloaded for every client
     if args.init_from and not args.resume:  # ANFR: before the run folder exists, so a refused file leaves none
@@ -636,11 +640,7 @@ if __name__ == "__main__":
             )
         except ValueError as e:
             refuse(f"--init-from {args.init_from}: {e}")
-    folder = RunFolder(args, "anfr")  # config.json; then partition.json, metrics.jsonl, checkpoint.pt, summary.json
-    loop = RoundLoop(args, folder)  # the rounds under a bar: which evaluate, checkpoints, --stop-after, Ctrl-C
-    folder.write_partition(partition, data)
-    announce(folder, model, partition, name=f"resnet{args.depth} --arch {args.arch}")  # ANFR: the model's name
-    sampler = np.random.default_rng(args.seed)  # client sampling, independent of the partition
+    run.start(model, partition, data, f"resnet{args.depth} --arch {args.arch}")  # the run folder; ANFR: the name
     sizes = [len(p) for p in partition.train]
     n_clients = len(sizes)
     # ANFR: per-client state kept between rounds: optimizer state (--client-state keep), scheduler position,
@@ -662,18 +662,16 @@ if __name__ == "__main__":
     c, c_i = (zeros(), [None] * n_clients) if args.agg == "scaffold" else (None, None)  # ANFR: SCAFFOLD controls
     m, v = (zeros(), zeros()) if args.agg == "fedadam" else (None, None)  # ANFR: FedAdam moments
     if args.resume:
-        ckpt = loop.resume()  # checkpoint.pt; loop.rounds() continues after its round
+        ckpt = run.resume()  # checkpoint.pt; the rounds go on after its round
         model.load_state_dict(ckpt["model"])
-        set_rng_state(ckpt["rng"], sampler)
         for opt, state in zip(opts, ckpt["opts"] or []):  # ANFR: the clients' optimizer states
             opt.load_state_dict(state)
         client_steps, dp_steps, local = ckpt["client_steps"], ckpt["dp_steps"], ckpt["local"]  # ANFR
         c, c_i, m, v = ckpt["c"], ckpt["c_i"], ckpt["m"], ckpt["v"]  # ANFR
 
-    def state():  # what a checkpoint holds
+    def state():  # what a checkpoint holds: what the server keeps; ANFR: + all client and server state
         return {
             "model": model.state_dict(),
-            "rng": rng_state(sampler),  # ANFR: + all client/server state
             "opts": [o.state_dict() for o in opts] if opts else None,
             "client_steps": client_steps,
             "dp_steps": dp_steps,
@@ -689,8 +687,8 @@ if __name__ == "__main__":
         if local[k] is not None:
             client.load_state_dict(local[k], strict=False)
 
-    for rnd in loop.rounds(state):
-        clients = sample_clients(sampler, args.num_clients, args.frac)
+    for rnd in run.rounds(state):
+        clients = sample_clients(run.sampler, args.num_clients, args.frac)
         weights = client_weights([sizes[k] for k in clients], args.weighting)
         total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items() if k in shared}
         dc_sum = zeros() if c is not None else None
@@ -707,6 +705,7 @@ if __name__ == "__main__":
                 batches = poisson_batches(
                     partition.train[k], min(1.0, args.batch_size / sizes[k]), steps_per_round(sizes[k], args)
                 )
+            batches = progress(batches, f"client {k}: steps", steps_per_round(sizes[k], args))  # ANFR: long rounds
             correction, named, global_named = None, dict(client.named_parameters()), dict(model.named_parameters())
             prox_pairs = [(named[n], global_named[n].detach()) for n in shared_params]  # FedProx: not the local parts
             if c is not None:  # ANFR: SCAFFOLD
@@ -715,19 +714,10 @@ if __name__ == "__main__":
                 correction = ([named[n] for n in shared_params], [c_minus_c_k[n] for n in shared_params])
             opt = opts[k] if opts else make_optimizer(client.parameters(), args)  # ANFR: --client-state reset: new
             first = client_steps[k] if opts else rnd * steps_per_round(sizes[k], args)  # ANFR: reset: the round's place
-            loss, steps, lr_sum, gain_stats = local_train(
-                client,
-                opt,
-                batches,
-                data,
-                args,
-                first,
-                total_steps[k],
-                prox_pairs,
-                correction,
-                dp_batch=min(args.batch_size, sizes[k]),
-                loss_fn=loss_fns[k],
-            )
+            dp_batch = min(args.batch_size, sizes[k])  # ANFR: DP-SGD's expected batch q |D_i|
+            out = local_train(client, opt, batches, data, args, first, total_steps[k], prox_pairs, correction, dp_batch,
+                              loss_fns[k])  # fmt: skip
+            loss, steps, lr_sum, gain_stats = out
             return {
                 "loss": loss,
                 "steps": steps,
@@ -779,9 +769,9 @@ if __name__ == "__main__":
         load_average(model, total, strict=False)
         if c is not None:  # ANFR: SCAFFOLD c <- c + 1/N sum_{i in S} (c_i+ - c_i) (Eq. 5)
             c = scaffold_server(c, dc_sum, n_clients)
-        train_loss = exit_if_diverged(train_loss, rnd, folder)  # NaN or inf: summary.json says diverged, exit 1
+        train_loss = run.diverged(train_loss, rnd)  # NaN or inf: summary.json says diverged, exit 1
 
-        if loop.evaluates(rnd):  # every --eval-every rounds and the last
+        if run.evaluates(rnd):  # every --eval-every rounds and the last
             model.eval()
             fwd = lambda net: lambda x: net(resize(x, args.image_size))  # ANFR: --image-size
             eval_bs = 2000 if (args.image_size or data.image_size) <= 64 else 200
@@ -827,6 +817,6 @@ if __name__ == "__main__":
                     for n, s in zip(sizes, dp_steps)
                 ]
                 metrics["dp_epsilon"], metrics["dp_epsilon_max"] = eps, max(eps)
-            folder.log(metrics)
+            run.log(metrics)
     extra = {"analysis": analyze(model, data, args.image_size)} if args.analyze else {}  # ANFR: global model (Sec. 3.4)
-    folder.finish(model, **extra)  # summary.json: the final round's metrics
+    run.finish(model, **extra)  # summary.json: the final round's metrics

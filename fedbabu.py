@@ -1,23 +1,14 @@
 """FedBABU: Toward Enhanced Representation for Federated Image Classification
 (Oh, Kim, Yun; ICLR 2022), on top of FedAvg (McMahan et al., AISTATS 2017) and FedProx (Li et al., MLSys 2020).
 
-Idea: the head (last linear layer) keeps its random initialization for the whole federated phase and
-only the body is trained and averaged (Algorithm 1); the final global model is then fine-tuned on each
-client's data and evaluated on that client's test set (Algorithm 2). --train-head is FedAvg on the same
-code path; --prox-mu gives FedProx(+BABU).
+Idea: the head (last linear layer) keeps its random initialization for the whole federated phase and only the body
+is trained and averaged (Algorithm 1); the final global model is then fine-tuned on each client's data and tested
+on that client's test set (Algorithm 2). --train-head is FedAvg on the same code path; --prox-mu gives FedProx(+BABU).
 
-Reproduce (CPU, synthetic data, about a minute; add --train-head for the FedAvg side):
-    python fedbabu.py --dataset synthetic --model convnet4-tiny --num-clients 10 --frac 0.5 --local-epochs 1 --rounds 10
-The paper's settings: CIFAR-100 with MobileNet (Tables 3-6), CIFAR-10 with 4convNet (Appendix F, Table 13):
-    python fedbabu.py --dataset cifar100
-    python fedbabu.py --dataset cifar10 --model convnet4 --shards 10
-Measured (benchmarks/reproduce/fedbabu.sh paper: Table 13's configuration, real CIFAR-10, seeds 0-1, one thread
-of a 2-core x86_64 CPU, 95-100 min a run): personalized 77.7 vs FedAvg 71.7, after one fine-tuning epoch
-77.0 vs 63.7, initial 66.1 vs 61.7 (Table 13: 76.25 vs 69.11; Table 12: initial 62.68 vs 57.32).
+    python fedbabu.py --dataset cifar10 --model convnet4 --shards 10   # Table 13 (CIFAR-10, 4convNet, s = 10)
 
-Docs: docs/fedbabu.md. Its "Implementation details and deviations" gives each choice with its reason:
-the frozen head, the body-only average, Algorithm 2's fine-tuning (the official code's settings), the
-per-client test sets and the "without head" accuracy.
+Usage, logged metrics, implementation details (the frozen head, Algorithm 2's settings) and results:
+docs/fedbabu.md.
 """
 
 import argparse
@@ -26,25 +17,20 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-# fmt: off
-from common import (AUGMENTATIONS, HelpFormatter, RoundLoop, RunFolder, accumulate, add_run_flags, announce, autocast,
-                    build_model, client_batches, client_weights, decay_rate, device_flag, each_client, eval_metrics,
-                    exit_if_diverged, finish_args, fraction, inner_fraction, load_average, load_data, lr_at,
-                    make_partition, non_negative_float, non_negative_int, positive_float, positive_int, prepare_batch,
-                    prox_term, rng_state, sample_clients, seed_everything, seed_int, set_rng_state, setup_distributed,
-                    FineTuning, personalize)  # FedBABU: Algorithm 2 fine-tuning
-# fmt: on
+from common import (AUGMENTATIONS, DATASETS, MODELS, HelpFormatter, Run, accumulate, autocast, build_model,
+                    client_batches, client_weights, decay_rate, device_flag, each_client, eval_metrics, finish_args,
+                    fraction, inner_fraction, load_average, load_data, lr_at, make_partition, non_negative_float,
+                    non_negative_int, positive_float, positive_int, prepare_batch, prox_term, sample_clients, seed_int,
+                    FineTuning, personalize)  # FedBABU: Algorithm 2 fine-tuning  # fmt: skip
 
-# The paper's setting: the defaults of the flags below (--help shows them). CIFAR-100 with MobileNet, s=10
-# (Sec. 3, App. A, Tables 3-6); CIFAR-10 with 4convNet is Table 13's (--dataset cifar10 --model convnet4).
+# The paper's setting, the defaults of the flags below: CIFAR-100 with MobileNet, s = 10 (Sec. 3, App. A, Tables
+# 3-6); CIFAR-10 with 4convNet is Table 13's (--dataset cifar10 --model convnet4).
 PAPER = dict(
     dataset="cifar100",
-    shards=10,  # s=10: the most heterogeneous CIFAR-100 setting (also 50, 100)
-    client_test=True,  # D_i^ts: each client's test set has its training classes
+    shards=10,  # s = 10: the most heterogeneous CIFAR-100 setting (also 50, 100)
     num_clients=100,
     frac=0.1,  # f
-    rounds=None,  # K = 320 // tau: the paper fixes rounds x tau = 320
-    local_epochs=10,  # tau
+    local_epochs=10,  # tau; K = 320 // tau rounds: the paper fixes rounds x tau = 320
     batch_size=50,  # also fine-tuning
     model="mobilenet",
     lr=0.1,  # of the body
@@ -61,92 +47,73 @@ PAPER = dict(
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", default=PAPER["dataset"],
-        help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | tinyimagenet | synthetic")
-    g.add_argument("--data-dir", default="./data",
-        help="download folder, the image folder of --dataset folder (train/<class>/*, test/<class>/*; in groups: "
-             "train/<group>/<class>/*), or tiny-imagenet-200/")
+    g.add_argument("--dataset", default=PAPER["dataset"], choices=sorted(DATASETS), help="folder: --data-dir's images")
+    g.add_argument("--data-dir", default="./data", help="download folder, image folder DIR/{train,test}/<class>/*")
     g.add_argument("--augment", default=PAPER["augment"], choices=AUGMENTATIONS,
-        help="on-device augmentation of training and fine-tuning batches")  # FedBABU: also fine-tuning
-    g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2, "
-                             "--disjoint-classes, --natural; one given replaces the default)")
-    g.add_argument("--iid", action="store_true", default=PAPER.get("iid", False), help="uniform random split")
-    g.add_argument("--shards", type=positive_int, default=PAPER.get("shards"),
-        help="s: sort by label, N*s shards, s per client")  # FedBABU: the paper's symbol
-    g.add_argument("--classes-per-client", type=positive_int, default=PAPER.get("classes_per_client"),
-        help="C: each client holds C classes, each class split evenly among its holders")
-    g.add_argument("--alpha", type=positive_float, default=PAPER.get("alpha"),
-        help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
-    g.add_argument("--split2", action="store_true", default=PAPER.get("split2", False),
-        help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
-    g.add_argument("--disjoint-classes", action="store_true",
-        help="each client holds its own classes: N disjoint sets (7 classes, 3 clients: 2, 2, 3; FedLN Table 5)")
-    g.add_argument("--natural", action="store_true",
-        help="the clients are the folders of an image folder, train/<client>/<class>/* (N: their number)")
-    g.add_argument("--clients-per-domain", type=positive_int, default=None,
-        help="M: an image folder train/<domain>/<class>/*, each domain split over M clients by the partition flag")
-    g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"],
-        help="client sizes: equal, or power law (unbalanced)")
-    g.add_argument("--client-test", action=argparse.BooleanOptionalAction, default=PAPER["client_test"],
-        help="D_i^ts: per-client test sets with each client's training classes (needed for initial/personalized "
-             "accuracy)")  # FedBABU: on
-    g.add_argument("--balanced-acc", action="store_true",
-        help="also log the balanced accuracy (mean per-class recall) of the global and per-client tests")
-    g.add_argument("--data-seed", type=seed_int, default=None,
-        help="seed of the partition (default: --seed); client sampling uses --seed")
-    g.add_argument("--val-frac", type=decay_rate, default=0.0,
-        help="share of each client's training data held out for validation: val_acc, and test_acc_at_best_val "
-             "in summary.json (0: none)")
+        help="of training and fine-tuning batches, on the device")  # FedBABU: also fine-tuning
+    g = p.add_argument_group("partition: one of these (default: --shards 10, the paper's)")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--iid", action="store_true", help="a uniform random split")
+    x.add_argument("--shards", type=positive_int, help="s: sort by label, cut N*s shards, deal s to each client")
+    x.add_argument("--classes-per-client", type=positive_int, help="C classes a client, each split among its holders")
+    x.add_argument("--alpha", type=positive_float, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
+    x.add_argument("--split2", action="store_true", help="CIFAR-10 split-2 (Qu et al. 2022): 5 clients, 4 classes each")
+    x.add_argument("--disjoint-classes", action="store_true", help="N disjoint class sets (FedLN T5: 2, 2, 3 of 7)")
+    x.add_argument("--natural", action="store_true", help="the clients are the folders DIR/train/<client>/<class>/*")
+    g.add_argument("--clients-per-domain", type=positive_int, help="M: DIR/train/<domain>/<class>/*, split M ways each")
+    g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes")
+    g.add_argument("--client-test", action=argparse.BooleanOptionalAction, default=True,
+        help="D_i^ts: each client's test set has its training classes; off: no personalization")  # FedBABU: Alg. 2
+    g.add_argument("--balanced-acc", action="store_true", help="also log the balanced accuracy (mean class recall)")
+    g.add_argument("--data-seed", type=seed_int, help="seed of the partition (default: --seed)")
+    g.add_argument("--val-frac", type=decay_rate, default=0.0, help="share of each client's data held out: val_acc")
     g = p.add_argument_group("federation")
     g.add_argument("--num-clients", type=positive_int, default=PAPER["num_clients"], help="N: number of clients")
-    g.add_argument("--frac", type=fraction, default=PAPER["frac"],
-        help="f: fraction of clients sampled per round, in (0, 1]")
-    g.add_argument("--rounds", type=positive_int, default=PAPER["rounds"],
-        help="K: communication rounds (default: 320 // tau)")  # FedBABU: rounds x tau = 320
-    g.add_argument("--local-epochs", type=positive_int, default=PAPER["local_epochs"],
-        help="tau: local epochs per round")  # FedBABU: the paper's symbol
-    g.add_argument("--local-steps", type=positive_int, default=None,
-        help="local SGD steps per round instead of --local-epochs")
+    g.add_argument("--frac", type=fraction, default=PAPER["frac"], help="f: fraction of clients a round, in (0, 1]")
+    g.add_argument("--rounds", type=positive_int, help="K: communication rounds (default: 320 // tau)")  # FedBABU
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--local-epochs", type=positive_int, help=f"tau: epochs a round (default: {PAPER['local_epochs']})")
+    x.add_argument("--local-steps", type=positive_int, help="local SGD steps a round, not epochs")
     g.add_argument("--batch-size", type=positive_int, default=PAPER["batch_size"],
         help="B: local (and fine-tuning) batch size")  # FedBABU: also fine-tuning
-    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"],
-        help="aggregation weights: n_k/n, or 1/m")
+    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"], help="weights n_k/n, or 1/m")
     g = p.add_argument_group("optimization")
-    g.add_argument("--model", default=PAPER["model"],
-        help="mobilenet | convnet4 | convnet3 | resnet18 | resnet50 | ... (see common.MODELS)")  # FedBABU: its models
-    g.add_argument("--lr", type=positive_float, default=PAPER["lr"],
-        help="local learning rate of the body")  # FedBABU: the head is not trained
+    g.add_argument("--model", default=PAPER["model"], choices=sorted(MODELS), metavar="NAME",
+        help="mobilenet, convnet4, convnet3, resnet18, ...")  # FedBABU: its models
+    g.add_argument("--lr", type=positive_float, default=PAPER["lr"], help="local learning rate of the body")  # FedBABU
     g.add_argument("--momentum", type=decay_rate, default=PAPER["momentum"],
-        help="local (and fine-tuning) SGD momentum (reset every round)")  # FedBABU: also fine-tuning (App. D)
-    g.add_argument("--weight-decay", type=non_negative_float, default=PAPER["weight_decay"],
-        help="local L2 weight decay")
+        help="local (and fine-tuning) SGD momentum, reset a round")  # FedBABU: also fine-tuning (App. D)
+    g.add_argument("--weight-decay", type=non_negative_float, default=PAPER["weight_decay"], help="local L2 decay")
     g.add_argument("--lr-decay-at", type=inner_fraction, nargs="*", default=PAPER["lr_decay_at"],
-        help="fractions of the run at which lr is multiplied by --lr-decay, e.g. 0.5 0.75")
+        help="fractions of the run")  # FedBABU: the paper's decay
     g.add_argument("--lr-decay", type=fraction, default=0.1, help="lr multiplier at each --lr-decay-at")
-    g.add_argument("--prox-mu", type=non_negative_float, default=0.0,
-        help="mu: FedProx proximal term mu/2 ||w - w_t||^2 (0 = FedAvg/FedBABU; Table 7 uses 0.01)")
+    g.add_argument("--prox-mu", type=non_negative_float, default=0.0, help="mu: FedProx's mu/2 ||w - w_t||^2 (0: off)")
     g.add_argument("--train-head", action="store_true",
-        help="also train and aggregate the head theta_cls: plain FedAvg (the paper's baseline)")  # FedBABU
-    g = p.add_argument_group("personalization (Algorithm 2, run once after the last round)")  # FedBABU
+        help="also train and average the head theta_cls: plain FedAvg (the paper's baseline)")  # FedBABU
+    g = p.add_argument_group("personalization (Algorithm 2, once after the last round)")  # FedBABU
     g.add_argument("--ft-epochs", type=non_negative_int, default=PAPER["ft_epochs"],
         help="tau_f: fine-tuning epochs of the personalized accuracy")  # FedBABU
     g.add_argument("--ft-lr", type=positive_float, default=PAPER["ft_lr"], help="fine-tuning learning rate")  # FedBABU
     g.add_argument("--ft-part", default="full", choices=["full", "body", "head"],
         help="part updated when fine-tuning (Table 4)")  # FedBABU
     g.add_argument("--ft-eval-epochs", type=non_negative_int, nargs="*", default=[0, 1, 2, 5, 10],
-        help="fine-tuning epochs at which personalized accuracy is also reported (Table 6; 0 = initial)")  # FedBABU
+        help="fine-tuning epochs of the accuracy also reported (Table 6; 0: initial)")  # FedBABU
     g = p.add_argument_group("run")
-    g.add_argument("--seed", type=seed_int, default=0, help="seed of model init, client sampling and local shuffling")
-    g.add_argument("--device", type=device_flag, default=None,
-        help="cpu, cuda, cuda:N or mps (default: cuda if available, else cpu)")
+    g.add_argument("--seed", type=seed_int, default=0, help="seed of the init, client sampling and local shuffling")
+    g.add_argument("--device", type=device_flag, help="cpu, cuda, cuda:N or mps (default: cuda if there is one)")
     g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
-    g.add_argument("--eval-every", type=positive_int, default=1,
-        help="evaluate every this many rounds (and at the last)")
-    add_run_flags(g, "fedbabu")  # --checkpoint-every, --out, --overwrite, --save-model, --resume, --stop-after
-    args = p.parse_args()  # FedBABU
-    if args.rounds is None:  # FedBABU: K = 320 / tau (Sec. 3)
-        args.rounds = max(320 // args.local_epochs, 1)  # FedBABU
-    return finish_args(p, args, "fedbabu")
+    g.add_argument("--threads", type=positive_int, help="CPU threads (default: OMP_NUM_THREADS, or the free cores)")
+    g.add_argument("--eval-every", type=positive_int, default=1, help="evaluate every this many rounds and the last")
+    g.add_argument("--checkpoint-every", type=positive_int, help="checkpoint period (default: at each evaluation)")
+    g.add_argument("--out", help="run folder (default: runs/fedbabu__<dataset>__<seed>__<time>)")
+    g.add_argument("--overwrite", action="store_true", help="replace the run in --out (else such an --out is refused)")
+    g.add_argument("--save-model", action="store_true", help="write the final global model to OUT/model.pt")
+    g.add_argument("--resume", metavar="DIR", help="continue the run in DIR; a larger --rounds extends it")
+    g.add_argument("--stop-after", type=positive_int, help="checkpoint and stop after this many rounds")
+    args = finish_args(p, p.parse_args(), "fedbabu", PAPER)
+    if args.rounds is None:  # FedBABU: K = 320 // tau (Sec. 3)
+        args.rounds = max(320 // (args.local_epochs or PAPER["local_epochs"]), 1)  # FedBABU
+    return args
 # fmt: on
 
 
@@ -213,31 +180,21 @@ def nohead_accuracy(model, data, train_parts, test_parts, amp=False):  # FedBABU
 
 if __name__ == "__main__":
     args = parse_args()
-    setup_distributed(args)  # torchrun: join the other ranks (nothing when run alone)
-    seed_everything(args.seed)
-    data = load_data(args)
-    partition = make_partition(args, data)  # uses its own generator seeded by --data-seed
-    folder = RunFolder(args, "fedbabu")  # config.json; then partition.json, metrics.jsonl, checkpoint.pt, summary.json
-    loop = RoundLoop(args, folder)  # the rounds under a bar: which evaluate, checkpoints, --stop-after, Ctrl-C
-    folder.write_partition(partition, data)
+    run = Run(args)  # torchrun's ranks, the seeds, the client sampler (its own generator), Ctrl-C
+    data = load_data(args)  # uint8 tensors on the device; a bad folder is refused as it is read
+    partition = make_partition(args, data)  # its own generator, seeded by --data-seed
     # the global model w_t; FedBABU: its head stays theta_G,cls^0 (Alg. 1 line 1)
     model = build_model(args.model, data).to(args.device)
     client = build_model(args.model, data).to(args.device)  # one client model, reloaded for every client
-    announce(folder, model, partition)  # start-up line: device, model, partition, run folder
+    run.start(model, partition, data)  # the run folder: config.json, partition.json; the start-up line
     client.head.requires_grad_(args.train_head)  # FedBABU: no gradient for the frozen head
-    sampler = np.random.default_rng(args.seed)  # client sampling, independent of the partition
     sizes = [len(p) for p in partition.train]
     if args.resume:
-        ckpt = loop.resume()  # checkpoint.pt; loop.rounds() continues after its round
-        model.load_state_dict(ckpt["model"])
-        set_rng_state(ckpt["rng"], sampler)
+        model.load_state_dict(run.resume()["model"])  # checkpoint.pt; the rounds go on after its round
 
-    def state():  # what a checkpoint holds
-        return {"model": model.state_dict(), "rng": rng_state(sampler)}
-
-    for rnd in loop.rounds(state):
+    for rnd in run.rounds(lambda: {"model": model.state_dict()}):  # a checkpoint holds what the server keeps
         lr = lr_at(rnd, args)
-        clients = sample_clients(sampler, args.num_clients, args.frac)
+        clients = sample_clients(run.sampler, args.num_clients, args.frac)
         weights = client_weights([sizes[k] for k in clients], args.weighting)
         total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items()}
         train_loss = torch.zeros((), device=args.device)
@@ -254,29 +211,21 @@ if __name__ == "__main__":
             accumulate(total, out["state"], w)  # batch-norm running statistics are averaged like weights
         # FedBABU: theta_G,ext^k = sum_i n_i/n theta_i,ext^k (Alg. 1 line 9); the head stays
         aggregate(model, total, args.train_head)
-        train_loss = exit_if_diverged(train_loss, rnd, folder)  # NaN or inf: summary.json says diverged, exit 1
+        train_loss = run.diverged(train_loss, rnd)  # NaN or inf: summary.json says diverged, exit 1
 
-        if loop.evaluates(rnd):  # every --eval-every rounds and the last
+        if run.evaluates(rnd):  # every --eval-every rounds and the last
             model.eval()
             # test_acc, test_loss; per-client mean, std, worst 10%; --balanced-acc: the same of balanced accuracy.
             # FedBABU: client_test_acc_mean is the initial accuracy of this round's global model
             tests = eval_metrics(model, data, partition.test, args.balanced_acc, args.amp, val=partition.val)
-            folder.log({"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr})
+            run.log({"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr})
     # FedBABU: Algorithm 2 on the final global model, for every client: fine-tune, then test
     summary = {}  # FedBABU: its results, added to summary.json
     if partition.test is not None:  # FedBABU
         nohead = nohead_accuracy(model, data, partition.train, partition.test, args.amp)  # FedBABU: Table 3
         # FedBABU: Alg. 2, accuracy after 0 (initial), tau_f and --ft-eval-epochs epochs
-        tuning = FineTuning(
-            epochs=args.ft_epochs,
-            lr=args.ft_lr,
-            part=args.ft_part,
-            batch_size=args.batch_size,
-            augment=args.augment,
-            eval_epochs=[0, *args.ft_eval_epochs],
-            momentum=args.momentum,
-            amp=args.amp,
-        )
+        tuning = FineTuning(args.ft_epochs, args.ft_lr, args.ft_part, args.batch_size, args.augment,
+                            [0, *args.ft_eval_epochs], args.momentum, args.amp)  # fmt: skip
         ft = personalize(client, model.state_dict(), data, partition.train, partition.test, tuning)
         summary = {  # FedBABU: Alg. 2 lines 5-6 (initial), 7-9 (personalized after tau_f epochs), Table 6 (speed)
             "init_acc_mean": ft["acc_mean"][0],
@@ -292,4 +241,4 @@ if __name__ == "__main__":
             f"initial {summary['init_acc_mean']:.4f}, personalized ({args.ft_epochs} epochs) "
             f"{summary['pers_acc_mean']:.4f}, without head {summary['nohead_acc_mean']:.4f} (means over clients)"
         )
-    folder.finish(model, **summary)  # FedBABU: summary.json also holds the personalization
+    run.finish(model, **summary)  # FedBABU: summary.json also holds the personalization

@@ -1,46 +1,36 @@
 """FedFN: Feature Normalization for Alleviating Data Heterogeneity Problem in Federated Learning
 (Kim, Lee, Oh, Yun; FL@FM-NeurIPS 2023 workshop), on top of FedAvg (McMahan et al., AISTATS 2017).
 
-Idea: under label skew, local models learn large feature norms for their own classes. FedFN feeds the
-classifier the unit-norm feature, z = theta_cls f / ||f||_2 (Section 4.1), on clients and at evaluation;
-everything else is FedAvg. --no-fn is FedAvg on the same code path (bitwise fedavg.py); --agg scaffold|fedexp
-combines FN with SCAFFOLD / FedEXP (Table 2); --ft-epochs gives FedFN-FT (Appendix D.3); --fr-mu is
-FedFR (Eq. 1); --analyze writes the four factors of Section 3.1.
+Idea: under label skew, local models learn large feature norms for their own classes. FedFN feeds the classifier the
+unit-norm feature, z = theta_cls f / ||f||_2 (Section 4.1), on clients and at evaluation; everything else is FedAvg.
+--no-fn is FedAvg on the same code path; --agg scaffold|fedexp combines FN with SCAFFOLD / FedEXP (Table 2);
+--ft-epochs gives FedFN-FT (Appendix D.3); --fr-mu is FedFR (Eq. 1); --analyze logs the four factors of Section 3.1.
 
-Reproduce Table 1 (VGG11 on CIFAR-10, s=2: 77.77; the defaults are the paper's FedFN settings):
-    python fedfn.py --dataset cifar10 --shards 2
-    python fedfn.py --dataset cifar10 --shards 2 --no-fn --lr 0.01          # its FedAvg column: 74.24
-CPU smoke test: python fedfn.py --dataset synthetic --model cnn --num-clients 10 --frac 0.5 --rounds 20 --local-epochs 2
-Measured (benchmarks/reproduce/fedfn.sh; real CIFAR-10, seeds 0-2, one thread of a 2-core x86_64 CPU):
-proxy (vgg11-narrow: VGG11 at a quarter width, VGG11's feature and head-row norms; 200 rounds of E=2):
-s=2 FedFN 37.7 vs FedAvg 32.9, s=10 66.5 vs 62.1; Dirichlet (Table 8): alpha 0.5 65.1 vs 62.6, alpha 0.1
-39.9 vs 48.9 (seeds 0-2; there ||f||, which FN's loss leaves free, runs away inside local training);
-small (convnet4-tiny, batch norm, 50 rounds): s=2 34.0 vs 41.9, s=10 51.8 vs 55.2 (--fn-scale sqrt-d: 41.9, 54.0).
+    python fedfn.py --dataset cifar10 --shards 2          # Table 1: VGG11 on CIFAR-10, s = 2
+    python fedfn.py --dataset cifar10 --shards 2 --no-fn --lr 0.01   # its FedAvg column
 
-Docs: docs/fedfn.md. Its "Implementation details and deviations" gives each choice with its reason:
-VGG11 without batch norm, no weight decay, the head's bias, SCAFFOLD's momentum step count, FedEXP.
+Usage, logged metrics, implementation details (VGG11 without batch norm, the head's bias, SCAFFOLD's step count,
+FedEXP) and results: docs/fedfn.md.
 """
 
 import argparse
 import math
 
-import numpy as np
 import torch
+import torch.nn as nn  # FedFN: VGG11
 import torch.nn.functional as F
 
-# fmt: off
-from common import (AUGMENTATIONS, HelpFormatter, RoundLoop, RunFolder, accumulate, add_run_flags, announce, autocast,
-                    build_model, client_batches, client_weights, decay_rate, device_flag, each_client, eval_metrics,
-                    exit_if_diverged, finish_args, fraction, inner_fraction, load_average, load_data, lr_at,
-                    make_partition, non_negative_float, non_negative_int, positive_float, positive_int, prepare_batch,
-                    prox_term, rng_state, sample_clients, seed_everything, seed_int, set_rng_state, setup_distributed,
+from common import (AUGMENTATIONS, DATASETS, MODELS, HelpFormatter, Run, accumulate, autocast, build_model,
+                    client_batches, client_weights, decay_rate, device_flag, each_client, eval_metrics, finish_args,
+                    fraction, inner_fraction, load_average, load_data, lr_at, make_partition, non_negative_float,
+                    non_negative_int, positive_float, positive_int, prepare_batch, prox_term, sample_clients, seed_int,
+                    Classifier, flat_dim, register_model,  # FedFN: VGG11
                     local_step_sum, scaffold_control, scaffold_correction, scaffold_server,  # FedFN: SCAFFOLD
                     scale_norm,  # FedFN: s f / ||f||_2
-                    FineTuning, personalize)  # FedFN: FedFN-FT (Appendix D.3)
-# fmt: on
+                    FineTuning, personalize)  # FedFN: FedFN-FT (Appendix D.3)  # fmt: skip
 
-# The paper's setting: the defaults of the flags below (--help shows them). Table 1's CIFAR-10 column with VGG11
-# (App. B.2); Table 1 also runs s = 2, 3, 5 (--shards S) and CIFAR-100 with MobileNet (E=5, lr 0.5).
+# The paper's setting, the defaults of the flags below: Table 1's CIFAR-10 column with VGG11 (App. B.2); Table 1 also
+# runs s = 2, 3, 5 (--shards S) and CIFAR-100 with MobileNet (E = 5, lr 0.5).
 PAPER = dict(
     dataset="cifar10",
     shards=10,  # s
@@ -58,105 +48,106 @@ PAPER = dict(
 )
 
 
+@register_model("vgg11")  # FedFN: the paper's model
+def vgg(in_channels, num_classes, image_size, width=1.0, pools=5, **_):
+    """VGG11 as FedFN's code base (FedNTD's models/vgg.py) builds it: conv3x3 (bias; init N(0, 2/(9 C_out)), bias 0)
+    and ReLU, max-pool 2 at M (not at 1x1), no batch norm; fc 512, fc 512 (d = 512), head. vgg11-narrow (ours, for the
+    CPU): a quarter of the channels and 4 pools, so fc 1 still reads 512 entries and the feature and head-row norms
+    at init stay VGG11's (benchmarks/proxy_properties.py)."""
+    layers, cin, size, pooled = [], in_channels, image_size, 0
+    for v in [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]:
+        if v == "M":
+            if size >= 2 and pooled < pools:
+                layers.append(nn.MaxPool2d(2))
+                size, pooled = size // 2, pooled + 1
+            continue
+        conv = nn.Conv2d(cin, int(v * width), 3, padding=1)
+        nn.init.normal_(conv.weight, 0, math.sqrt(2.0 / (9 * conv.out_channels)))
+        nn.init.zeros_(conv.bias)
+        layers += [conv, nn.ReLU()]
+        cin = conv.out_channels
+    conv = nn.Sequential(*layers, nn.Flatten())
+    fc = [nn.Linear(flat_dim(conv, in_channels, image_size), 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU()]
+    return Classifier(nn.Sequential(conv, *fc), 512, num_classes)
+
+
+register_model("vgg11-narrow")(lambda cin, k, size, **_: vgg(cin, k, size, width=0.25, pools=4))  # FedFN: CPU proxy
+
+
 # fmt: off
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", default=PAPER["dataset"],
-        help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | tinyimagenet | synthetic")
-    g.add_argument("--data-dir", default="./data",
-        help="download folder, the image folder of --dataset folder (train/<class>/*, test/<class>/*; in groups: "
-             "train/<group>/<class>/*), or tiny-imagenet-200/")
-    g.add_argument("--augment", default=PAPER["augment"], choices=AUGMENTATIONS,
-        help="on-device augmentation of training batches")
-    g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2, "
-                             "--disjoint-classes, --natural; one given replaces the default)")
-    g.add_argument("--iid", action="store_true", default=PAPER.get("iid", False), help="uniform random split")
-    g.add_argument("--shards", type=positive_int, default=PAPER.get("shards"),
-        help="s: sort by label, N*s shards, s per client")  # FedFN: the paper's symbols
-    g.add_argument("--classes-per-client", type=positive_int, default=PAPER.get("classes_per_client"),
-        help="C: each client holds C classes, each class split evenly among its holders")
-    g.add_argument("--alpha", type=positive_float, default=PAPER.get("alpha"),
-        help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
-    g.add_argument("--split2", action="store_true", default=PAPER.get("split2", False),
-        help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
-    g.add_argument("--disjoint-classes", action="store_true",
-        help="each client holds its own classes: N disjoint sets (7 classes, 3 clients: 2, 2, 3; FedLN Table 5)")
-    g.add_argument("--natural", action="store_true",
-        help="the clients are the folders of an image folder, train/<client>/<class>/* (N: their number)")
-    g.add_argument("--clients-per-domain", type=positive_int, default=None,
-        help="M: an image folder train/<domain>/<class>/*, each domain split over M clients by the partition flag")
-    g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"],
-        help="client sizes: equal, or power law (unbalanced)")
-    g.add_argument("--client-test", action="store_true",
-        help="also evaluate on per-client test sets with each client's label distribution")
-    g.add_argument("--balanced-acc", action="store_true",
-        help="also log the balanced accuracy (mean per-class recall) of the global and per-client tests")
-    g.add_argument("--data-seed", type=seed_int, default=None,
-        help="seed of the partition (default: --seed); client sampling uses --seed")
-    g.add_argument("--val-frac", type=decay_rate, default=0.0,
-        help="share of each client's training data held out for validation: val_acc, and test_acc_at_best_val "
-             "in summary.json (0: none)")
+    g.add_argument("--dataset", default=PAPER["dataset"], choices=sorted(DATASETS), help="folder: --data-dir's images")
+    g.add_argument("--data-dir", default="./data", help="download folder, image folder DIR/{train,test}/<class>/*")
+    g.add_argument("--augment", default=PAPER["augment"], choices=AUGMENTATIONS, help="of training batches, on device")
+    g = p.add_argument_group("partition: one of these (default: --shards 10, the paper's)")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--iid", action="store_true", help="a uniform random split")
+    x.add_argument("--shards", type=positive_int, help="s: sort by label, cut N*s shards, deal s to each client")
+    x.add_argument("--classes-per-client", type=positive_int, help="C classes a client, each split among its holders")
+    x.add_argument("--alpha", type=positive_float, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
+    x.add_argument("--split2", action="store_true", help="CIFAR-10 split-2 (Qu et al. 2022): 5 clients, 4 classes each")
+    x.add_argument("--disjoint-classes", action="store_true", help="N disjoint class sets (FedLN T5: 2, 2, 3 of 7)")
+    x.add_argument("--natural", action="store_true", help="the clients are the folders DIR/train/<client>/<class>/*")
+    g.add_argument("--clients-per-domain", type=positive_int, help="M: DIR/train/<domain>/<class>/*, split M ways each")
+    g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes")
+    g.add_argument("--client-test", action="store_true", help="also test each client on its own label distribution")
+    g.add_argument("--balanced-acc", action="store_true", help="also log the balanced accuracy (mean class recall)")
+    g.add_argument("--data-seed", type=seed_int, help="seed of the partition (default: --seed)")
+    g.add_argument("--val-frac", type=decay_rate, default=0.0, help="share of each client's data held out: val_acc")
     g = p.add_argument_group("federation")
-    g.add_argument("--num-clients", type=positive_int, default=PAPER["num_clients"],
-        help="N: number of clients")  # FedFN: the paper's symbols
-    g.add_argument("--frac", type=fraction, default=PAPER["frac"],
-        help="r: fraction of clients sampled per round, in (0, 1]")  # FedFN: the paper's symbols
-    g.add_argument("--rounds", type=positive_int, default=PAPER["rounds"],
-        help="R: communication rounds")  # FedFN: the paper's symbols
-    g.add_argument("--local-epochs", type=positive_int, default=PAPER["local_epochs"], help="E: local epochs per round")
-    g.add_argument("--local-steps", type=positive_int, default=None,
-        help="local SGD steps per round instead of --local-epochs")
+    g.add_argument("--num-clients", type=positive_int, default=PAPER["num_clients"], help="N: number of clients")
+    g.add_argument("--frac", type=fraction, default=PAPER["frac"], help="r: fraction of clients a round, in (0, 1]")
+    g.add_argument("--rounds", type=positive_int, default=PAPER["rounds"], help="R: communication rounds")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--local-epochs", type=positive_int, help=f"E: epochs a round (default: {PAPER['local_epochs']})")
+    x.add_argument("--local-steps", type=positive_int, help="local SGD steps a round, not epochs")
     g.add_argument("--batch-size", type=positive_int, default=PAPER["batch_size"], help="B: local batch size")
-    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"],
-        help="aggregation weights: n_k/n, or 1/m")
+    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"], help="weights n_k/n, or 1/m")
     g = p.add_argument_group("optimization")
-    g.add_argument("--model", default=PAPER["model"],
-        help="vgg11 | mobilenet | resnet18 | cnn | ... (see common.MODELS)")  # FedFN: the paper's models
+    g.add_argument("--model", default=PAPER["model"], choices=sorted(MODELS), metavar="NAME",
+        help="vgg11, mobilenet, resnet18, cnn, ...")  # FedFN: the paper's models
     g.add_argument("--lr", type=positive_float, default=PAPER["lr"],
         help="eta: local learning rate (FedAvg's, with --no-fn: 0.01)")  # FedFN: FN's rate is higher
-    g.add_argument("--momentum", type=decay_rate, default=PAPER["momentum"],
-        help="local SGD momentum (reset every round)")
-    g.add_argument("--weight-decay", type=non_negative_float, default=PAPER["weight_decay"],
-        help="local L2 weight decay")
+    g.add_argument("--momentum", type=decay_rate, default=PAPER["momentum"], help="local SGD momentum, reset a round")
+    g.add_argument("--weight-decay", type=non_negative_float, default=PAPER["weight_decay"], help="local L2 decay")
     g.add_argument("--lr-decay-at", type=inner_fraction, nargs="*", default=PAPER["lr_decay_at"],
-        help="fractions of the run at which lr is multiplied by --lr-decay, e.g. 0.5 0.75")
+        help="fractions of the run")  # FedFN: the paper's decay
     g.add_argument("--lr-decay", type=fraction, default=0.1, help="lr multiplier at each --lr-decay-at")
-    g.add_argument("--prox-mu", type=non_negative_float, default=0.0,
-        help="mu: FedProx proximal term mu/2 ||w - w_t||^2 (0 = FedAvg)")
+    g.add_argument("--prox-mu", type=non_negative_float, default=0.0, help="mu: FedProx's mu/2 ||w - w_t||^2 (0: off)")
     g = p.add_argument_group("FedFN")  # FedFN: the method's flags
     g.add_argument("--no-fn", dest="fn", action="store_false",
-        help="logits theta_cls f instead of theta_cls f/||f||_2 (FedAvg on this code path) (default: FN on)")  # FedFN
+        help="logits theta_cls f, not theta_cls f/||f||_2: FedAvg on this code path")  # FedFN
     g.add_argument("--fn-scale", type=fn_scale, default=1.0,
-        help="s in z = theta_cls (s f/||f||_2): 1 is the paper's FedFN; a number, or sqrt-d for s = sqrt(d) (FedLN's "
-             "FN, fedln.py)")  # FedFN: our control, not in the paper
-    # FedFN: Eq. (1)
+        help="s in z = theta_cls (s f/||f||_2): 1 is FedFN's; a number, or sqrt-d (FedLN's FN)")  # FedFN: a control
     g.add_argument("--fr-mu", type=non_negative_float, default=0.0,
-        help="mu of Eq. (1): + mu ||f(x)||_2 on the local loss (FedFR, App. D.6; 0.005 there, use with --no-fn)")
+        help="mu of Eq. (1): + mu ||f(x)||_2 on the local loss (FedFR, App. D.6: 0.005, with --no-fn)")  # FedFN
     g.add_argument("--agg", default="fedavg", choices=["fedavg", "scaffold", "fedexp"],
-        help="server algorithm FN is combined with (Table 2)")  # FedFN
+        help="the server algorithm FN is combined with (Table 2)")  # FedFN
     g.add_argument("--fedexp-eps", type=positive_float, default=1e-3,
         help="epsilon of FedEXP's server step size (Jhunjhunwala et al. 2023)")  # FedFN
-    # FedFN: FedFN-FT
     g.add_argument("--ft-epochs", type=non_negative_int, default=0,
-        help="FedFN-FT: fine-tune the final model this many epochs per client (App. D.3: 5; needs --client-test)")
-    g.add_argument("--ft-lr", type=positive_float, default=None,
-        help="FedFN-FT fine-tuning lr (default: 0.1 x --lr, Table 9)")  # FedFN: FedFN-FT
-    g.add_argument("--analyze", nargs="?", const="final", default=None, choices=["final", "every"],
-        help="four factors (Sec. 3.1, B.3) + mean feature norm on the test set: at the final evaluation, or at every "
-             "one")  # FedFN
+        help="FedFN-FT: fine-tune the final model on each client (App. D.3: 5; needs --client-test)")  # FedFN
+    g.add_argument("--ft-lr", type=positive_float, help="FedFN-FT's lr (default: 0.1 x --lr, Table 9)")  # FedFN
+    g.add_argument("--analyze", nargs="?", const="final", choices=["final", "every"],
+        help="the four factors (Sec. 3.1, B.3) and the feature norm, at the final or every evaluation")  # FedFN
     g = p.add_argument_group("run")
-    g.add_argument("--seed", type=seed_int, default=0, help="seed of model init, client sampling and local shuffling")
-    g.add_argument("--device", type=device_flag, default=None,
-        help="cpu, cuda, cuda:N or mps (default: cuda if available, else cpu)")
+    g.add_argument("--seed", type=seed_int, default=0, help="seed of the init, client sampling and local shuffling")
+    g.add_argument("--device", type=device_flag, help="cpu, cuda, cuda:N or mps (default: cuda if there is one)")
     g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
-    g.add_argument("--eval-every", type=positive_int, default=1,
-        help="evaluate every this many rounds (and at the last)")
-    add_run_flags(g, "fedfn")  # --checkpoint-every, --out, --overwrite, --save-model, --resume, --stop-after
+    g.add_argument("--threads", type=positive_int, help="CPU threads (default: OMP_NUM_THREADS, or the free cores)")
+    g.add_argument("--eval-every", type=positive_int, default=1, help="evaluate every this many rounds and the last")
+    g.add_argument("--checkpoint-every", type=positive_int, help="checkpoint period (default: at each evaluation)")
+    g.add_argument("--out", help="run folder (default: runs/fedfn__<dataset>__<seed>__<time>)")
+    g.add_argument("--overwrite", action="store_true", help="replace the run in --out (else such an --out is refused)")
+    g.add_argument("--save-model", action="store_true", help="write the final global model to OUT/model.pt")
+    g.add_argument("--resume", metavar="DIR", help="continue the run in DIR; a larger --rounds extends it")
+    g.add_argument("--stop-after", type=positive_int, help="checkpoint and stop after this many rounds")
     args = p.parse_args()  # FedFN: check the method's flags first
-    if args.ft_epochs > 0 and not args.client_test:
-        p.error("--ft-epochs: FedFN-FT needs --client-test (per-client test sets)")
-    return finish_args(p, args, "fedfn")
+    if args.ft_epochs > 0 and not args.client_test and not args.resume:
+        p.error("--ft-epochs: FedFN-FT needs --client-test (per-client test sets)")  # FedFN
+    return finish_args(p, args, "fedfn", PAPER)
 # fmt: on
 
 
@@ -304,17 +295,12 @@ def client_traces(traces, global_layer_norm):  # FedFN: what local training and 
 
 if __name__ == "__main__":
     args = parse_args()
-    setup_distributed(args)  # torchrun: join the other ranks (nothing when run alone)
-    seed_everything(args.seed)
-    data = load_data(args)
-    partition = make_partition(args, data)  # uses its own generator seeded by --data-seed
-    folder = RunFolder(args, "fedfn")  # config.json; then partition.json, metrics.jsonl, checkpoint.pt, summary.json
-    loop = RoundLoop(args, folder)  # the rounds under a bar: which evaluate, checkpoints, --stop-after, Ctrl-C
-    folder.write_partition(partition, data)
+    run = Run(args)  # torchrun's ranks, the seeds, the client sampler (its own generator), Ctrl-C
+    data = load_data(args)  # uint8 tensors on the device; a bad folder is refused as it is read
+    partition = make_partition(args, data)  # its own generator, seeded by --data-seed
     model = build_model(args.model, data).to(args.device)  # the global model w_t
     client = build_model(args.model, data).to(args.device)  # one client model, reloaded for every client
-    announce(folder, model, partition)  # start-up line: device, model, partition, run folder
-    sampler = np.random.default_rng(args.seed)  # client sampling, independent of the partition
+    run.start(model, partition, data)  # the run folder: config.json, partition.json; the start-up line
     sizes = [len(p) for p in partition.train]
     scaffold, fedexp = args.agg == "scaffold", args.agg == "fedexp"  # FedFN
     zeros = lambda: {n: torch.zeros_like(w) for n, w in model.named_parameters()}  # FedFN
@@ -323,20 +309,19 @@ if __name__ == "__main__":
     c_of = lambda k: c_local.get(k) or zeros()  # FedFN: c_i, 0 until client i trains
     param_names = [n for n, _ in model.named_parameters()]  # FedFN: y_i = these entries of client i's state
     if args.resume:
-        ckpt = loop.resume()  # checkpoint.pt; loop.rounds() continues after its round
+        ckpt = run.resume()  # checkpoint.pt; the rounds go on after its round
         model.load_state_dict(ckpt["model"])
-        set_rng_state(ckpt["rng"], sampler)
         if scaffold:  # FedFN: control variates travel with the checkpoint
             c_global, c_local = ckpt["scaffold_c"], ckpt["scaffold_c_local"]
 
-    def state():  # what a checkpoint holds
+    def state():  # what a checkpoint holds: what the server keeps
         extra = {"scaffold_c": c_global, "scaffold_c_local": c_local} if scaffold else {}  # FedFN: SCAFFOLD's c, c_i
-        return {"model": model.state_dict(), "rng": rng_state(sampler), **extra}
+        return {"model": model.state_dict(), **extra}
 
     eval_model = model  # FedFN: the model evaluated (FedEXP: averaged iterates)
-    for rnd in loop.rounds(state):
+    for rnd in run.rounds(state):
         lr = lr_at(rnd, args)
-        clients = sample_clients(sampler, args.num_clients, args.frac)
+        clients = sample_clients(run.sampler, args.num_clients, args.frac)
         weights = client_weights([sizes[k] for k in clients], args.weighting)
         total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items()}
         train_loss = torch.zeros((), device=args.device)
@@ -379,9 +364,9 @@ if __name__ == "__main__":
                 if rnd > 0:
                     midpoint_(list(client.parameters()), x_old)
                 eval_model = client
-        train_loss = exit_if_diverged(train_loss, rnd, folder)  # NaN or inf: summary.json says diverged, exit 1
+        train_loss = run.diverged(train_loss, rnd)  # NaN or inf: summary.json says diverged, exit 1
 
-        if loop.evaluates(rnd):  # every --eval-every rounds and the last
+        if run.evaluates(rnd):  # every --eval-every rounds and the last
             eval_model.eval()  # FedFN
             forward = lambda x: fn_forward(eval_model, x, args.fn, args.fn_scale)[0]  # FedFN: FN at evaluation, too
             # test_acc, test_loss; per-client mean, std, worst 10%; --balanced-acc: the same of balanced accuracy
@@ -392,21 +377,12 @@ if __name__ == "__main__":
             if args.analyze == "every" or (args.analyze and rnd + 1 == args.rounds):  # FedFN
                 metrics.update(analyze(eval_model, data, args))
                 metrics.update(client_traces(torch.stack(traces), param_norm(invariant_layer(eval_model))))
-            folder.log(metrics)
+            run.log(metrics)
     model.load_state_dict(eval_model.state_dict())  # FedFN: the evaluated final model (FedEXP: averaged)
     final = {}  # FedFN: FedFN-FT's results, added to summary.json
     if args.ft_epochs > 0:  # FedFN: FedFN-FT (App. D.3): fine-tune the final model on each client, FN kept
         ft_lr = args.ft_lr if args.ft_lr is not None else 0.1 * args.lr
-        ft = FineTuning(
-            epochs=args.ft_epochs,
-            lr=ft_lr,
-            part="full",
-            batch_size=args.batch_size,
-            augment=args.augment,
-            eval_epochs=[0],
-            momentum=args.momentum,
-            amp=args.amp,
-        )
+        ft = FineTuning(args.ft_epochs, ft_lr, "full", args.batch_size, args.augment, [0], args.momentum, args.amp)
         forward = lambda m, x: fn_forward(m, x, args.fn, args.fn_scale)[0]  # FN kept
         res = personalize(client, model.state_dict(), data, partition.train, partition.test, ft, forward)
         final.update(
@@ -415,6 +391,6 @@ if __name__ == "__main__":
             ft_lr=ft_lr,
             ft_acc_mean_before=res["acc_mean"][0],
         )
-    folder.finish(model, **final)  # FedFN: summary.json also holds FedFN-FT
+    run.finish(model, **final)  # FedFN: summary.json also holds FedFN-FT
     if args.ft_epochs > 0:  # FedFN
         print(f"FedFN-FT personalized accuracy {final['ft_acc_mean']:.4f} +- {final['ft_acc_std']:.4f}")

@@ -1,47 +1,37 @@
 """FedLN / FedFN: Understanding the Role of Layer Normalization in Label-Skewed Federated Learning
-(Zhang, Beitollahi, Bie, Chen; TMLR 2024), on FedAvg (McMahan et al. 2017) with the baselines FedProx
-(Li et al. 2020), SCAFFOLD (Karimireddy et al. 2020) and FedYogi (Reddi et al. 2021).
+(Zhang, Beitollahi, Bie, Chen; TMLR 2024), on FedAvg (McMahan et al. 2017) with the baselines FedProx (Li et al.
+2020), SCAFFOLD (Karimireddy et al. 2020) and FedYogi (Reddi et al. 2021).
 
-Idea: with one class per client a client overfits by inflating feature norms (feature collapse,
-Theorem 1). Layer normalization after every activation (FedLN), or scaling the last feature to norm
-sqrt(d), n(z) = sqrt(d) z / max(eps, ||z||) (FedFN, Eq. 7), bounds the norms and makes FedAvg converge
-far faster. --norm picks the normalization (Table 3's variants too), --agg the algorithm.
+Idea: with one class per client a client overfits by inflating feature norms (feature collapse, Theorem 1). Layer
+normalization after every activation (FedLN), or scaling the last feature to norm sqrt(d), n(z) = sqrt(d) z /
+max(eps, ||z||) (FedFN, Eq. 7), bounds the norms and makes FedAvg converge far faster. --norm picks the
+normalization (Table 3's variants too), --agg the algorithm.
 
-Reproduce (CPU, synthetic data, a few minutes; add --norm none for vanilla FedAvg):
-    python fedln.py --dataset synthetic --rounds 5 --eval-every 1
-The paper's CNN on CIFAR-10, 1 class per client, 10,000 rounds (Table 10: FedLN 78.04, FedFN 77.14, FedAvg 55.86):
-    python fedln.py --dataset cifar10 --norm ln
-Measured (benchmarks/reproduce/fedln.sh small: width-16 CNN, 10 one-class clients, 300 rounds; real
-CIFAR-10, seeds 0-2, 2-core CPU, about 5 min a run): LN 43.5, FN 41.9, vanilla 31.8, BN 9.4
-(paper, Tables 10 and 4: 78.04, 77.14, 55.86, 9.63).
+    python fedln.py --dataset cifar10 --norm ln            # Table 10: the CNN on CIFAR-10, one class a client
 
-Docs: docs/fedln.md, with the commands of Tables 1-4 and 10. Its "Implementation details and
-deviations" gives each choice with its reason: where the norms sit, Table 7's CNN, FN's sqrt(d) scale
-against fedfn.py's unit norm, SCAFFOLD, FedYogi, FedProx and Figure 3's measurements.
+Usage (the commands of Tables 1-4 and 10), logged metrics, implementation details (where the norms sit, Table 7's
+CNN, FN's sqrt(d) scale, SCAFFOLD, FedYogi, Figure 3's measurements) and results: docs/fedln.md.
 """
 
 import argparse
 
-import numpy as np
 import torch
-import torch.nn as nn  # FedLN: nn.Sequential to append ScaleNorm
+import torch.nn as nn  # FedLN: the CNN, nn.Sequential to append ScaleNorm
 import torch.nn.functional as F
 
-# fmt: off
-from common import (AUGMENTATIONS, HelpFormatter, RoundLoop, RunFolder, accumulate, add_run_flags, announce, autocast,
-                    build_model, client_batches, client_weights, decay_rate, device_flag, each_client, eval_metrics,
-                    exit_if_diverged, finish_args, fraction, inner_fraction, load_average, load_data, lr_at,
-                    make_partition, non_negative_float, non_negative_int, positive_float, positive_int, prepare_batch,
-                    prox_term, rng_state, sample_clients, seed_everything, seed_int, set_rng_state, setup_distributed,
-                    local_step_sum, scaffold_control, scaffold_correction, scaffold_server,  # FedLN: SCAFFOLD
-                    ScaleNorm)  # FedLN: sqrt(d)-scaled normalization n
-# fmt: on
+from common import (AUGMENTATIONS, DATASETS, MODELS, HelpFormatter, Run, accumulate, autocast, build_model,
+                    client_batches, client_weights, decay_rate, device_flag, each_client, eval_metrics, finish_args,
+                    fraction, inner_fraction, load_average, load_data, lr_at, make_partition, non_negative_float,
+                    non_negative_int, positive_float, positive_int, prepare_batch, prox_term, sample_clients, seed_int,
+                    Classifier, make_norm, register_model, scale_norm,  # FedLN: the CNN, n
+                    local_step_sum, scaffold_control, scaffold_correction,  # FedLN: SCAFFOLD
+                    scaffold_server)  # fmt: skip
 
-# The paper's setting: the defaults of the flags below (--help shows them). Table 7's CNN on CIFAR-10 with one
-# class per client (App. C.3, Tables 8-10); FedYogi's and FedProx's constants are App. C.4's.
+# The paper's setting, the defaults of the flags below: Table 7's CNN on CIFAR-10 with one class per client (App.
+# C.3, Tables 8-10); FedYogi's and FedProx's constants are App. C.4's.
 PAPER = dict(
     dataset="cifar10",
-    classes_per_client=1,  # n=1: the paper's "1 class"
+    classes_per_client=1,  # n = 1: the paper's "1 class"
     num_clients=10,  # K (Table 8)
     frac=1.0,  # all clients every round
     rounds=10000,  # T (App. C.3)
@@ -60,109 +50,114 @@ PAPER = dict(
 NORM_MODELS = ("normcnn", "resnet18", "resnet50")  # FedLN: models with normalization slots (--norm ln | gn | bn)
 
 
+@register_model("normcnn")  # FedLN: the paper's CNN with normalization slots
+def normcnn(in_channels, num_classes, image_size, norm="none", ln_affine=True, norm_after_act=True, width=64, **_):
+    """FedLN's CNN (Table 7): conv5x5-64 (no padding), pool 2, conv5x5-64, pool 2, dense 384, head; ReLU; no bias
+    anywhere (Assumption 1). norm (none | ln | gn | bn | fn) fills the slot after each ReLU (App. C.1), or before it
+    with norm_after_act=False (Table 6); ln_affine: learnable or static (Table 6); fn: ScaleNorm on the 384-d feature
+    only. width: both convs' channels (64; smaller for quick tests)."""
+
+    def layer(op, channels):
+        n = make_norm(norm, channels, groups=2, affine=ln_affine, conv=isinstance(op, nn.Conv2d))
+        return [op, nn.ReLU(), n] if norm_after_act else [op, n, nn.ReLU()]
+
+    side = ((image_size - 4) // 2 - 4) // 2  # computed, not probed: a probe pass would move BN statistics
+    body = nn.Sequential(*layer(nn.Conv2d(in_channels, width, 5, bias=False), width), nn.MaxPool2d(2),
+                         *layer(nn.Conv2d(width, width, 5, bias=False), width), nn.MaxPool2d(2), nn.Flatten(),
+                         *layer(nn.Linear(width * side * side, 384, bias=False), 384))  # fmt: skip
+    if norm == "fn":
+        body.append(ScaleNorm())
+    return Classifier(body, 384, num_classes, head_bias=False)
+
+
+class ScaleNorm(nn.Module):  # FedLN: n(z) = sqrt(d) z / max(eps, ||z||) as a layer (Eqs. 6-7; common.scale_norm)
+    def __init__(self, scale="sqrt-d", eps=1e-5):
+        super().__init__()
+        self.scale, self.eps = scale, eps
+
+    def forward(self, x):
+        return scale_norm(x, self.scale, self.eps)
+
+
 # fmt: off
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", default=PAPER["dataset"],
-        help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | tinyimagenet | synthetic")
-    g.add_argument("--data-dir", default="./data",
-        help="download folder, the image folder of --dataset folder (train/<class>/*, test/<class>/*; in groups: "
-             "train/<group>/<class>/*), or tiny-imagenet-200/")
-    g.add_argument("--augment", default="crop-flip", choices=AUGMENTATIONS,
-        help="on-device augmentation of training batches")
-    g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2, "
-                             "--disjoint-classes, --natural; one given replaces the default)")
-    g.add_argument("--iid", action="store_true", default=PAPER.get("iid", False), help="uniform random split")
-    g.add_argument("--shards", type=positive_int, default=PAPER.get("shards"),
-        help="S: sort by label, N*S shards, S per client")
-    g.add_argument("--classes-per-client", type=positive_int, default=PAPER.get("classes_per_client"),
-        help="n: each client holds n classes, each class split evenly among its holders")  # FedLN: paper's symbol
-    g.add_argument("--alpha", type=positive_float, default=PAPER.get("alpha"),
-        help="beta: Dirichlet label skew Dir(beta) (Hsu et al. 2019; the paper's Dir(0.1))")  # FedLN: paper's symbol
-    g.add_argument("--split2", action="store_true", default=PAPER.get("split2", False),
-        help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
-    g.add_argument("--disjoint-classes", action="store_true",
-        help="each client holds its own classes: N disjoint sets (7 classes, 3 clients: 2, 2, 3; FedLN Table 5)")
-    g.add_argument("--natural", action="store_true",
-        help="the clients are the folders of an image folder, train/<client>/<class>/* (N: their number)")
-    g.add_argument("--clients-per-domain", type=positive_int, default=None,
-        help="M: an image folder train/<domain>/<class>/*, each domain split over M clients by the partition flag")
-    g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"],
-        help="client sizes: equal, or power law (unbalanced)")
-    g.add_argument("--client-test", action="store_true",
-        help="also evaluate on per-client test sets with each client's label distribution")
-    g.add_argument("--balanced-acc", action="store_true",
-        help="also log the balanced accuracy (mean per-class recall) of the global and per-client tests")
-    g.add_argument("--data-seed", type=seed_int, default=None,
-        help="seed of the partition (default: --seed); client sampling uses --seed")
-    g.add_argument("--val-frac", type=decay_rate, default=0.0,
-        help="share of each client's training data held out for validation: val_acc, and test_acc_at_best_val "
-             "in summary.json (0: none)")
+    g.add_argument("--dataset", default=PAPER["dataset"], choices=sorted(DATASETS), help="folder: --data-dir's images")
+    g.add_argument("--data-dir", default="./data", help="download folder, image folder DIR/{train,test}/<class>/*")
+    g.add_argument("--augment", default="crop-flip", choices=AUGMENTATIONS, help="of training batches, on device")
+    g = p.add_argument_group("partition: one of these (default: --classes-per-client 1, the paper's)")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--iid", action="store_true", help="a uniform random split")
+    x.add_argument("--shards", type=positive_int, help="S: sort by label, cut N*S shards, deal S to each client")
+    x.add_argument("--classes-per-client", type=positive_int,
+        help="n classes a client, each split among its holders")  # FedLN: the paper's symbol
+    x.add_argument("--alpha", type=positive_float,
+        help="beta: Dirichlet label skew Dir(beta) (Hsu et al. 2019; the paper's 0.1)")  # FedLN: the paper's symbol
+    x.add_argument("--split2", action="store_true", help="CIFAR-10 split-2 (Qu et al. 2022): 5 clients, 4 classes each")
+    x.add_argument("--disjoint-classes", action="store_true", help="N disjoint class sets (FedLN T5: 2, 2, 3 of 7)")
+    x.add_argument("--natural", action="store_true", help="the clients are the folders DIR/train/<client>/<class>/*")
+    g.add_argument("--clients-per-domain", type=positive_int, help="M: DIR/train/<domain>/<class>/*, split M ways each")
+    g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes")
+    g.add_argument("--client-test", action="store_true", help="also test each client on its own label distribution")
+    g.add_argument("--balanced-acc", action="store_true", help="also log the balanced accuracy (mean class recall)")
+    g.add_argument("--data-seed", type=seed_int, help="seed of the partition (default: --seed)")
+    g.add_argument("--val-frac", type=decay_rate, default=0.0, help="share of each client's data held out: val_acc")
     g = p.add_argument_group("federation")
     g.add_argument("--num-clients", type=positive_int, default=PAPER["num_clients"], help="K: number of clients")
-    g.add_argument("--frac", type=fraction, default=PAPER["frac"],
-        help="fraction of clients sampled per round, in (0, 1]")  # FedLN: the paper has no symbol
+    g.add_argument("--frac", type=fraction, default=PAPER["frac"], help="fraction of clients a round, in (0, 1]")
     g.add_argument("--rounds", type=positive_int, default=PAPER["rounds"], help="T: communication rounds")
     g.add_argument("--local-steps", type=positive_int, default=PAPER["local_steps"],
-        help="E: local SGD steps (batches) per round")  # FedLN: steps, not epochs
+        help="E: local SGD steps (batches) a round")  # FedLN: steps, not epochs
     g.add_argument("--batch-size", type=positive_int, default=PAPER["batch_size"], help="B: local batch size")
     g.add_argument("--weighting", default="samples", choices=["samples", "uniform"],
-        help="aggregation weights: m_k/m (Eq. 1), or 1/|S|")  # FedLN: paper's symbols
+        help="weights m_k/m (Eq. 1), or 1/|S|")  # FedLN: the paper's symbols
     g = p.add_argument_group("optimization")
-    g.add_argument("--model", default=PAPER["model"],
-        help="normcnn (Table 7) | resnet18 (Appendix C.1) | cnn | ... (see common.MODELS)")  # FedLN: its models
+    g.add_argument("--model", default=PAPER["model"], choices=sorted(MODELS), metavar="NAME",
+        help="normcnn (Table 7), resnet18 (App. C.1), cnn, ...")  # FedLN: its models
     g.add_argument("--width", type=positive_int, default=PAPER["width"],
         help="channels of normcnn's convolutions or resnet18's first stage")  # FedLN: narrow models for CPU runs
-    g.add_argument("--lr", type=positive_float, default=PAPER["lr"],
-        help="eta_l: local learning rate")  # FedLN: paper's symbol
-    g.add_argument("--momentum", type=decay_rate, default=PAPER["momentum"],
-        help="local SGD momentum (reset every round)")
-    g.add_argument("--weight-decay", type=non_negative_float, default=PAPER["weight_decay"],
-        help="local L2 weight decay")
-    g.add_argument("--lr-decay-at", type=inner_fraction, nargs="*", default=[],
-        help="fractions of the run at which lr is multiplied by --lr-decay, e.g. 0.5 0.75")
+    g.add_argument("--lr", type=positive_float, default=PAPER["lr"], help="eta_l: local learning rate")  # FedLN
+    g.add_argument("--momentum", type=decay_rate, default=PAPER["momentum"], help="local SGD momentum, reset a round")
+    g.add_argument("--weight-decay", type=non_negative_float, default=PAPER["weight_decay"], help="local L2 decay")
+    g.add_argument("--lr-decay-at", type=inner_fraction, nargs="*", default=[], help="fractions of the run, e.g. 0.5")
     g.add_argument("--lr-decay", type=fraction, default=0.1, help="lr multiplier at each --lr-decay-at")
-    g.add_argument("--prox-mu", type=non_negative_float, default=None,
-        help="mu: FedProx proximal term mu/2 ||w - w_t||^2 of --agg fedprox (default there: 0.01, Appendix C.4); with"
-             " another --agg it is refused (exit 2), never ignored")  # FedLN: --agg fedprox's mu
+    g.add_argument("--prox-mu", type=non_negative_float,
+        help="mu of --agg fedprox (default there: 0.01, App. C.4); refused with another --agg")  # FedLN
     g = p.add_argument_group("FedLN: normalization and aggregation")  # FedLN: the method's flags
     g.add_argument("--norm", default=PAPER["norm"], choices=["none", "ln", "fn", "gn", "bn", "fn-each", "ln-last"],
         help="ln: layer norm after each activation (FedLN, Table 3 n^L_MV); fn: n(z) = sqrt(d) z / max(eps, ||z||) on"
-             " the last feature (FedFN, Eq. 7, Table 3 n 1^{L-1}); gn: group norm; bn: batch norm; none: vanilla; "
-             "normcnn only: fn-each: n after each activation (Table 3 n^L), ln-last: mean shift s after each "
-             "activation, layer norm after the last (Table 3 / 4 n_MV s^{L-1}, Prop. 2)")  # FedLN
+             " the last feature (FedFN, Eq. 7); gn, bn; none: vanilla; normcnn only: fn-each (n after each activation,"
+             " Table 3 n^L), ln-last (mean shift s, then layer norm last: Table 3 / 4 n_MV s^{L-1}, Prop. 2)")  # FedLN
     g.add_argument("--ln-affine", action=argparse.BooleanOptionalAction, default=True,
         help="gamma, beta of ln/gn/bn: learnable (Table 6 'learnable') or static; normcnn only")  # FedLN
     g.add_argument("--norm-before-act", action="store_true",
-        help="normalize before each ReLU instead of after (Table 6 'before'; for resnet18: the standard "
-             "conv-norm-ReLU ResNet)")  # FedLN
+        help="normalize before each ReLU (Table 6 'before'; resnet18: the standard conv-norm-ReLU ResNet)")  # FedLN
     g.add_argument("--agg", default="fedavg", choices=["fedavg", "fedprox", "scaffold", "fedyogi"],
         help="FedAvg; FedProx (--prox-mu); SCAFFOLD (Option II); FedYogi (server Yogi on the mean update)")  # FedLN
-    g.add_argument("--server-lr", type=positive_float, default=PAPER["server_lr"],
-        help="eta: FedYogi server learning rate")  # FedLN
+    g.add_argument("--server-lr", type=positive_float, default=PAPER["server_lr"], help="eta: FedYogi's server lr")
     g.add_argument("--yogi-beta1", type=decay_rate, default=0.9, help="beta_1: FedYogi first-moment decay")  # FedLN
     g.add_argument("--yogi-beta2", type=decay_rate, default=0.99, help="beta_2: FedYogi second-moment decay")  # FedLN
-    g.add_argument("--yogi-tau", type=positive_float, default=1e-3,
-        help="tau: FedYogi adaptivity (added to sqrt(v))")  # FedLN
-    g.add_argument("--yogi-v0", type=non_negative_float, default=PAPER["yogi_v0"],
-        help="v_0: FedYogi initial second moment")  # FedLN
+    g.add_argument("--yogi-tau", type=positive_float, default=1e-3, help="tau: FedYogi adaptivity (to sqrt(v))")
+    g.add_argument("--yogi-v0", type=non_negative_float, default=PAPER["yogi_v0"], help="v_0: FedYogi's initial v")
     g.add_argument("--track-singular-values", action="store_true",
-        help="log the singular values of the feature matrix [g(x_1)..g(x_20)] of 20 fixed test images of different "
-             "classes at each evaluation (feature collapse, Figure 3 right: the global model)")  # FedLN
-    g.add_argument("--overfit-client", type=non_negative_int, default=None, metavar="K",
-        help="Figure 3 left panels (Appendix D): train client K alone (every round samples only K, so the logged "
-             "model is its local model) and log at each evaluation ||w_c|| per class, ||g(x)|| of 20 of its training "
-             "images, and the singular values of 20 test images of different classes")  # FedLN
+        help="log the singular values of the features of 20 fixed test images of different classes (Fig. 3)")  # FedLN
+    g.add_argument("--overfit-client", type=non_negative_int, metavar="K",
+        help="Fig. 3 left (App. D): train client K alone; log ||w_c|| per class, ||g(x)|| of 20 of its images and "
+             "the singular values of 20 test images of different classes")  # FedLN
     g = p.add_argument_group("run")
-    g.add_argument("--seed", type=seed_int, default=0, help="seed of model init, client sampling and local shuffling")
-    g.add_argument("--device", type=device_flag, default=None,
-        help="cpu, cuda, cuda:N or mps (default: cuda if available, else cpu)")
+    g.add_argument("--seed", type=seed_int, default=0, help="seed of the init, client sampling and local shuffling")
+    g.add_argument("--device", type=device_flag, help="cpu, cuda, cuda:N or mps (default: cuda if there is one)")
     g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
-    g.add_argument("--eval-every", type=positive_int, default=PAPER["eval_every"],
-        help="evaluate every this many rounds (and at the last)")
-    add_run_flags(g, "fedln")  # --checkpoint-every, --out, --overwrite, --save-model, --resume, --stop-after
-    return check_args(p, finish_args(p, p.parse_args(), "fedln"))  # FedLN: + this script's flags together
+    g.add_argument("--threads", type=positive_int, help="CPU threads (default: OMP_NUM_THREADS, or the free cores)")
+    g.add_argument("--eval-every", type=positive_int, default=PAPER["eval_every"], help="evaluation period (and last)")
+    g.add_argument("--checkpoint-every", type=positive_int, help="checkpoint period (default: at each evaluation)")
+    g.add_argument("--out", help="run folder (default: runs/fedln__<dataset>__<seed>__<time>)")
+    g.add_argument("--overwrite", action="store_true", help="replace the run in --out (else such an --out is refused)")
+    g.add_argument("--save-model", action="store_true", help="write the final global model to OUT/model.pt")
+    g.add_argument("--resume", metavar="DIR", help="continue the run in DIR; a larger --rounds extends it")
+    g.add_argument("--stop-after", type=positive_int, help="checkpoint and stop after this many rounds")
+    return check_args(p, finish_args(p, p.parse_args(), "fedln", PAPER))  # FedLN: + this script's flags together
 
 
 def check_args(p, args):  # FedLN: this script's flags together
@@ -287,18 +282,12 @@ def singular_values(model, x):
 
 if __name__ == "__main__":
     args = parse_args()
-    setup_distributed(args)  # torchrun: join the other ranks (nothing when run alone)
-    seed_everything(args.seed)
-    data = load_data(args)
-    partition = make_partition(args, data)  # uses its own generator seeded by --data-seed
-    folder = RunFolder(args, "fedln")  # config.json; then partition.json, metrics.jsonl, checkpoint.pt, summary.json
-    loop = RoundLoop(args, folder)  # the rounds under a bar: which evaluate, checkpoints, --stop-after, Ctrl-C
-    folder.write_partition(partition, data)
+    run = Run(args)  # torchrun's ranks, the seeds, the client sampler (its own generator), Ctrl-C
+    data = load_data(args)  # uint8 tensors on the device; a bad folder is refused as it is read
+    partition = make_partition(args, data)  # its own generator, seeded by --data-seed
     model = build(args, data).to(args.device)  # the global model w_t; FedLN: build() adds --norm
-    # one client model, reloaded for every client
-    client = build(args, data).to(args.device)
-    announce(folder, model, partition)  # start-up line: device, model, partition, run folder
-    sampler = np.random.default_rng(args.seed)  # client sampling, independent of the partition
+    client = build(args, data).to(args.device)  # one client model, reloaded for every client
+    run.start(model, partition, data)  # the run folder: config.json, partition.json; the start-up line
     sizes = [len(p) for p in partition.train]
     # FedLN: SCAFFOLD and FedYogi act on parameters; buffers are averaged
     names = [n for n, _ in model.named_parameters()]
@@ -320,17 +309,14 @@ if __name__ == "__main__":
             data,
         )
     if args.resume:
-        ckpt = loop.resume()  # checkpoint.pt; loop.rounds() continues after its round
+        ckpt = run.resume()  # checkpoint.pt; the rounds go on after its round
         model.load_state_dict(ckpt["model"])
         server = ckpt["server"]  # FedLN: control variates / moments
-        set_rng_state(ckpt["rng"], sampler)
 
-    def state():  # what a checkpoint holds
-        return {"model": model.state_dict(), "rng": rng_state(sampler), "server": server}  # FedLN: + server
-
-    for rnd in loop.rounds(state):
+    # a checkpoint holds what the server keeps; FedLN: + the server state
+    for rnd in run.rounds(lambda: {"model": model.state_dict(), "server": server}):
         lr = lr_at(rnd, args)
-        clients = sample_clients(sampler, args.num_clients, args.frac)
+        clients = sample_clients(run.sampler, args.num_clients, args.frac)
         # FedLN: client K alone (Figure 3 left, Appendix D); weight 1: the model is its own
         if args.overfit_client is not None:
             clients = [args.overfit_client]
@@ -368,9 +354,9 @@ if __name__ == "__main__":
             )
             total.update(x)
         load_average(model, total)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (each entry cast back to its dtype)
-        train_loss = exit_if_diverged(train_loss, rnd, folder)  # NaN or inf: summary.json says diverged, exit 1
+        train_loss = run.diverged(train_loss, rnd)  # NaN or inf: summary.json says diverged, exit 1
 
-        if loop.evaluates(rnd):  # every --eval-every rounds and the last
+        if run.evaluates(rnd):  # every --eval-every rounds and the last
             model.eval()
             # test_acc, test_loss; per-client mean, std, worst 10%; --balanced-acc: the same of balanced accuracy
             tests = eval_metrics(model, data, partition.test, args.balanced_acc, args.amp, val=partition.val)
@@ -379,5 +365,5 @@ if __name__ == "__main__":
                 metrics["feature_sv"], metrics["feature_sv_unit"] = singular_values(model, sv_x)
             if own_x is not None:  # FedLN: Figure 3 left and middle left
                 metrics["client_feature_norms"], metrics["class_norms"] = feature_norms(model, own_x)
-            folder.log(metrics)
-    folder.finish(model)  # summary.json: the final round's metrics
+            run.log(metrics)
+    run.finish(model)  # summary.json: the final round's metrics

@@ -1,48 +1,37 @@
 """FedNNNN: Norm-Normalized Neural Network Aggregation for Fast and Accurate Federated Learning
 (Nagura, Bian, Sato; Kyoto University, arXiv 2020).
 
-Idea: averaging client updates that point in different directions shrinks the server step
-(N = ||sum_k n_k/n Delta_k|| <= E = sum_k n_k/n ||Delta_k||, Eqs. 4-6). FedNNNN rescales the averaged
-update to norm beta * E and adds server momentum (Algorithm 3, Eqs. 12-13):
-    d_{t+1} = gamma d_t + beta (E/N) sum_k n_k/n Delta_k,    w_{t+1} = w_t + d_{t+1}.
-The normalized model is broadcast; the plain FedAvg average is the evaluation model (Sec. 4.1).
-Table 2's variants: FedAvg = --beta 1 --gamma 0 --no-normalize, Norm-Norm = --gamma 0, Momentum =
---beta 1 --no-normalize, FedNNNN = --beta B --gamma G.
+Idea: averaging client updates that point in different directions shrinks the server step (N = ||sum_k n_k/n
+Delta_k|| <= E = sum_k n_k/n ||Delta_k||, Eqs. 4-6). FedNNNN rescales the averaged update to norm beta * E and adds
+server momentum (Algorithm 3, Eqs. 12-13): d_{t+1} = gamma d_t + beta (E/N) sum_k n_k/n Delta_k, w_{t+1} = w_t +
+d_{t+1}. The normalized model is broadcast; the plain FedAvg average is the evaluation model (Sec. 4.1). Table 2's
+variants: FedAvg = --beta 1 --gamma 0 --no-normalize, Norm-Norm = --gamma 0, Momentum = --beta 1 --no-normalize.
 
-Reproduce (CPU, synthetic data, about a minute):
-    python fednnnn.py --dataset synthetic --model lenet --num-clients 10 --rounds 10 --local-steps 10
-CIFAR-10 non-IID-B (Table 2: 76.7; the defaults), from an image folder:
-    python fednnnn.py --dataset folder --data-dir /path/to/cifar10
-Measured (benchmarks/reproduce/fednnnn.sh small: cnn6-narrow, s=2, 100 rounds; real CIFAR-10, seeds 0-2,
-2-core CPU, about 9 min a run): FedNNNN 49.8, Norm-Norm 48.5, Momentum 43.4, FedAvg 43.1 (paper: 76.7,
-76.7, 74.3, 72.6).
+    python fednnnn.py --dataset cifar10                   # Table 2: CIFAR-10 non-IID-B, Table 4's CNN
 
-Docs: docs/fednnnn.md. Its "Implementation details and deviations" gives each choice with its reason:
-the non-IID-B partition, which entries are normalized, N close to 0, the conv / fc split of the norms.
+Usage, logged metrics, implementation details (the non-IID-B partition, the normalized entries, N near 0, the conv /
+fc split of the norms) and results: docs/fednnnn.md.
 """
 
 import argparse
 
-import numpy as np
 import torch
-import torch.nn as nn  # FedNNNN: module types for the conv / fc split
+import torch.nn as nn  # FedNNNN: the paper's models; module types for the conv / fc split
 import torch.nn.functional as F
 
-# fmt: off
-from common import (AUGMENTATIONS, HelpFormatter, RoundLoop, RunFolder, accumulate, add_run_flags, announce, autocast,
-                    build_model, client_batches, client_weights, decay_rate, device_flag, each_client, eval_metrics,
-                    exit_if_diverged, finish_args, fraction, inner_fraction, load_average, load_data, lr_at,
-                    make_partition, non_negative_float, positive_float, positive_int, prepare_batch, prox_term,
-                    rng_state, sample_clients, seed_everything, seed_int, set_rng_state, setup_distributed)
-# fmt: on
+from common import (AUGMENTATIONS, DATASETS, MODELS, HelpFormatter, Run, accumulate, autocast, build_model,
+                    client_batches, client_weights, decay_rate, device_flag, each_client, eval_metrics, finish_args,
+                    fraction, inner_fraction, load_average, load_data, lr_at, make_partition, non_negative_float,
+                    positive_float, positive_int, prepare_batch, prox_term, sample_clients, seed_int,
+                    Classifier, register_model)  # FedNNNN: the paper's models  # fmt: skip
 
-# The paper's setting: the defaults of the flags below (--help shows them). CIFAR-10 non-IID-B of Table 1 with
-# Table 4's CNN (Table 2: FedNNNN 76.7); beta and gamma from Table 5.
+# The paper's setting, the defaults of the flags below: CIFAR-10 non-IID-B of Table 1 with Table 4's CNN (Table 2:
+# FedNNNN 76.7); beta and gamma from Table 5.
 PAPER = dict(
     dataset="cifar10",
     shards=2,  # non-IID "2 classes", by McMahan's recipe (--classes-per-client 2: exactly 2 classes each)
     num_clients=100,  # K
-    frac=1.0,  # C=1: all clients every round
+    frac=1.0,  # C = 1: all clients every round
     rounds=250,  # T
     local_epochs=5,  # E
     batch_size=50,  # B
@@ -56,72 +45,78 @@ PAPER = dict(
 )
 
 
+@register_model("lenet")  # FedNNNN: the paper's models
+def lenet(in_channels, num_classes, image_size, **_):
+    """Nagura et al. 2020, Table 3 (MNIST): conv5x5-20, pool, conv5x5-50, pool, fc 500, head; bias everywhere."""
+    side = ((image_size - 4) // 2 - 4) // 2
+    body = nn.Sequential(nn.Conv2d(in_channels, 20, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(20, 50, 5), nn.ReLU(),
+                         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(50 * side * side, 500), nn.ReLU())  # fmt: skip
+    return Classifier(body, 500, num_classes)
+
+
+@register_model("cnn6")  # FedNNNN
+def cnn6(in_channels, num_classes, image_size, width=32, **_):
+    """Nagura et al. 2020, Table 4 (CIFAR-10): [conv3x3 + BN + ReLU] x2 per stage of width, 2 width, 4 width channels,
+    max-pool after each, fc 382 (as printed, twice; likely 384), fc 192, head; bias everywhere; BN keeps running
+    statistics. cnn6-narrow (ours): width 8, a CPU-sized model that keeps them."""
+    layers, cin = [], in_channels
+    for cout in (width, width, "pool", 2 * width, 2 * width, "pool", 4 * width, 4 * width, "pool"):
+        if cout == "pool":
+            layers.append(nn.MaxPool2d(2))
+            continue
+        layers += [nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU()]
+        cin = cout
+    side = image_size // 8  # computed, not probed: a probe pass would move the BN running statistics
+    fc = [nn.Linear(4 * width * side * side, 382), nn.ReLU(), nn.Linear(382, 192), nn.ReLU()]
+    return Classifier(nn.Sequential(*layers, nn.Flatten(), *fc), 192, num_classes)
+
+
+register_model("cnn6-narrow")(lambda cin, k, size, **_: cnn6(cin, k, size, width=8))  # FedNNNN: for the CPU
+
+
 # fmt: off
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", default=PAPER["dataset"],
-        help="mnist | fashionmnist | emnist | cifar10 | cifar100 | svhn | folder | tinyimagenet | synthetic")
-    g.add_argument("--data-dir", default="./data",
-        help="download folder, the image folder of --dataset folder (train/<class>/*, test/<class>/*; in groups: "
-             "train/<group>/<class>/*), or tiny-imagenet-200/")
+    g.add_argument("--dataset", default=PAPER["dataset"], choices=sorted(DATASETS), help="folder: --data-dir's images")
+    g.add_argument("--data-dir", default="./data", help="download folder, image folder DIR/{train,test}/<class>/*")
     g.add_argument("--augment", default=PAPER["augment"], choices=AUGMENTATIONS,
-        help="on-device augmentation of training batches")
-    g = p.add_argument_group("partition (at most one of --iid, --shards, --classes-per-client, --alpha, --split2, "
-                             "--disjoint-classes, --natural; one given replaces the default)")
-    g.add_argument("--iid", action="store_true", default=PAPER.get("iid", False),
-        help="uniform random split (the paper's IID)")  # FedNNNN: its name in the paper
-    g.add_argument("--shards", type=positive_int, default=PAPER.get("shards"),
-        help="S: sort by label, N*S shards, S per client (on CIFAR-10 5-9 of the 100 clients get 2 shards of one "
-             "class)")  # FedNNNN: not always 2 classes
-    g.add_argument("--classes-per-client", type=positive_int, default=PAPER.get("classes_per_client"),
-        help="C: each client holds C classes, each class split evenly among its holders")
-    g.add_argument("--alpha", type=positive_float, default=PAPER.get("alpha"),
-        help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
-    g.add_argument("--split2", action="store_true", default=PAPER.get("split2", False),
-        help="CIFAR-10 split-2 of Qu et al. 2022 (5 clients, 4 classes each)")
-    g.add_argument("--disjoint-classes", action="store_true",
-        help="each client holds its own classes: N disjoint sets (7 classes, 3 clients: 2, 2, 3; FedLN Table 5)")
-    g.add_argument("--natural", action="store_true",
-        help="the clients are the folders of an image folder, train/<client>/<class>/* (N: their number)")
-    g.add_argument("--clients-per-domain", type=positive_int, default=None,
-        help="M: an image folder train/<domain>/<class>/*, each domain split over M clients by the partition flag")
-    g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"],
-        help="client sizes: equal (B), or power law (the paper's unbalanced UB)")  # FedNNNN: the paper's names
-    g.add_argument("--client-test", action="store_true",
-        help="also evaluate on per-client test sets with each client's label distribution")
-    g.add_argument("--balanced-acc", action="store_true",
-        help="also log the balanced accuracy (mean per-class recall) of the global and per-client tests")
-    g.add_argument("--data-seed", type=seed_int, default=None,
-        help="seed of the partition (default: --seed); client sampling uses --seed")
-    g.add_argument("--val-frac", type=decay_rate, default=0.0,
-        help="share of each client's training data held out for validation: val_acc, and test_acc_at_best_val "
-             "in summary.json (0: none)")
+        help="of training batches, on device")  # FedNNNN: none
+    g = p.add_argument_group("partition: one of these (default: --shards 2, the paper's non-IID-B)")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--iid", action="store_true", help="a uniform random split")
+    x.add_argument("--shards", type=positive_int, help="S: sort by label, cut N*S shards, deal S to each client")
+    x.add_argument("--classes-per-client", type=positive_int, help="C classes a client, each split among its holders")
+    x.add_argument("--alpha", type=positive_float, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
+    x.add_argument("--split2", action="store_true", help="CIFAR-10 split-2 (Qu et al. 2022): 5 clients, 4 classes each")
+    x.add_argument("--disjoint-classes", action="store_true", help="N disjoint class sets (FedLN T5: 2, 2, 3 of 7)")
+    x.add_argument("--natural", action="store_true", help="the clients are the folders DIR/train/<client>/<class>/*")
+    g.add_argument("--clients-per-domain", type=positive_int, help="M: DIR/train/<domain>/<class>/*, split M ways each")
+    g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes")
+    g.add_argument("--client-test", action="store_true", help="also test each client on its own label distribution")
+    g.add_argument("--balanced-acc", action="store_true", help="also log the balanced accuracy (mean class recall)")
+    g.add_argument("--data-seed", type=seed_int, help="seed of the partition (default: --seed)")
+    g.add_argument("--val-frac", type=decay_rate, default=0.0, help="share of each client's data held out: val_acc")
     g = p.add_argument_group("federation")
     g.add_argument("--num-clients", type=positive_int, default=PAPER["num_clients"], help="K: number of clients")
-    g.add_argument("--frac", type=fraction, default=PAPER["frac"],
-        help="C: fraction of clients sampled per round, in (0, 1]")
+    g.add_argument("--frac", type=fraction, default=PAPER["frac"], help="C: fraction of clients a round, in (0, 1]")
     g.add_argument("--rounds", type=positive_int, default=PAPER["rounds"], help="T: communication rounds")
-    g.add_argument("--local-epochs", type=positive_int, default=PAPER["local_epochs"], help="E: local epochs per round")
-    g.add_argument("--local-steps", type=positive_int, default=None,
-        help="local SGD steps per round instead of --local-epochs")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--local-epochs", type=positive_int, help=f"E: epochs a round (default: {PAPER['local_epochs']})")
+    x.add_argument("--local-steps", type=positive_int, help="local SGD steps a round, not epochs")
     g.add_argument("--batch-size", type=positive_int, default=PAPER["batch_size"], help="B: local batch size")
     g.add_argument("--weighting", default="samples", choices=["samples", "uniform"],
-        help="aggregation weights: n_k/n, or 1/m (the paper's unbalanced setting: sizes unknown to the server)")
+        help="weights n_k/n, or 1/m (the paper's unbalanced setting: sizes unknown to the server)")  # FedNNNN
     g = p.add_argument_group("optimization")
-    g.add_argument("--model", default=PAPER["model"],
-        help="cnn6 (Table 4, CIFAR-10) | lenet (Table 3, MNIST) | cnn | ... (see common.MODELS)")  # FedNNNN: its models
+    g.add_argument("--model", default=PAPER["model"], choices=sorted(MODELS), metavar="NAME",
+        help="cnn6 (Table 4, CIFAR-10), lenet (Table 3, MNIST), cnn, ...")  # FedNNNN: its models
     g.add_argument("--lr", type=positive_float, default=PAPER["lr"], help="eta: local learning rate")
-    g.add_argument("--momentum", type=decay_rate, default=PAPER["momentum"],
-        help="local SGD momentum (reset every round)")
-    g.add_argument("--weight-decay", type=non_negative_float, default=PAPER["weight_decay"],
-        help="local L2 weight decay")
-    g.add_argument("--lr-decay-at", type=inner_fraction, nargs="*", default=[],
-        help="fractions of the run at which lr is multiplied by --lr-decay, e.g. 0.5 0.75")
+    g.add_argument("--momentum", type=decay_rate, default=PAPER["momentum"], help="local SGD momentum, reset a round")
+    g.add_argument("--weight-decay", type=non_negative_float, default=PAPER["weight_decay"], help="local L2 decay")
+    g.add_argument("--lr-decay-at", type=inner_fraction, nargs="*", default=[], help="fractions of the run, e.g. 0.5")
     g.add_argument("--lr-decay", type=fraction, default=0.1, help="lr multiplier at each --lr-decay-at")
     g.add_argument("--prox-mu", type=non_negative_float, default=0.0,
-        help="mu: FedProx proximal term mu/2 ||w - w_t||^2 (0 = FedAvg); > 0 turns FedProx on, combined with the "
-             "server aggregation")
+        help="mu: FedProx's mu/2 ||w - w_t||^2 (0: off), with the server's aggregation")  # FedNNNN
     g = p.add_argument_group("FedNNNN server aggregation (Algorithm 3)")  # FedNNNN: the method's flags
     g.add_argument("--beta", type=positive_float, default=PAPER["beta"],
         help="beta: the normalized step has norm beta * E (Eqs. 8-9, 12)")  # FedNNNN
@@ -134,14 +129,18 @@ def parse_args():
     g.add_argument("--norm-eps", type=non_negative_float, default=1e-6,
         help="N counts as (near) zero when N <= eps * E: then no normalization (Sec. 4.2)")  # FedNNNN
     g = p.add_argument_group("run")
-    g.add_argument("--seed", type=seed_int, default=0, help="seed of model init, client sampling and local shuffling")
-    g.add_argument("--device", type=device_flag, default=None,
-        help="cpu, cuda, cuda:N or mps (default: cuda if available, else cpu)")
+    g.add_argument("--seed", type=seed_int, default=0, help="seed of the init, client sampling and local shuffling")
+    g.add_argument("--device", type=device_flag, help="cpu, cuda, cuda:N or mps (default: cuda if there is one)")
     g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
-    g.add_argument("--eval-every", type=positive_int, default=1,
-        help="evaluate every this many rounds (and at the last)")
-    add_run_flags(g, "fednnnn")  # --checkpoint-every, --out, --overwrite, --save-model, --resume, --stop-after
-    return finish_args(p, p.parse_args(), "fednnnn")
+    g.add_argument("--threads", type=positive_int, help="CPU threads (default: OMP_NUM_THREADS, or the free cores)")
+    g.add_argument("--eval-every", type=positive_int, default=1, help="evaluate every this many rounds and the last")
+    g.add_argument("--checkpoint-every", type=positive_int, help="checkpoint period (default: at each evaluation)")
+    g.add_argument("--out", help="run folder (default: runs/fednnnn__<dataset>__<seed>__<time>)")
+    g.add_argument("--overwrite", action="store_true", help="replace the run in --out (else such an --out is refused)")
+    g.add_argument("--save-model", action="store_true", help="write the final global model to OUT/model.pt")
+    g.add_argument("--resume", metavar="DIR", help="continue the run in DIR; a larger --rounds extends it")
+    g.add_argument("--stop-after", type=positive_int, help="checkpoint and stop after this many rounds")
+    return finish_args(p, p.parse_args(), "fednnnn", PAPER)
 # fmt: on
 
 
@@ -235,34 +234,26 @@ def norm_stats(w, w_next, w_avg, client_sq, weights, kinds):  # FedNNNN
 
 if __name__ == "__main__":
     args = parse_args()
-    setup_distributed(args)  # torchrun: join the other ranks (nothing when run alone)
-    seed_everything(args.seed)
-    data = load_data(args)
-    partition = make_partition(args, data)  # uses its own generator seeded by --data-seed
-    folder = RunFolder(args, "fednnnn")  # config.json; then partition.json, metrics.jsonl, checkpoint.pt, summary.json
-    loop = RoundLoop(args, folder)  # the rounds under a bar: which evaluate, checkpoints, --stop-after, Ctrl-C
-    folder.write_partition(partition, data)
+    run = Run(args)  # torchrun's ranks, the seeds, the client sampler (its own generator), Ctrl-C
+    data = load_data(args)  # uint8 tensors on the device; a bad folder is refused as it is read
+    partition = make_partition(args, data)  # its own generator, seeded by --data-seed
     model = build_model(args.model, data).to(args.device)  # FedNNNN: the broadcast (normalized) model w_t
     # one client model, reloaded for every client; FedNNNN: also holds the evaluation model
     client = build_model(args.model, data).to(args.device)
-    announce(folder, model, partition)  # start-up line: device, model, partition, run folder
-    sampler = np.random.default_rng(args.seed)  # client sampling, independent of the partition
+    run.start(model, partition, data)  # the run folder: config.json, partition.json; the start-up line
     sizes = [len(p) for p in partition.train]
     kinds = param_kinds(model)  # FedNNNN: the normalized entries (trainable parameters) and their conv/fc kind
     names = list(kinds)  # FedNNNN
     momentum = {n: torch.zeros_like(p) for n, p in model.named_parameters()}  # FedNNNN: d_0 = 0
     if args.resume:
-        ckpt = loop.resume()  # checkpoint.pt; loop.rounds() continues after its round
+        ckpt = run.resume()  # checkpoint.pt; the rounds go on after its round
         model.load_state_dict(ckpt["model"])
         momentum = ckpt["momentum"]  # FedNNNN: d_t
-        set_rng_state(ckpt["rng"], sampler)
 
-    def state():  # what a checkpoint holds
-        return {"model": model.state_dict(), "momentum": momentum, "rng": rng_state(sampler)}  # FedNNNN: + d_t
-
-    for rnd in loop.rounds(state):
+    # a checkpoint holds what the server keeps; FedNNNN: + d_t
+    for rnd in run.rounds(lambda: {"model": model.state_dict(), "momentum": momentum}):
         lr = lr_at(rnd, args)
-        clients = sample_clients(sampler, args.num_clients, args.frac)
+        clients = sample_clients(run.sampler, args.num_clients, args.frac)
         weights = client_weights([sizes[k] for k in clients], args.weighting)
         total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items()}
         train_loss = torch.zeros((), device=args.device)
@@ -296,16 +287,16 @@ if __name__ == "__main__":
         )
         norms = norm_stats(w_t, w_next, total, client_sq, weights, kinds)  # FedNNNN: before w_t is overwritten
         load_average(model, {**total, **w_next})  # FedNNNN: broadcast w_{t+1}; BN running statistics: the plain average
-        train_loss = exit_if_diverged(train_loss, rnd, folder)  # NaN or inf: summary.json says diverged, exit 1
+        train_loss = run.diverged(train_loss, rnd)  # NaN or inf: summary.json says diverged, exit 1
 
-        if loop.evaluates(rnd):  # every --eval-every rounds and the last
+        if run.evaluates(rnd):  # every --eval-every rounds and the last
             load_average(client, total)  # FedNNNN: the evaluation model = FedAvg average (Sec. 4.1)
             client.eval()  # FedNNNN: evaluate the evaluation model, not the broadcast one
             # test_acc, test_loss; per-client mean, std, worst 10%; --balanced-acc: the same of balanced accuracy
             tests = eval_metrics(
                 client, data, partition.test, args.balanced_acc, args.amp, val=partition.val
             )  # FedNNNN: the evaluation model
-            folder.log({"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr, **norms})  # FedNNNN: + norms
+            run.log({"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr, **norms})  # FedNNNN: + norms
         else:  # FedNNNN
-            folder.log({"round": rnd + 1, "train_loss": train_loss, "lr": lr, **norms})  # FedNNNN: norms every round
-    folder.finish(client)  # FedNNNN: --save-model writes the evaluation model
+            run.log({"round": rnd + 1, "train_loss": train_loss, "lr": lr, **norms})  # FedNNNN: norms every round
+    run.finish(client)  # FedNNNN: --save-model writes the evaluation model

@@ -53,8 +53,9 @@ CLAIMS = {
     "fedfn-a0.1": {
         "title": "Claim 1: FedFN vs FedAvg, Dirichlet alpha=0.1 (fedfn.md Table 8, VGG11, CIFAR-10, one seed)",
         "variants": ["fedavg", "fedfn"],
-        # ours (proxy, one seed): FedFN at FedAvg's lr; FN scaled to sqrt(d); weight decay 1e-5 (FedNTD's config)
-        "controls": ["fedfn-lr0.01", "fedfn-sqrtd", "fedavg-wd1e-5", "fedfn-wd1e-5"],
+        # ours (proxy, one seed): FedFN at FedAvg's lr; FN scaled to sqrt(d); weight decay 1e-5 (FedNTD's config);
+        # (every seed) E=5 local epochs instead of the proxy's 2, toward the paper's 15
+        "controls": ["fedfn-lr0.01", "fedfn-sqrtd", "fedavg-wd1e-5", "fedfn-wd1e-5", "fedavg-e5", "fedfn-e5"],
         "metrics": [("final test acc", ("summary", "test_acc"), {"fedavg": "73.16", "fedfn": "75.58"})],
     },
     "fedfn-a0.5": {
@@ -138,7 +139,7 @@ CLAIMS = {
         "instead of timm's 0 (--last-gain-init 1).",
     },
 }
-CLAIMS["anfr-recipe"] = {
+CLAIMS["anfr-recipe"] = {  # the recipe's runs before anfr.sh named them by AUGMENT (benchmarks/results/anfr-recipe-*)
     "title": "Claim 5 under the paper's CIFAR-10 recipe (Pieri et al. 2023) with timm's init: ANFR vs BN/GN/SE/NF, "
     "split-2, FedAvg (anfr.md Table 9)",
     "variants": ["bn", "gn", "se", "nf", "anfr"],
@@ -152,6 +153,24 @@ CLAIMS["anfr-recipe"] = {
     "models. The -agc and -nowarmup rows are our one-seed controls (adaptive gradient clipping in place of norm "
     "clipping; no warm-up).",
 }
+# benchmarks/reproduce/anfr.sh's recipe runs are named by their augmentation (AUGMENT): anfr-cropflip (the 4-pixel
+# pad-crop and flip, as the earlier anfr-recipe folders at small and proxy scale) and anfr-rrc (the recipe's
+# RandomResizedCrop, the only one at paper scale). At small and proxy scale both add Table 9's central column:
+# <arch>-central, one client holding all the training data for a federated client's steps, and
+# {bn,nf,anfr}-central-total (first seed) for the federation's total steps; drawn as controls (not federated).
+CENTRAL = [f"{arch}-central" for arch in CLAIMS["anfr-recipe"]["variants"]]
+CENTRAL += [f"{arch}-central-total" for arch in ("bn", "nf", "anfr")]
+for augment, what in (("cropflip", "4-pixel pad-crop and flip"), ("rrc", "RandomResizedCrop of area 5-100%, no flip")):
+    CLAIMS[f"anfr-{augment}"] = {
+        **CLAIMS["anfr-recipe"],
+        "title": CLAIMS["anfr-recipe"]["title"] + f", {what}",
+        "controls": CENTRAL + (CLAIMS["anfr-recipe"]["controls"] if augment == "cropflip" else []),
+        "note": "Each client keeps its batch-norm statistics; test and validation accuracies are means over the "
+        "clients' models. The -central rows are Table 9's central column (one client holding all the data; "
+        "-central-total: the federation's total steps, one seed)."
+        + (" The -agc and -nowarmup rows are our one-seed controls (adaptive gradient clipping in place of norm "
+           "clipping; no warm-up)." if augment == "cropflip" else ""),
+    }  # fmt: skip
 DEFAULT_CLAIM = {"title": None, "variants": [], "metrics": [("final test acc", ("summary", "test_acc"), None)]}
 
 # Flags that default to True in that script: False is written "--no-<flag>", True not at all.

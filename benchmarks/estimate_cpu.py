@@ -28,11 +28,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLAIM_SCRIPTS = ["fedfn", "fedbabu", "fedln", "fednnnn", "anfr"]
 
-# Runs inside the child: wrap common.load_data / evaluate / personalize and the round loop's tqdm bar
-# with CPU-time counters, run the method script as __main__, write the counters as JSON.
+# Runs inside the child: wrap common.load_data / evaluate / personalize and the rounds that common.Run.rounds
+# yields with CPU-time counters, run the method script as __main__, write the counters as JSON.
 CHILD = r"""
 import json, os, runpy, sys, time
-import common, tqdm as tqdm_mod
+import common
 clock = time.process_time
 T = {"load_data": 0.0, "eval": 0.0, "eval_calls": 0, "personalize": 0.0,
      "loop_start": None, "loop_end": None, "iters": []}
@@ -54,21 +54,16 @@ def timed(fn, key):
                 depth["personalize"] -= 1
     return wrapper
 common.load_data = timed(common.load_data, "load_data")
-common.evaluate = timed(common.evaluate, "eval")
-if hasattr(common, "personalize"):
-    common.personalize = timed(common.personalize, "personalize")
-class Bar(tqdm_mod.tqdm):
-    def __iter__(self):
-        if T["loop_start"] is None:
-            T["loop_start"] = clock()
-        for item in super().__iter__():
-            T["iters"].append(clock())
-            yield item
-    def close(self):
-        if T["loop_start"] is not None and T["loop_end"] is None:
-            T["loop_end"] = clock()
-        super().close()
-tqdm_mod.tqdm = Bar
+common.evaluate = timed(common.evaluate, "eval")  # eval_metrics calls it by its global name
+common.personalize = timed(common.personalize, "personalize")
+rounds = common.Run.rounds
+def timed_rounds(self, state):  # the script's `for rnd in run.rounds(state)`: the start of each round, the end
+    T["loop_start"] = clock()
+    for rnd in rounds(self, state):  # its bar, and each round's checkpoint, are inside
+        T["iters"].append(clock())
+        yield rnd
+    T["loop_end"] = clock()
+common.Run.rounds = timed_rounds
 out, script = sys.argv[1], sys.argv[2]
 sys.argv = sys.argv[2:]
 wall = time.perf_counter()

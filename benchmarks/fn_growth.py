@@ -39,7 +39,6 @@ from common import (  # noqa: E402
     make_partition,
     prepare_batch,
     sample_clients,
-    set_rng_state,
 )
 
 
@@ -75,8 +74,11 @@ def trace_round(args, data, partition, ckpt, limit=None, probe_size=50):
     Returns (result, the averaged model, or None when only some clients trained)."""
     model = build_model(args.model, data)
     model.load_state_dict(ckpt["model"])
-    sampler = np.random.default_rng(args.seed)
-    set_rng_state(ckpt["rng"], sampler)
+    sampler = np.random.default_rng(args.seed)  # the RNG states after the checkpoint's round, as common.Run.resume
+    sampler.bit_generator.state = ckpt["rng"]["numpy_sampler"]
+    torch.set_rng_state(ckpt["rng"]["torch"].cpu())
+    if "cuda" in ckpt["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in ckpt["rng"]["cuda"]])
     rnd = ckpt["round"]  # rounds done: the round traced is the next one
     clients = sample_clients(sampler, args.num_clients, args.frac)
     weights = client_weights([len(partition.train[k]) for k in clients], args.weighting)
@@ -105,8 +107,11 @@ def trace_round(args, data, partition, ckpt, limit=None, probe_size=50):
         )
     if limit is not None and limit < len(clients):  # the average is the server's only when every client trained
         return out, None
-    update = torch.stack(deltas).sum(0)  # the server's update of the layer: sum_k p_k (W_k - W_t)
-    for c, d in zip(out["clients"], deltas):  # client k's share of it, p_k <dW_k, dW> / ||dW||^2 (they sum to 1)
+    # the server's update of the layer, sum_k p_k (W_k - W_t), and client k's share of it, p_k <dW_k, dW> / ||dW||^2
+    # (they sum to 1): in float64, as float32 dot products over a layer of millions of entries miss that by 1e-5
+    deltas = [d.double() for d in deltas]
+    update = torch.stack(deltas).sum(0)
+    for c, d in zip(out["clients"], deltas):
         c["update_share"] = float(d @ update / (update @ update).clamp_min(1e-30))
     load_average(model, total)
     out["average"] = [

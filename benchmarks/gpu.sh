@@ -127,10 +127,11 @@ PY
 # ------------------------------------------------------------------------------------------------
 # data
 # ------------------------------------------------------------------------------------------------
-WARM_CACHE='import sys, time; sys.path.insert(0, "."); import common; t = time.time(); x_tr, y_tr, x_te, y_te = common.folder_dataset(sys.argv[1]); print(f"{sys.argv[1]}: {len(y_tr)} train and {len(y_te)} test images, {tuple(x_tr.shape[1:])}, {int(y_tr.max()) + 1} classes, read in {time.time() - t:.1f} s")'
-TOY_FOLDER='import os, sys; sys.path.insert(0, "."); import common; from PIL import Image
+WARM_CACHE='import argparse, sys, time; sys.path.insert(0, "."); import common; t = time.time(); d = common.image_folder(argparse.Namespace(data_dir=sys.argv[1])); x_tr, y_tr, y_te = d["x_train"], d["y_train"], d["y_test"]; print(f"{sys.argv[1]}: {len(y_tr)} train and {len(y_te)} test images, {tuple(x_tr.shape[1:])}, {int(y_tr.max()) + 1} classes, read in {time.time() - t:.1f} s")'
+TOY_FOLDER='import argparse, os, sys; sys.path.insert(0, "."); import common; from PIL import Image
 root = sys.argv[1]
-x_tr, y_tr, x_te, y_te = common.synthetic_dataset(0, n_train=1000, n_test=200)  # 100 + 20 images per class
+d = common.synthetic_dataset(argparse.Namespace(data_seed=0), n_train=1000, n_test=200)  # 100 + 20 images per class
+x_tr, y_tr, x_te, y_te = d["x_train"], d["y_train"], d["x_test"], d["y_test"]
 for split, x, y in (("train", x_tr, y_tr), ("test", x_te, y_te)):
     for i, (img, c) in enumerate(zip(x, y)):
         os.makedirs(os.path.join(root, split, f"class{int(c)}"), exist_ok=True)
@@ -309,11 +310,17 @@ stage_times() {
 stage_fedbabu() {
   local py=$PYTHON
   if [ "$MODE" = tiny ]; then
-    # Toy size through the real reproduce script: a python that appends toy flags (argparse: last wins).
+    # Toy size through the real reproduce script: a python that appends toy flags (argparse: last wins), with
+    # --local-steps in place of the paper's --local-epochs (the two are exclusive); a --resume keeps its config.
     py=$WORK/tiny-python
     mkdir -p "$WORK"
-    printf '#!/usr/bin/env bash\nexec %q "$@" --model convnet4-tiny --rounds 2 --local-steps 2 --ft-epochs 1 --ft-eval-epochs 0 1 2\n' \
-      "$PYTHON" > "$py"
+    {
+      echo '#!/usr/bin/env bash'
+      echo "case \" \$* \" in *' --resume '*) exec $(printf %q "$PYTHON") \"\$@\" ;; esac"
+      echo 'a=(); while [ $# -gt 0 ]; do if [ "$1" = --local-epochs ]; then shift 2; else a+=("$1"); shift; fi; done'
+      echo "exec $(printf %q "$PYTHON") \"\${a[@]}\" --model convnet4-tiny --rounds 2 --local-steps 2 --ft-epochs 1 \\"
+      echo "  --ft-eval-epochs 0 1 2"
+    } > "$py"
     chmod +x "$py"
   fi
   if [ "$MODE" = dry ]; then

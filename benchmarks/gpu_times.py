@@ -14,8 +14,9 @@ printed as each run ends, one run at a time:
               elapsed_s (FedBABU's per-client fine-tuning; about 0 for the others).
               projected minutes = (R * s/round + after loop) / 60, R the paper's --rounds; the set-up
               before the loop (imports, data from the cache, models: 10-20 s) is not counted.
-  fedavg.py   last: benchmarks/round_time.py (the speed target setting: N=100, f=0.1, E=5, B=50), one row
-              per model and precision; projected for fedavg.py's default 200 rounds, evaluated each round
+  FedAvg      last: benchmarks/round_time.py (the speed target setting: N=100, f=0.1, E=5, B=50), one row
+              per model and precision (fedavg.py; vgg11, which fedfn.py registers: fedfn.py --no-fn);
+              projected for fedavg.py's default 200 rounds, evaluated each round
 
     python benchmarks/gpu_times.py --data-dir data/cifar10 --device cuda
     python benchmarks/gpu_times.py --data-dir D --device cuda --claims anfr --variants all --timed-rounds 2
@@ -39,7 +40,8 @@ CLAIMS = ["fedfn", "fedbabu", "fedln", "fednnnn", "anfr"]
 OWN_VARIANT = {"fedfn": "fedfn", "fedbabu": "fedbabu", "fedln": "ln", "fednnnn": "fednnnn", "anfr": "anfr"}
 TIMED = {"fedln": 20}  # timed rounds per claim where a round is very short (default: --timed-rounds)
 FEDAVG_ROUNDS = 200  # fedavg.py's default --rounds (evaluated every round)
-# --tiny (CI, CPU): appended to the paper flags (argparse: the last value wins), so the real code paths
+# --tiny (CI, CPU): appended to the paper flags (argparse: the last value wins; --local-steps replaces the paper's
+# --local-epochs, which the scripts refuse beside it), so the real code paths
 # run on toy models with a few local steps.
 TINY = {
     "fedfn": ["--model", "convnet4-tiny", "--local-steps", "2"],
@@ -166,6 +168,9 @@ def timing_command(argv, args, out):
     for name, value in [("--rounds", K + T), ("--eval-every", K), ("--checkpoint-every", 10**9), ("--out", out)]:
         cmd = set_flag(cmd, name, value)
     if args.tiny:
+        if "--local-steps" in TINY[claim] and "--local-epochs" in cmd:  # the two are one exclusive choice
+            i = cmd.index("--local-epochs")
+            del cmd[i : i + 2]
         cmd = cmd[: cmd.index("--out")] + TINY[claim] + cmd[cmd.index("--out") :]
     return cmd, (K, T, rounds)
 
@@ -207,7 +212,10 @@ def measure(cmd, out, K, T):
 
 
 def round_time_rows(args):
-    """fedavg.py rows from benchmarks/round_time.py (its own table, converted)."""
+    """FedAvg rows from benchmarks/round_time.py (its own table, converted)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from round_time import script_for  # which script runs FedAvg with a model (fedavg.py, or fedfn.py --no-fn)
+
     flags = (
         TINY_ROUND_TIME
         if args.tiny
@@ -237,8 +245,10 @@ def round_time_rows(args):
             model, precision, per_round, per_eval = cells[0], cells[1], float(cells[2]), float(cells[3])
             setting = "N=100 f=0.1 E=5 B=50" if not args.tiny else "toy (round_time.py on synthetic data)"
             minutes = FEDAVG_ROUNDS * (per_round + per_eval) / 60
+            script, extra = script_for(model)  # FedAvg: fedavg.py, or fedfn.py --no-fn for fedfn.py's vgg11
+            flags = " ".join(["--model", model, *map(str, extra[:1])])
             print(
-                f"| fedavg.py | `--model {model}`{' `--amp`' if precision == 'amp' else ''} ({setting}; "
+                f"| {script}.py | `{flags}`{' `--amp`' if precision == 'amp' else ''} (FedAvg, {setting}; "
                 f"round_time.py) | {per_round:.3f} | {per_eval:.3f} | 0 | {FEDAVG_ROUNDS} | {minutes:.1f} |",
                 flush=True,
             )

@@ -138,22 +138,22 @@ MUTANTS = [
     (
         "shards: one shard too many",
         "common.py",
-        "num_shards = n * s",
-        "num_shards = n * s + 1",
+        'num_shards = np.argsort(labels, kind="stable"), n * s',
+        'num_shards = np.argsort(labels, kind="stable"), n * s + 1',
         "tests/test_common.py -k 'shards or partition'",
     ),
     (
         "dirichlet: power-law weights ignored",
         "common.py",
-        "p = rng.dirichlet(np.full(n, alpha)) * weights",
-        "p = rng.dirichlet(np.full(n, alpha))",
+        "_cut(idx, rng.dirichlet(np.full(n, alpha)) * weights)",
+        "_cut(idx, rng.dirichlet(np.full(n, alpha)))",
         "tests/test_common.py -k dirichlet",
     ),
     (
         "client test split: equal shares instead of training counts",
         "common.py",
-        "_cut(idx, counts[owners, cls])",
-        "_cut(idx, np.ones(len(owners)))",
+        "np.flatnonzero(test_labels == cls)), counts[owners, cls])",
+        "np.flatnonzero(test_labels == cls)), np.ones(len(owners)))",
         "tests/test_common.py -k client_test",
     ),
 ]

@@ -20,6 +20,7 @@ ratio slightly towards 1 (on the synthetic data's 1,000 test images it is a smal
 import argparse
 import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -29,7 +30,6 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from common import device_name  # noqa: E402
 
 # Per script: the model flags (small models, so the CPU numbers take minutes; the model and any
 # method flag can be changed with --model-flags) and flags that switch off work after the loop.
@@ -41,6 +41,15 @@ SCRIPTS = {
     "fednnnn": ["--model", "convnet4-tiny"],
     "anfr": ["--depth", "18", "--width", "8", "--arch", "anfr"],
 }
+
+
+def device_name(device):
+    """The device as a run's summary.json names it (common.Run.device): the GPU's name, or the CPU with its cores
+    and this process's torch threads (the runs, started with this environment, use as many)."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    cpu = platform.processor() or platform.machine()
+    return f"cpu ({cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
 
 
 def parse_args():

@@ -1,6 +1,6 @@
-"""Plots of CleanFL runs: reproduced claims, any run folders, and partitions (matplotlib, optional).
+"""Plots of CleanFL runs: reproduced claims, any run folders, partitions and FN traces (matplotlib, optional).
 
-Three modes, one subcommand each:
+Four modes, one subcommand each:
 
     pip install -r benchmarks/requirements.txt    # matplotlib: only this tool needs it
 
@@ -12,15 +12,19 @@ Three modes, one subcommand each:
 
     # runs: your own run folders (those with a config.json; a folder without one stands for every run
     # folder below it) in one PNG: test accuracy and train loss per round, each line labelled with its
-    # script and the flags that differ between the runs; --mean-seeds averages runs that differ only in seed
+    # script and the flags that differ between the runs; --mean-seeds averages runs that differ only in seed;
+    # more than --max-runs lines (default 12) are refused: the legend of a folder of 100 runs is taller than a page
     python benchmarks/plot.py runs runs/a runs/b --out compare.png
     python benchmarks/plot.py runs benchmarks/results/fedfn-s2-small --mean-seeds --out fedfn-s2.png
 
     # partition: the clients x classes label counts of a run's partition.json as a heatmap
     python benchmarks/plot.py partition runs/a --out partition.png
 
+    # fn-growth: traces of benchmarks/fn_growth.py --json, each client's mean ||f|| per local step, a panel each
+    python benchmarks/plot.py fn-growth fedfn-round51.json fedavg-round51.json --out growth.png
+
 The old form `python benchmarks/plot.py [RUNS_DIR] [--out DIR] [--claim X]` (no subcommand) is the
-claims mode. A RUNS_DIR literally named claims, runs or partition needs the subcommand: `claims runs`.
+claims mode. A RUNS_DIR literally named claims, runs, partition or fn-growth needs the subcommand: `claims runs`.
 """
 
 import argparse
@@ -39,6 +43,7 @@ SCRIPTS = ("fedavg", "fedbabu", "fedfn", "fedln", "fednnnn", "anfr")
 # config.json keys that never tell two runs apart in a label (where the run went, how it was checkpointed).
 NOT_IN_LABEL = {"out", "resume", "stop_after", "checkpoint_every", "save_model", "data_dir", "device"}
 SEED_KEYS = {"seed", "data_seed"}
+MAX_RUNS = 12  # lines in one runs figure: beyond it the legend (a line each) outgrows the plots and colors repeat
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
 
@@ -243,13 +248,33 @@ def group_seeds(runs):
     return [(f"{name} ({len(rs)} seed{'s' if len(rs) != 1 else ''})", rs) for name, rs in groups.items()]
 
 
+def too_many(n, a):
+    """Refuse (exit 2, one line) a figure of n lines over --max-runs: a parent folder of 100 runs would give a
+    legend 18 inches tall and a 1320 x 19512 px image. Returns 2, or 0 when n fits."""
+    if n <= a.max_runs:
+        return 0
+    what = "configurations (--mean-seeds)" if a.mean_seeds else "runs"
+    folders = ", ".join(a.folders[:3]) + (" ..." if len(a.folders) > 3 else "")
+    print(
+        f"plot.py runs: {n} {what} in {folders}, more lines than one figure shows (--max-runs {a.max_runs}); "
+        f"give fewer folders{'' if a.mean_seeds else ', --mean-seeds'} or --max-runs {n}",
+        file=sys.stderr,
+    )
+    return 2
+
+
 def plot_runs(a, plt):
     try:
-        runs = [load_run(d) for d in find_runs(a.folders)]
+        found = find_runs(a.folders)
     except ValueError as e:
         print(f"plot.py runs: {e}", file=sys.stderr)
         return 2
+    if not a.mean_seeds and too_many(len(found), a):  # a line a run: refused before every run is read
+        return 2
+    runs = [load_run(d) for d in found]
     groups = group_seeds(runs) if a.mean_seeds else [(name, [r]) for name, r in zip(labels(runs), runs)]
+    if too_many(len(groups), a):
+        return 2
     has_loss = any(series(rs, "train_loss") for _, rs in groups)
     legend_h = 0.18 * len(groups) + 0.2  # inches: the legend goes under the plots, one line per label
     height = 4.0 + legend_h
@@ -286,7 +311,7 @@ def _colors(plt, n):
 
 
 # ---------------------------------------------------------------------------------------------
-# partition: partition.json (common.Run.write_partition) as a clients x classes heatmap
+# partition: partition.json (written by common.Run.start) as a clients x classes heatmap
 # ---------------------------------------------------------------------------------------------
 def load_partition(path, split="train"):
     """(counts [clients, classes] int array, scheme, class names, client names or None) from a run folder or its
@@ -407,13 +432,20 @@ def plot_partition(a, plt):
 # ---------------------------------------------------------------------------------------------
 # command line
 # ---------------------------------------------------------------------------------------------
+def positive_int(text):
+    n = int(text)  # ValueError: argparse's "invalid positive_int value"
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not >= 1")
+    return n
+
+
 def parser():
     p = argparse.ArgumentParser(
         prog="benchmarks/plot.py",
         description=__doc__.split("\n\n")[0],
         epilog="Without a subcommand the arguments are the claims mode's (the old form).",
     )
-    sub = p.add_subparsers(dest="command", metavar="{claims,runs,partition}")
+    sub = p.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")  # every one in the usage line
     c = sub.add_parser("claims", help="one PNG per reproduced claim: RUNS_DIR/<claim>-<scale>/<variant>/seed<k>")
     c.add_argument(
         "root",
@@ -438,6 +470,14 @@ def parser():
         help="one line per configuration: mean and +- std over runs that differ only in --seed",
     )
     r.add_argument("--title", default=None, help="figure title (default: the settings all runs share)")
+    r.add_argument(
+        "--max-runs",
+        type=positive_int,
+        default=MAX_RUNS,
+        metavar="N",
+        help="refuse more lines than N (runs, or configurations with --mean-seeds): a legend line each "
+        "(default: %(default)s)",
+    )
     t = sub.add_parser("partition", help="a run's partition.json as a clients x classes heatmap of label counts")
     t.add_argument("path", metavar="RUN", help="a run folder, or its partition.json")
     t.add_argument("--out", default="partition.png", help="the PNG to write")

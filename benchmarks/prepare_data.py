@@ -21,10 +21,12 @@ and resized to --size; y is 1 for smiling. Class folders are named <label>_<name
 scripts read it (common.py: folder_layout), so every class keeps its LEAF label, even one without images.
 
 Every dataset: the input is checked before anything is written (exit 2 with a line naming the flag and the first
-bad items); --out must be empty or new unless --overwrite; the images are written into a temporary folder beside
---out, which replaces --out only when complete (an interrupted or failed conversion leaves --out as it was). Stray
-files (.DS_Store, Thumbs.db, anything not an image) and images that cannot be read are skipped and counted in the
-last line. Needs Pillow (installed with torchvision).
+bad items; CSV and JSON files are read as UTF-8); --out must be new or empty, or with --overwrite an earlier
+conversion: every folder written here holds a .cleanfl-prepared file (the conversion's arguments), and a non-empty
+folder without one is never emptied. The images are written into a temporary folder beside --out, which replaces
+--out only when complete (an interrupted or failed conversion leaves --out as it was) and gets the mode of the
+folder it replaces, or the umask's. Stray files (.DS_Store, Thumbs.db, anything not an image) and images that
+cannot be read are skipped and counted in the last line. Needs Pillow (installed with torchvision).
 """
 
 import argparse
@@ -34,6 +36,7 @@ import math
 import os
 import random
 import shutil
+import stat
 import string
 import sys
 import tempfile
@@ -46,11 +49,13 @@ from common import CLASSES_FILE, IMAGE_EXTENSIONS, flag_type, inner_fraction, re
 side = flag_type(int, 1)  # --size
 ISIC_COLUMNS = ("image", "target", "center", "fold")
 ISIC_CLASSES = ["class%d" % y for y in range(8)]  # FLamby's 8 diagnoses MEL, NV, BCC, AK, BKL, DF, VASC, SCC
+ISIC_CENTERS = 6  # Fed-ISIC2019's 6 hospitals, 0..5
 FLAMBY_SPLIT = "flamby/datasets/fed_isic2019/dataset_creation_scripts/train_test_split"
 FEMNIST_CHARS = string.digits + string.ascii_uppercase + string.ascii_lowercase  # LEAF's labels 0..61
 FEMNIST_CLASSES = ["%02d_%s" % (y, c) for y, c in enumerate(FEMNIST_CHARS)]  # 00_0 ... 10_A ... 36_a ... 61_z
 CELEBA_CLASSES = ["0_not_smiling", "1_smiling"]
 SKIPPED_DIRS = ("__MACOSX",)  # macOS zip metadata; hidden folders (.git, ...) are skipped too
+MARKER = ".cleanfl-prepared"  # in every folder written here: --overwrite empties no folder without it (a home)
 
 
 def parse_args(argv=None):
@@ -60,7 +65,8 @@ def parse_args(argv=None):
     def common_flags(s, size_default, size_help):
         s.add_argument("--out", required=True, help="the image folder to write (new or empty; see --overwrite)")
         s.add_argument("--overwrite", action="store_true",
-            help="replace a non-empty --out: its contents are deleted once the new folder is complete")  # fmt: skip
+            help=f"replace an earlier conversion in --out (a folder holding {MARKER}) once the new one is complete; "
+                 "any other non-empty folder is refused")  # fmt: skip
         if size_help:
             s.add_argument("--size", type=side, default=size_default, help=size_help)
 
@@ -69,12 +75,12 @@ def parse_args(argv=None):
         help=f"FLamby's train_test_split (columns image, ..., target, center, fold), in FLamby's source tree: "
              f"{FLAMBY_SPLIT}")  # fmt: skip
     isic.add_argument("--images", required=True, help="folder of FLamby's preprocessed <image>.jpg")
-    common_flags(isic, 64, "side of the square images written")
+    common_flags(isic, 64, "side of the square images written (default: %(default)s)")
     pacs = sub.add_parser("pacs", help="PACS: 4 domains of 7 classes")
     pacs.add_argument("--src", required=True, help="SRC/<domain>/<class>/*")
     pacs.add_argument("--test-frac", type=inner_fraction, default=0.2,
-        help="share of each domain's class held out for test, in (0, 1)")  # fmt: skip
-    pacs.add_argument("--seed", type=seed_int, default=0, help="seed of the held-out choice")
+        help="share of each domain's class held out for test, in (0, 1) (default: %(default)s)")  # fmt: skip
+    pacs.add_argument("--seed", type=seed_int, default=0, help="seed of the held-out choice (default: %(default)s)")
     common_flags(pacs, None, "resize to this square side (default: keep)")
     for name, what in (("femnist", "FEMNIST: a client per writer, 62 classes, 28x28 grayscale"),
                        ("celeba", "CelebA: a client per celebrity, smiling or not")):  # fmt: skip
@@ -83,7 +89,7 @@ def parse_args(argv=None):
         s.add_argument("--test", required=True, help="LEAF's data/test/ folder of JSON files, or one JSON file")
         if name == "celeba":
             s.add_argument("--images", required=True, help="LEAF's data/raw/img_align_celeba/ (CelebA's JPEGs)")
-        common_flags(s, 64, "side of the square images written" if name == "celeba" else None)
+        common_flags(s, 64, "side of the square images written (default: %(default)s)" if name == "celeba" else None)
     return p.parse_args(argv)
 
 
@@ -120,6 +126,18 @@ def femnist_image(x):
     return Image.fromarray(np.rint(a * 255).astype(np.uint8).reshape(28, 28), mode="L")
 
 
+def read_text(flag, path, read):
+    """read(f) of path opened as UTF-8 text (a BOM allowed), whatever the locale's encoding (Windows' cp1252 would
+    misread LEAF's and FLamby's UTF-8); a file that is not UTF-8 (UTF-16, an image) is refused in one line."""
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            return read(f)
+    except UnicodeDecodeError as e:
+        refuse(f"{flag}: {path} is not UTF-8 text (byte {e.start:,}: {e.reason}); give the file itself, saved as UTF-8")
+    except OSError as e:
+        refuse(f"{flag}: cannot read {path} ({e.strerror})")
+
+
 def plural(n, word):
     return f"{n:,} {word}{'' if n == 1 else 's'}"
 
@@ -143,27 +161,21 @@ def isic_plan(a):
     path = os.path.expanduser(a.csv)
     if not os.path.isfile(path):
         refuse(f"--csv: no file {path}; FLamby's train_test_split is in FLamby's source tree: {FLAMBY_SPLIT}")
-    with open(path, newline="", encoding="utf-8-sig") as f:
-        reader = csv.DictReader(f)
-        header = reader.fieldnames or []
-        missing = [c for c in ISIC_COLUMNS if c not in header]
-        if missing:
-            looks = "fold" in missing and {"age_approx", "lesion_id", "dataset"} & set(header)
-            what = " (FLamby's data-folder metadata, ISIC_2019_Training_Metadata_FL.csv?)" if looks else ""
-            refuse(
-                f"--csv: {path} has no column(s) {', '.join(missing)}{what}; give FLamby's train_test_split "
-                f"(columns image,MEL,...,UNK,target,center,fold,fold2), in FLamby's source tree: {FLAMBY_SPLIT}"
-            )
-        rows = list(reader)
+    try:
+        header, rows = read_text("--csv", path, read_csv)
+    except csv.Error as e:  # UTF-8 but not CSV (a field over csv's size limit, ...)
+        refuse(f"--csv: {path} is not a CSV file ({e})")
+    missing = [c for c in ISIC_COLUMNS if c not in header]
+    if missing:
+        looks = "fold" in missing and {"age_approx", "lesion_id", "dataset"} & set(header)
+        what = " (FLamby's data-folder metadata, ISIC_2019_Training_Metadata_FL.csv?)" if looks else ""
+        refuse(
+            f"--csv: {path} has no column(s) {', '.join(missing)}{what}; give FLamby's train_test_split "
+            f"(columns image,MEL,...,UNK,target,center,fold,fold2), in FLamby's source tree: {FLAMBY_SPLIT}"
+        )
     if not rows:
         refuse(f"--csv: {path} lists no images")
-    for n, r in enumerate(rows, 2):  # line 1 is the header
-        r.update({k: (r[k] or "").strip() for k in ISIC_COLUMNS})  # a short row has None in its last columns
-        if not (r["image"] and r["fold"] in ("train", "test") and r["target"].isdigit() and r["center"].isdigit()):
-            refuse(
-                f"--csv: line {n} of {path} is not image,target (0..7),center (0..5),fold (train or test): "
-                f"{r['image']},{r['target']},{r['center']},{r['fold']}"
-            )
+    check_isic_rows(path, rows)
     images = os.path.expanduser(a.images)
     if not os.path.isdir(images):
         refuse(f"--images: no folder {images} (FLamby's ISIC_2019_Training_Input_preprocessed)")
@@ -172,7 +184,6 @@ def isic_plan(a):
     if absent:
         refuse(f"--images: {len(absent):,} of the {len(rows):,} images --csv lists are not in {images}: "
                f"{listing(absent)}")  # fmt: skip
-    classes = ISIC_CLASSES + [f"class{y}" for y in range(8, max(int(r["target"]) for r in rows) + 1)]
 
     def items():
         for r in rows:
@@ -180,7 +191,37 @@ def isic_plan(a):
             src = os.path.join(images, r["image"] + ".jpg")
             yield dst, lambda src=src: open_rgb(src, a.size, crop=True)
 
-    return Plan(items, len(rows), classes)
+    return Plan(items, len(rows), ISIC_CLASSES)
+
+
+def read_csv(f):
+    """(header, rows as dicts) of an open CSV file."""
+    reader = csv.DictReader(f)
+    return reader.fieldnames or [], list(reader)
+
+
+def check_isic_rows(path, rows):
+    """Every row image,target,center,fold with target and center in range (a target of 9 would give classes.txt
+    10 classes and the model 10 outputs, silently), each image on one row (one in a train and a test row would be
+    written to both: test images in training). target and center become ints (so "07" is class7)."""
+    seen = {}  # image -> (line, fold)
+    for n, r in enumerate(rows, 2):  # line 1 is the header
+        r.update({k: (r[k] or "").strip() for k in ISIC_COLUMNS})  # a short row has None in its last columns
+        given = f"{r['image']},{r['target']},{r['center']},{r['fold']}"
+        digits = all(r[k].isascii() and r[k].isdigit() for k in ("target", "center"))
+        if not (r["image"] and r["fold"] in ("train", "test") and digits):
+            refuse(f"--csv: line {n} of {path} is not image,target (0..7),center (0..5),fold (train or test): {given}")
+        for key, count, what in (("target", len(ISIC_CLASSES), "diagnoses"), ("center", ISIC_CENTERS, "centers")):
+            r[key] = int(r[key])
+            if r[key] >= count:
+                refuse(f"--csv: line {n} of {path}: {key} {r[key]} is not in 0..{count - 1} ({count} {what}): {given}")
+        if r["image"] in seen:
+            m, fold = seen[r["image"]]
+            refuse(
+                f"--csv: the image {r['image']} is on line {m} ({fold}) and line {n} ({r['fold']}) of {path}; each "
+                "image must be listed once (an image in train and test would put test images in training)"
+            )
+        seen[r["image"]] = n, r["fold"]
 
 
 def pacs_plan(a):
@@ -249,9 +290,8 @@ def leaf_files(flag, value):
 
 def read_leaf(flag, path):
     try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:
+        data = read_text(flag, path, json.load)  # a file that is not UTF-8 is refused there
+    except ValueError as e:
         refuse(f"{flag}: cannot read {path} as JSON ({type(e).__name__}: {str(e)[:80]})")
     if (
         not isinstance(data, dict)
@@ -372,9 +412,20 @@ PLANS = {"isic": isic_plan, "pacs": pacs_plan, "femnist": leaf_plan, "celeba": l
 
 
 # ------------------------------------------------------------------------------------------------ writing
+def refuse_foreign(out):
+    """Refuse a non-empty out that prepare_data.py did not write (no MARKER in it): --overwrite would delete what
+    it holds (a folder of notes; --out ~ a home directory)."""
+    held = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    if held and not os.path.isfile(os.path.join(out, MARKER)):
+        refuse(
+            f"--out: {out} holds {listing(held)} and is not a prepare_data.py output (it has no {MARKER}); it is "
+            "never emptied, with or without --overwrite: give a new or empty folder"
+        )
+
+
 def check_out(a):
-    """--out: new, or an empty folder, or (with --overwrite) a folder to replace; never a file, a link, or a
-    folder holding an input. Returns its absolute path."""
+    """--out: new, or an empty folder, or (with --overwrite) an earlier conversion to replace; never a file, a
+    link, a folder of other files, or a folder holding an input. Returns its absolute path."""
     out = os.path.abspath(os.path.expanduser(a.out))
     if os.path.islink(out) or (os.path.exists(out) and not os.path.isdir(out)):
         refuse(f"--out: {out} is {'a link' if os.path.islink(out) else 'a file'}; give a folder")
@@ -385,17 +436,29 @@ def check_out(a):
         path = os.path.abspath(os.path.expanduser(given))
         if path == out or path.startswith(out + os.sep) or out.startswith(path + os.sep):
             refuse(f"--out: {out} and --{flag} {path} overlap; write the images somewhere else")
+    refuse_foreign(out)
     if os.path.isdir(out) and os.listdir(out) and not a.overwrite:
         refuse(
-            f"--out: {out} is not empty (an earlier conversion?); give --overwrite to replace it, or an empty or "
+            f"--out: {out} holds an earlier conversion ({MARKER}); give --overwrite to replace it, or an empty or "
             "new folder (never two conversions in one folder: their train and test images would mix)"
         )
     return out
 
 
-def write(plan, out):
-    """Write the plan into a temporary folder beside out, then put it in out's place. Returns (written, unreadable
-    names)."""
+def folder_mode(out, tmp):
+    """The mode for tmp, the folder that becomes out: out's own if out exists (an empty folder made for it, maybe
+    group-writable), else 0o777 less the umask as for any new folder (mkdtemp makes tmp 0o700: private), keeping
+    the special bits mkdir gave tmp (a parent's setgid)."""
+    if os.path.isdir(out):
+        return stat.S_IMODE(os.stat(out).st_mode)
+    umask = os.umask(0)  # the only way to read it
+    os.umask(umask)
+    return (stat.S_IMODE(os.stat(tmp).st_mode) & ~0o777) | (0o777 & ~umask)
+
+
+def write(plan, out, stamp):
+    """Write the plan into a temporary folder beside out, with stamp (the conversion's arguments) in its MARKER,
+    then put it in out's place. Returns (written, unreadable names)."""
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.partial-", dir=parent)
@@ -421,8 +484,12 @@ def write(plan, out):
                 f.write("".join(c + "\n" for c in plan.classes))
         if plan.finish:
             plan.finish(tmp, plan.notes)
+        with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
+            f.write(stamp)
+        os.chmod(tmp, folder_mode(out, tmp))
+        refuse_foreign(out)  # again: files may have been put into out while the images were written
         if os.path.isdir(out):
-            shutil.rmtree(out)  # empty, or --overwrite
+            shutil.rmtree(out)  # empty, or an earlier conversion and --overwrite
         os.rename(tmp, out)
     except BaseException:  # Ctrl-C too: no half-written output is left, --out is as it was
         shutil.rmtree(tmp, ignore_errors=True)
@@ -434,7 +501,8 @@ def main(argv=None):
     a = parse_args(argv)
     out = check_out(a)
     plan = PLANS[a.dataset](a)  # reads and checks the input; nothing is written before this returns
-    written, unreadable = write(plan, out)
+    stamp = json.dumps({"prepared by": "benchmarks/prepare_data.py", "dataset": a.dataset, "args": vars(a)}, indent=1)
+    written, unreadable = write(plan, out, stamp + "\n")
     counts = {s: sum(len(fs) for _, _, fs in os.walk(os.path.join(out, s))) for s in ("train", "test")}
     line = f"{written:,} images written under {out} (train {counts['train']:,}, test {counts['test']:,})"
     if plan.strays:

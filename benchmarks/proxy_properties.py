@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import anfr  # noqa: E402  (the repository root is on sys.path now)
+import fedfn  # noqa: E402, F401  (registers vgg11 and vgg11-narrow into common.MODELS)
 from common import build_model, load_data, prepare_batch  # noqa: E402
 
 FEDFN_MODELS = ["vgg11", "vgg11-narrow", "convnet4-tiny"]  # the first is the paper's: ratios are to it

@@ -1,7 +1,9 @@
 """Seconds per FedAvg round and per full test-set evaluation, for several models, with and without --amp.
 
 The GPU speed target setting: CIFAR-10, N=100 clients, f=0.1, E=5, B=50 (fedavg.py's defaults
-otherwise). For each model and precision fedavg.py runs twice:
+otherwise). fedavg.py runs the models of common.py; a model that fedfn.py registers (vgg11, vgg11-narrow) runs as
+fedfn.py --no-fn, FedAvg on FedFN's code path, with fedavg.py's partition, lr, weight decay and augmentation
+written out (script_for). For each model and precision the script runs twice:
   run A: 2R rounds, evaluated at rounds R and 2R  -> the time between the rows is R rounds + 1 evaluation
   run B: 2 rounds, evaluated at rounds 1 and 2    -> 1 round + 1 evaluation
 so a round takes (A - B) / (R - 1) and an evaluation B - round (rounds before the first row are the
@@ -19,13 +21,33 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overhead import between_evaluations  # noqa: E402  (puts the repository root on sys.path)
-from common import device_name  # noqa: E402
+from overhead import between_evaluations, device_name  # noqa: E402  (puts the repository root on sys.path)
+
+
+def script_for(model):
+    """(script, flags) that run FedAvg with `model` in fedavg.py's setting, or None for a model of neither
+    fedavg.py (common.py's models) nor fedfn.py (its own, e.g. vgg11: run as fedfn.py --no-fn)."""
+    import common
+    import fedavg
+    import fedfn  # noqa: F401  (registers its models into common.MODELS)
+
+    builder = common.MODELS.get(model)
+    code = getattr(builder, "func", builder).__code__ if builder else None  # a functools.partial: its func's
+    where = os.path.splitext(os.path.basename(code.co_filename))[0] if code else None  # the file, whatever the module
+    if where == "common":
+        return "fedavg", []
+    if where != "fedfn":
+        return None
+    paper = fedavg.PAPER  # fedavg.py's partition, lr, weight decay and augmentation, where fedfn.py's differ
+    return "fedfn", ["--no-fn", "--shards", paper["shards"], "--lr", paper["lr"],
+                     "--weight-decay", paper["weight_decay"], "--augment", paper["augment"]]  # fmt: skip
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", nargs="+", default=["vgg11", "resnet18", "cnn"], help="fedavg.py --model values")
+    p.add_argument(
+        "--models", nargs="+", default=["vgg11", "resnet18", "cnn"], help="--model values (fedfn.py's: see script_for)"
+    )
     p.add_argument(
         "--precisions",
         nargs="+",
@@ -44,6 +66,9 @@ def parse_args():
     args = p.parse_args()
     if args.rounds < 2:
         p.error("--rounds must be at least 2 (the round time is the difference of R rounds and 1 round)")
+    unknown = [m for m in args.models if script_for(m) is None]
+    if unknown:
+        p.error(f"--models: {', '.join(unknown)}: neither fedavg.py's models nor fedfn.py's")
     return args
 
 
@@ -54,12 +79,18 @@ if __name__ == "__main__":
         f"N={args.num_clients}, f={args.frac}, "
         f"E={args.local_epochs}, B={args.batch_size}"
     )
+    scripts = {m: script_for(m) for m in args.models}
+    for m, (script, extra) in scripts.items():
+        if script != "fedavg":
+            print(f"{m}: {script}.py {' '.join(map(str, extra))} (FedAvg on {script}.py's code path)")
     print("| model | precision | s / round | s / evaluation |")
     print("| --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models:
             for precision in args.precisions:
+                script, extra = scripts[model]
                 base = [
+                    *extra,
                     "--dataset",
                     args.dataset,
                     "--data-dir",
@@ -81,12 +112,12 @@ if __name__ == "__main__":
                     *(["--amp"] if precision == "amp" else []),
                 ]
                 a = between_evaluations(
-                    "fedavg",
+                    script,
                     [*base, "--rounds", 2 * args.rounds, "--eval-every", args.rounds],
                     os.path.join(tmp, f"{model}-{precision}-a"),
                 )
                 b = between_evaluations(
-                    "fedavg", [*base, "--rounds", 2, "--eval-every", 1], os.path.join(tmp, f"{model}-{precision}-b")
+                    script, [*base, "--rounds", 2, "--eval-every", 1], os.path.join(tmp, f"{model}-{precision}-b")
                 )
                 per_round = (a - b) / (args.rounds - 1)
                 print(f"| {model} | {precision} | {per_round:.3f} | {b - per_round:.3f} |", flush=True)

@@ -1,11 +1,14 @@
 """Helpers for end-to-end tests: run a script in a subprocess and read its run folder."""
 
+import importlib
 import json
 import os
 import subprocess
 import sys
 
 import torch
+
+import common
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [
@@ -35,6 +38,20 @@ def run_script(script, *flags, check=True, env=None):
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     return proc
+
+
+def prepare(script, argv, monkeypatch, capsys=None):
+    """<script>'s steps before training, in this process: parse_args, load_data, make_partition (where a bad flag,
+    folder or partition is refused). (args, data, partition), or (exit code, the last stderr line) on a refusal."""
+    module = importlib.import_module(script)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *map(str, argv)])
+    try:
+        args = module.parse_args()
+        data = common.load_data(args)
+        return args, data, common.make_partition(args, data)
+    except SystemExit as e:
+        err = capsys.readouterr().err.strip().splitlines() if capsys else []
+        return e.code, err[-1] if err else ""
 
 
 def start_script(script, *flags):

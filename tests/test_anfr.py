@@ -191,8 +191,8 @@ def test_attention_widths_as_timm():
     # SE: C/16 to the nearest multiple of 8, >= 8; CBAM: nearest, >= 1
     for c in (4, 8, 20, 32, 40, 64, 72, 136, 256, 2048):
         assert common.SqueezeExcite(c).fc1.out_channels == timm.layers.SEModule(c).fc1.out_channels, c
-        assert common.CBAM(c).fc1.out_channels == CbamModule(c).channel.fc1.out_channels, c
-        assert common.EfficientChannelAttention(c).conv.kernel_size == timm.layers.EcaModule(c).conv.kernel_size, c
+        assert anfr.CBAM(c).fc1.out_channels == CbamModule(c).channel.fc1.out_channels, c
+        assert anfr.EfficientChannelAttention(c).conv.kernel_size == timm.layers.EcaModule(c).conv.kernel_size, c
 
 
 def test_timm_names_map_onto_ours():

@@ -377,8 +377,61 @@ def test_plot_runs_labels_name_script_and_differing_flags(tmp_path, capsys):
     assert os.path.getsize(tmp_path / "cmp.png") > 0 and os.path.getsize(tmp_path / "seeds.png") > 0
 
 
+def test_plot_runs_refuses_more_lines_than_max_runs(tmp_path, capsys):
+    """A parent folder of many runs is refused in one line naming --max-runs (it drew a 1320 x 19512 px legend);
+    --mean-seeds counts configurations, and --max-runs raises the limit."""
+    import types
+
+    plot = importlib.import_module("plot")
+    root = tmp_path / "results"
+    for k in range(7):  # 7 learning rates x 2 seeds: 14 runs, 7 configurations
+        for seed in (0, 1):
+            write_run(str(root / f"lr{k}" / f"seed{seed}"), {"lr": k, "seed": seed}, script="fedavg", accs=[0.5])
+    png = tmp_path / "runs.png"
+
+    class Drawing(Exception):  # plot_runs got past its checks to the figure
+        pass
+
+    def subplots(*a, **k):
+        raise Drawing
+
+    plt = types.SimpleNamespace(subplots=subplots)  # matplotlib is optional: the checks need none
+    for flags, refused in [([], True), (["--max-runs", "13"], True), (["--max-runs", "14"], False),
+                           (["--mean-seeds"], False), (["--mean-seeds", "--max-runs", "6"], True)]:  # fmt: skip
+        a = plot.parse(["runs", str(root), "--out", str(png), *flags])
+        if refused:
+            assert plot.plot_runs(a, plt) == 2, flags
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and "--max-runs" in err and str(root) in err, err
+            assert ("7 configurations" if "--mean-seeds" in flags else "14 runs") in err, err
+            assert not png.exists()
+        else:
+            with pytest.raises(Drawing):
+                plot.plot_runs(a, plt)
+    assert plot.parse(["runs", "x"]).max_runs == 12
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(SystemExit) as e:
+            plot.parse(["runs", "x", "--max-runs", bad])
+        assert e.value.code == 2 and "--max-runs" in capsys.readouterr().err
+    pytest.importorskip("matplotlib")
+    assert plot.main(["runs", str(root), "--max-runs", "14", "--out", str(png)]) == 0 and png.stat().st_size > 0
+    assert plot.main(["runs", str(root), "--mean-seeds", "--out", str(tmp_path / "seeds.png")]) == 0
+
+
+def test_plot_usage_and_help_list_every_subcommand(capsys):
+    plot = importlib.import_module("plot")
+    usage = plot.parser().format_usage()
+    with pytest.raises(SystemExit) as e:
+        plot.parse(["--help"])
+    assert e.value.code == 0
+    helped = capsys.readouterr().out
+    for command in ("claims", "runs", "partition", "fn-growth"):
+        assert command in usage and f"    {command} " in helped, (command, usage)
+    assert "{claims,runs,partition,fn-growth}" in usage
+
+
 def test_plot_partition_reads_what_run_writes(tmp_path, capsys):
-    """partition.json as common.RunFolder.write_partition writes it -> the clients x classes count matrix."""
+    """partition.json as common.Run.start writes it -> the clients x classes count matrix."""
     import types
     import torch
     import common
@@ -388,10 +441,12 @@ def test_plot_partition_reads_what_run_writes(tmp_path, capsys):
     part = common.Partition(
         train=[torch.tensor([0, 1, 2]), torch.tensor([3, 4, 5, 6, 7])], test=None, scheme="shards=2"
     )
-    data = types.SimpleNamespace(y_train=labels, num_classes=3)
+    data = types.SimpleNamespace(y_train=labels, y_test=labels, num_classes=3, classes=None)
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    common.RunFolder.write_partition(types.SimpleNamespace(dir=str(run_dir), main=True), part, data)
+    args = argparse.Namespace(resume=None, model="mlp", out=str(run_dir))
+    run = types.SimpleNamespace(args=args, dir=str(run_dir), main=True, script="fedavg", device="cpu", started=False)
+    common.Run.start(run, torch.nn.Linear(2, 3), part, data)  # the run folder, config.json, partition.json
+    capsys.readouterr()  # the start-up line
     counts, scheme, names, _ = plot.load_partition(str(run_dir))
     assert counts.tolist() == [[2, 1, 0], [1, 1, 3]] and scheme == "shards=2" and names == ["0", "1", "2"]
     assert plot.load_partition(str(run_dir / "partition.json"))[0].tolist() == counts.tolist()
@@ -472,7 +527,11 @@ def test_reproduce_commands_parse(name, scale, fake_folder, monkeypatch):
     assert seeds == {0, 1, 2}  # SEEDS defaults to "0 1 2"
 
 
-ONE_SEED_CONTROLS = {"nf-agc", "anfr-agc", "nf-nowarmup", "anfr-nowarmup"}  # and every proxy-scale control
+# run at the first seed only, as does every proxy-scale control but EVERY_SEED_PROXY
+ONE_SEED_CONTROLS = {"nf-agc", "anfr-agc", "nf-nowarmup", "anfr-nowarmup", "bn-central-total", "nf-central-total"}
+EVERY_SEED_PROXY = {"fedavg-e5", "fedfn-e5", "bn-central", "gn-central", "se-central", "nf-central", "anfr-central"}
+ALPHA, RRC = {"SHARDS": "", "ALPHAS": "0.1"}, {"AUGMENT": "rrc"}
+FED, CENTRAL = "--split2 --num-clients 5", "--iid --num-clients 1"  # anfr.sh: Table 9's central column
 
 
 @pytest.mark.parametrize(
@@ -488,13 +547,22 @@ ONE_SEED_CONTROLS = {"nf-agc", "anfr-agc", "nf-nowarmup", "anfr-nowarmup"}  # an
         ("anfr", "anfr", "anfr-agc", None, "--clip 0 --agc 0.01", "small", {}),
         ("anfr", "nf", "nf-nowarmup", None, "--warmup-steps 0", "small", {}),
         ("anfr", "anfr", "anfr-nowarmup", None, "--warmup-steps 0", "small", {}),
-        ("fedfn", "fedfn", "fedfn-lr0.01", "0.03", "0.01", "proxy", {"SHARDS": "", "ALPHAS": "0.1"}),
-        ("fedfn", "fedfn", "fedfn-sqrtd", None, "--fn-scale sqrt-d", "proxy", {"SHARDS": "", "ALPHAS": "0.1"}),
-        ("fedfn", "fedfn", "fedfn-wd1e-5", None, "--weight-decay 1e-5", "proxy", {"SHARDS": "", "ALPHAS": "0.1"}),
-        ("fedfn", "fedavg", "fedavg-wd1e-5", None, "--weight-decay 1e-5", "proxy", {"SHARDS": "", "ALPHAS": "0.1"}),
+        ("anfr", "bn", "bn-central", FED, CENTRAL, "small", {}),
+        ("anfr", "se", "se-central", FED, CENTRAL, "small", RRC),
+        ("anfr", "anfr", "anfr-central", FED, CENTRAL, "proxy", {}),
+        ("anfr", "nf", "nf-central-total", f"{FED} --local-steps 50", f"{CENTRAL} --local-steps 250", "small", {}),
+        ("anfr", "bn", "bn-central-total", f"{FED} --local-steps 200", f"{CENTRAL} --local-steps 1000", "proxy", RRC),
+        ("fedfn", "fedfn", "fedfn-lr0.01", "0.03", "0.01", "proxy", ALPHA),
+        ("fedfn", "fedfn", "fedfn-sqrtd", None, "--fn-scale sqrt-d", "proxy", ALPHA),
+        ("fedfn", "fedfn", "fedfn-wd1e-5", None, "--weight-decay 1e-5", "proxy", ALPHA),
+        ("fedfn", "fedavg", "fedavg-wd1e-5", None, "--weight-decay 1e-5", "proxy", ALPHA),
+        ("fedfn", "fedfn", "fedfn-e5", "--local-epochs 2", "--local-epochs 5", "proxy", ALPHA),
+        ("fedfn", "fedavg", "fedavg-e5", "--local-epochs 2", "--local-epochs 5", "proxy", ALPHA),
     ],
 )
 def test_controls_change_one_flag_only(name, base, control, old, new, scale, env, monkeypatch):
+    """A control's command is its base variant's with `old` (consecutive words, exactly once) replaced by `new`, or
+    with `new` added before --seed; collect.py tables and plot.py draws it as a control; the seeds it runs."""
     monkeypatch.chdir(ROOT)
 
     def runs(scale, **more):  # {(claim folder, variant): argv}
@@ -505,18 +573,47 @@ def test_controls_change_one_flag_only(name, base, control, old, new, scale, env
     claims = sorted(folder for folder, variant in found if variant == base)
     assert claims
     for folder in claims:
-        expected = [new if a == old else a.replace(f"/{base}/", f"/{control}/") for a in found[(folder, base)]]
+        expected = [a.replace(f"/{base}/", f"/{control}/") for a in found[(folder, base)]]
         if old is None:  # the flags go after the variant's own flags, before --seed
             i = expected.index("--seed")
             expected[i:i] = new.split()
+        else:
+            o = old.split()
+            at = [i for i in range(len(expected)) if expected[i : i + len(o)] == o]
+            assert len(at) == 1, (old, expected)
+            expected[at[0] : at[0] + len(o)] = new.split()
         assert found[(folder, control)] == expected
         assert control in collect.CLAIMS[collect.split_claim(folder)[0]]["controls"]  # tabled and drawn as a control
     seeds = [argv[-1] for argv in dry_run(name, scale, SEEDS="0 1", **env) if f"/{control}/" in argv[-1]]
-    if control in ONE_SEED_CONTROLS or scale == "proxy":  # these run at the first seed only
+    if control in ONE_SEED_CONTROLS or (scale == "proxy" and control not in EVERY_SEED_PROXY):  # the first seed only
         assert [s.split("/")[-1] for s in seeds] == ["seed0"] * len(claims)
     else:
         assert len(seeds) == 2 * len(claims)
     assert control not in {variant for _, variant in runs("paper", ALPHAS="")}  # controls are CPU diagnostics
+
+
+@pytest.mark.parametrize("scale", ["small", "proxy"])
+def test_anfr_augment_names_the_claim_and_rrc_adds_only_its_crop(scale, monkeypatch):
+    """anfr.sh's recipe runs: AUGMENT=cropflip (the default below paper scale) and AUGMENT=rrc are the same commands
+    but for the claim folder anfr-<augment>-<scale> and rrc's --augment rrc --crop-scale 0.05 1 (before --arch); the
+    AGC and warm-up controls run with cropflip at small scale only; paper scale is rrc alone; collect.py knows both."""
+    monkeypatch.chdir(ROOT)
+    crop = {a[-1]: a for a in dry_run("anfr", scale)}
+    rrc = {a[-1].replace("anfr-rrc-", "anfr-cropflip-"): a for a in dry_run("anfr", scale, AUGMENT="rrc")}
+    controls = {o for o in crop if any(f"/{c}/" in o for c in ("nf-agc", "anfr-agc", "nf-nowarmup", "anfr-nowarmup"))}
+    assert len(controls) == (4 if scale == "small" else 0) and set(rrc) == set(crop) - controls
+    assert all(o.startswith(f"runs/reproduce/anfr-cropflip-{scale}/") for o in crop)
+    for out, argv in rrc.items():
+        assert "--augment" not in crop[out]
+        i = crop[out].index("--arch")
+        assert argv[:-1] == crop[out][:i] + ["--augment", "rrc", "--crop-scale", "0.05", "1"] + crop[out][i:-1]
+    for claim in ("anfr-cropflip", "anfr-rrc"):
+        assert collect.CLAIMS[claim]["variants"] == ["bn", "gn", "se", "nf", "anfr"]
+    paper = dry_run("anfr", "paper")
+    assert paper and all("/anfr-rrc-paper/" in a[-1] and "--augment" in a for a in paper)
+    res = subprocess.run(["bash", os.path.join(REPRO, "anfr.sh"), "paper"], capture_output=True, text=True,
+                         env={**os.environ, "DRY_RUN": "1", "AUGMENT": "cropflip"})  # fmt: skip
+    assert res.returncode == 2 and "AUGMENT" in res.stderr
 
 
 def test_reproduce_env_seeds_and_variants(monkeypatch):
@@ -618,6 +715,11 @@ def test_overhead_runs_do_the_same_steps_with_the_same_flags(monkeypatch):
     args.model_flags = "--model mlp"  # --model-flags replaces the per-script model flags
     fl, _, _ = overhead.run_flags("fedbabu", args)
     assert fl[fl.index("--model") + 1] == "mlp" and "--no-client-test" not in fl
+    args.model_flags, args.amp = None, False
+    for script in overhead.SCRIPTS:  # every script's parser takes both runs' flags (its model registered by it)
+        for flags in overhead.run_flags(script, args)[:2]:
+            parsed = parse_in_process(["python", f"{script}.py", *map(str, flags), "--device", "cpu"], monkeypatch)
+            assert parsed.local_steps in (4, 60) and getattr(parsed, "local_epochs", None) is None and parsed.iid
 
 
 @pytest.mark.slow  # 2 scripts x (FL, centralized) x 2 repeats, a process each

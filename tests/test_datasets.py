@@ -2,11 +2,9 @@
 own layout, the per-client spread and balanced accuracy every script logs, and anfr.py's focal loss. Every
 folder is built here with tiny PIL images; expected numbers are counted or computed by hand."""
 
-import importlib
-import json
+import argparse
 import math
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -14,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import common
-from helpers import metrics, run_batches
+from helpers import metrics, prepare, run_batches
 
 PACS = ["art_painting", "cartoon", "photo", "sketch"]
 SEVEN = ["dog", "elephant", "giraffe", "guitar", "horse", "house", "person"]
@@ -52,20 +50,14 @@ def domain_folder(root, per_class=4, per_class_test=2, size=8):
 
 
 def parse(script, argv, monkeypatch, capsys=None):
-    """<script>.parse_args on argv (finish_args included); returns args, or (exit code, last stderr line)."""
-    module = importlib.import_module(script)
-    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--device", "cpu", *map(str, argv)])
-    try:
-        return module.parse_args()
-    except SystemExit as e:
-        err = capsys.readouterr().err.strip().splitlines() if capsys else [""]
-        return e.code, err[-1]
+    """<script>'s steps before training (parse_args, load_data, make_partition); returns (args, data, partition),
+    or (exit code, last stderr line) on a refusal."""
+    return prepare(script, ["--device", "cpu", *argv], monkeypatch, capsys)
 
 
 def load(script, argv, monkeypatch):
-    args = parse(script, argv, monkeypatch)
-    data = common.load_data(args)
-    return args, data, common.make_partition(args, data)
+    args, data, partition = parse(script, argv, monkeypatch)
+    return args, data, partition
 
 
 def counts(labels, parts, c):
@@ -137,7 +129,7 @@ def test_split_disjoint_class_counts_by_hand():
     its one client: 8 over 3 -> 2, 3, 3; 10 over 4 -> 2, 2, 3, 3; 6 over 3 -> 2, 2, 2."""
     for c, n, want in [(8, 3, [2, 3, 3]), (10, 4, [2, 2, 3, 3]), (6, 3, [2, 2, 2])]:
         labels = np.repeat(np.arange(c), 3)
-        parts = common.split_disjoint(labels, n, np.random.default_rng(0))
+        parts = common.split_disjoint(labels, n, c, None, np.full(n, 1 / n), np.random.default_rng(0))
         held = [sorted(set(labels[p].tolist())) for p in parts]
         assert [len(h) for h in held] == want
         assert sorted(sum(held, [])) == list(range(c)) and [len(p) for p in parts] == [3 * k for k in want]
@@ -166,7 +158,7 @@ REFUSED = [
     (["--clients-per-domain", "2", "--natural"], "pacs", "--clients-per-domain"),
     (["--clients-per-domain", "8", "--disjoint-classes"], "pacs", "--disjoint-classes"),
     (["--clients-per-domain", "2", "--classes-per-client", "8"], "pacs", "--classes-per-client"),
-    (["--clients-per-domain", "2", "--split2"], "pacs", "--clients-per-domain"),
+    (["--clients-per-domain", "2", "--split2"], "pacs", "--split2"),  # split-2 has 5 clients, in each domain too
     (["--clients-per-domain", "3", "--iid", "--num-clients", "3"], "pacs", "--num-clients"),
 ]
 
@@ -220,13 +212,13 @@ def tiny_imagenet(root):
 
 def test_tiny_imagenet_layout_is_read_with_sorted_wnids(tmp_path):
     root = tiny_imagenet(tmp_path / "tiny-imagenet-200")
-    x_tr, y_tr, x_te, y_te = common.tinyimagenet_dataset(root)
+    d = common.tinyimagenet_dataset(argparse.Namespace(data_dir=root))
+    x_tr, y_tr, x_te, y_te = d["x_train"], d["y_train"], d["x_test"], d["y_test"]
     assert x_tr.shape == (6, 3, 64, 64) and x_te.shape == (4, 3, 64, 64)
     assert y_tr.tolist() == [0, 0, 1, 1, 2, 2]  # n01, n02, n03 in sorted order, not wnids.txt's
     assert y_te.tolist() == [1, 2, 0, 1]  # val_0..val_3 by their annotation, whatever the file's row order
     gray = x_tr[2]  # n02_0.JPEG, grayscale: three equal channels
     assert torch.equal(gray[0], gray[1]) and torch.equal(gray[1], gray[2]) and abs(int(gray[0, 0, 0]) - 200) <= 2
-    assert common.NUM_CLASSES["tinyimagenet"] == 200 and common.TRAIN_SIZE["tinyimagenet"] == 100_000
 
 
 def test_tiny_imagenet_without_its_layout_is_refused(tmp_path, monkeypatch, capsys):
@@ -384,9 +376,9 @@ def test_focal_weights_by_hand_and_the_flag(monkeypatch):
     assert [a.tolist() for a in pooled] == [pytest.approx([2.0, 3.0, 6.0])] * 2  # 6/3, 6/2, 6/1
     local = anfr.focal_weights(labels, parts, 3, "local")
     assert local[0].tolist() == pytest.approx([4 / 3, 4.0, 0.0]) and local[1].tolist() == pytest.approx([0.0, 2.0, 2.0])
-    assert parse("anfr", ["--dataset", "synthetic"], monkeypatch).focal_weights == "local"  # the main tables' (A.1)
+    assert parse("anfr", ["--dataset", "synthetic"], monkeypatch)[0].focal_weights == "local"  # the main tables' (A.1)
     pooled = ["--dataset", "synthetic", "--loss", "focal", "--focal-weights", "pooled"]
-    assert parse("anfr", pooled, monkeypatch).focal_weights == "pooled"
+    assert parse("anfr", pooled, monkeypatch)[0].focal_weights == "pooled"
     assert parse("anfr", ["--dataset", "synthetic", "--focal-weights", "flamby"], monkeypatch)[0] == 2
 
 
@@ -435,381 +427,6 @@ def test_every_script_logs_the_spread_and_balanced_accuracy_on_natural_clients(t
         assert row["client_test_acc_worst10"] <= row["client_test_acc_mean"], s
     per_client = metrics(tmp_path / "anfr")[-1]["client_test_acc"]  # anfr also logs each client's
     assert len(per_client) == 3 and metrics(tmp_path / "anfr")[-1]["client_test_acc_worst10"] == min(per_client)
-
-
-# ---------------------------------------------------------------------------------------------------- preparation
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-FLAMBY_HEADER = "image,MEL,NV,BCC,AK,BKL,DF,VASC,SCC,UNK,target,center,fold,fold2"  # train_test_split's columns
-
-
-def prepare(argv, capsys):
-    """benchmarks/prepare_data.py in-process: (exit code, stderr's last line)."""
-    import prepare_data
-
-    capsys.readouterr()
-    try:
-        prepare_data.main(list(map(str, argv)))
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    err = capsys.readouterr().err.strip().splitlines()
-    return code, err[-1] if err else ""
-
-
-def flamby_csv(path, rows):
-    """FLamby's train_test_split with its real columns: one-hot diagnoses, target, center, fold, fold2."""
-    lines = [FLAMBY_HEADER]
-    for image, target, center, fold in rows:
-        onehot = ",".join("1.0" if k == target else "0.0" for k in range(9))
-        lines.append(f"{image},{onehot},{target},{center},{fold},{fold}_{center}")
-    path.write_text("\n".join(lines) + "\n")
-    return str(path)
-
-
-def isic_source(tmp_path):
-    from PIL import Image
-
-    os.makedirs(tmp_path / "isic_raw")
-    rows = [("ISIC_0000000", 0, 0, "train", (30, 20)), ("ISIC_0000001", 1, 0, "test", (20, 26)),
-            ("ISIC_0012669_downsampled", 1, 1, "train", (24, 24)),
-            ("ISIC_0000003", 0, 1, "test", (40, 22))]  # fmt: skip
-    for name, _, _, _, wh in rows:
-        Image.new("RGB", wh, (9, 9, 9)).save(tmp_path / "isic_raw" / f"{name}.jpg")
-    return flamby_csv(tmp_path / "train_test_split", [r[:4] for r in rows]), str(tmp_path / "isic_raw")
-
-
-def files_under(root):
-    return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
-
-
-def test_prepare_data_lays_out_fed_isic2019_from_flamby_s_real_csv(tmp_path, monkeypatch, capsys):
-    csv_path, images = isic_source(tmp_path)
-    out = tmp_path / "isic"
-    code, last = prepare(["isic", "--csv", csv_path, "--images", images, "--out", out, "--size", "16"], capsys)
-    assert code == 0 and "4 images written" in last, last
-    assert (out / "train" / "center1" / "class1" / "ISIC_0012669_downsampled.png").exists()
-    with Image_open(out / "test" / "center1" / "class0" / "ISIC_0000003.png") as im:
-        assert im.size == (16, 16) and im.mode == "RGB"
-    # FLamby's 8 classes in classes.txt: the head has 8 outputs although this subset holds 2 classes
-    assert (out / "classes.txt").read_text().split() == [f"class{y}" for y in range(8)]
-    args, data, part = load(
-        "anfr", ["--dataset", "folder", "--data-dir", out, "--natural", "--depth", "18"], monkeypatch
-    )
-    assert part.names == ["center0", "center1"] and data.num_classes == 8
-    assert counts(data.y_test, part.test, 8) == [[0, 1, 0, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0, 0, 0]]
-    assert not [f for f in os.listdir(tmp_path) if ".partial-" in f]  # the temporary folder became --out
-
-
-def Image_open(path):
-    from PIL import Image
-
-    return Image.open(path)
-
-
-def test_prepare_data_refuses_bad_input_before_writing_anything(tmp_path, capsys):
-    csv_path, images = isic_source(tmp_path)
-    out = tmp_path / "isic"
-    base = ["isic", "--images", images, "--out", out]
-    # FLamby's data-folder metadata instead of train_test_split: the line says where the right file is
-    meta = tmp_path / "ISIC_2019_Training_Metadata_FL.csv"
-    meta.write_text("image,age_approx,anatom_site_general,lesion_id,sex,dataset\nISIC_0000000,55.0,anterior torso,"
-                    "BCN_0000001,male,BCN_nevi\n")  # fmt: skip
-    code, last = prepare([*base, "--csv", meta], capsys)
-    assert code == 2 and "--csv" in last and "fold" in last and "ISIC_2019_Training_Metadata_FL.csv" in last
-    assert "flamby/datasets/fed_isic2019/dataset_creation_scripts/train_test_split" in last
-    # two listed images missing: the count and the first names
-    os.remove(os.path.join(images, "ISIC_0000001.jpg"))
-    os.remove(os.path.join(images, "ISIC_0000003.jpg"))
-    code, last = prepare([*base, "--csv", csv_path], capsys)
-    assert code == 2 and "--images" in last and "2 of the 4" in last and "ISIC_0000001.jpg" in last, last
-    bad = flamby_csv(tmp_path / "bad", [("ISIC_0000000", 0, 0, "val")])  # fold must be train or test
-    code, last = prepare([*base, "--csv", bad], capsys)
-    assert code == 2 and "--csv" in last and "line 2" in last
-    for args, flag in [
-        (["--csv", tmp_path / "nope"], "--csv"),
-        (["--csv", csv_path, "--images", tmp_path], "--images"),
-    ]:
-        code, last = prepare(["isic", "--images", images, "--out", out, *args], capsys)
-        assert code == 2 and flag in last, last
-    assert not out.exists() and not [f for f in os.listdir(tmp_path) if ".partial-" in f]
-
-
-@pytest.mark.parametrize(
-    "flags, named",
-    [(["--test-frac", "0"], "--test-frac"), (["--test-frac", "1"], "--test-frac"),
-     (["--test-frac", "1.5"], "--test-frac"), (["--test-frac", "nan"], "--test-frac"), (["--size", "0"], "--size"),
-     (["--size", "-3"], "--size"), (["--size", "2.5"], "--size"), (["--seed", "-1"], "--seed")],
-)  # fmt: skip
-def test_prepare_data_bad_flag_values_exit_2_naming_the_flag(flags, named, tmp_path, capsys):
-    write_images(tmp_path / "PACS", {"photo/dog": 2})
-    code, last = prepare(["pacs", "--src", tmp_path / "PACS", "--out", tmp_path / "pacs", *flags], capsys)
-    assert code == 2 and f"argument {named}" in last, last
-    assert not (tmp_path / "pacs").exists()
-
-
-def pacs_source(root, per_class=5):
-    """PACS as distributed: sketch PNGs in L, RGBA and RGB modes, the other domains' JPEGs."""
-    from PIL import Image
-
-    for d in ("photo", "sketch"):
-        for c in ("dog", "horse"):
-            os.makedirs(root / d / c)
-            for i in range(per_class):
-                if d == "sketch":
-                    mode = ("L", "RGBA", "RGB")[i % 3]
-                    Image.new(mode, (12, 12), 200 if mode == "L" else (200,) * len(mode)).save(
-                        root / d / c / f"{i}.png"
-                    )
-                else:
-                    Image.new("RGB", (12, 12), (7 * i + 1, 0, 0)).save(root / d / c / f"pic_{i:03d}.jpg")
-    return str(root)
-
-
-def split_of(out):
-    """{(domain, class): (train names, test names)} of a prepared PACS folder."""
-    got = {}
-    for d in sorted(os.listdir(out / "train")):
-        for c in sorted(os.listdir(out / "train" / d)):
-            got[d, c] = tuple(set(os.listdir(out / s / d / c)) for s in ("train", "test"))
-    return got
-
-
-def test_prepare_data_never_mixes_two_conversions(tmp_path, monkeypatch, capsys):
-    """A second run into the same --out with another --seed is refused; with --overwrite the folder is the second
-    run's alone: train and test disjoint, together the source's images (the 34-of-140 leak cannot happen)."""
-    src, out = pacs_source(tmp_path / "PACS", per_class=10), tmp_path / "pacs"
-    assert prepare(["pacs", "--src", src, "--out", out], capsys)[0] == 0
-    first = files_under(out)
-    code, last = prepare(["pacs", "--src", src, "--out", out, "--seed", "1"], capsys)
-    assert code == 2 and "--out" in last and "--overwrite" in last and files_under(out) == first
-    code, last = prepare(["pacs", "--src", src, "--out", out, "--seed", "1", "--test-frac", "0.5", "--overwrite"],
-                         capsys)  # fmt: skip
-    assert code == 0, last
-    for (d, c), (train, test) in split_of(out).items():
-        stems = {os.path.splitext(f)[0] for f in os.listdir(os.path.join(src, d, c))}
-        assert not train & test and {os.path.splitext(f)[0] for f in train | test} == stems
-        assert len(test) == 5  # round(0.5 * 10): the second run's fraction, not the first's 2
-    assert files_under(out) != first
-    # an empty --out is fine; an --out holding the source is refused, even with --overwrite
-    os.makedirs(tmp_path / "empty")
-    assert prepare(["pacs", "--src", src, "--out", tmp_path / "empty"], capsys)[0] == 0
-    code, last = prepare(["pacs", "--src", src, "--out", tmp_path, "--overwrite"], capsys)
-    assert code == 2 and "--out" in last and "overlap" in last and os.path.isdir(src)
-
-
-def test_prepare_data_leaves_no_half_output(tmp_path, monkeypatch, capsys):
-    """A failure or Ctrl-C half-way leaves --out as it was (absent, or the previous conversion whole) and no
-    temporary folder."""
-    import prepare_data
-
-    src, out = pacs_source(tmp_path / "PACS"), tmp_path / "pacs"
-    real, calls = prepare_data.open_rgb, []
-
-    def interrupted(*a, **k):
-        calls.append(1)
-        if len(calls) == 7:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
-    monkeypatch.setattr(prepare_data, "open_rgb", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        prepare_data.main(["pacs", "--src", src, "--out", str(out)])
-    assert not out.exists() and sorted(os.listdir(tmp_path)) == ["PACS"]
-    monkeypatch.setattr(prepare_data, "open_rgb", real)
-    assert prepare(["pacs", "--src", src, "--out", out], capsys)[0] == 0
-    before = files_under(out)
-    calls.clear()
-    monkeypatch.setattr(prepare_data, "open_rgb", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        prepare_data.main(["pacs", "--src", src, "--out", str(out), "--overwrite", "--seed", "3"])
-    assert files_under(out) == before and sorted(os.listdir(tmp_path)) == ["PACS", "pacs"]
-
-
-def test_prepare_data_skips_stray_files_and_unreadable_images(tmp_path, monkeypatch, capsys):
-    src, out = pacs_source(tmp_path / "PACS"), tmp_path / "pacs"
-    (tmp_path / "PACS" / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
-    (tmp_path / "PACS" / "sketch" / "dog" / "Thumbs.db").write_bytes(b"\xd0\xcf\x11\xe0")
-    (tmp_path / "PACS" / "photo" / "readme.txt").write_text("PACS")
-    (tmp_path / "PACS" / "photo" / "horse" / "pic_999.jpg").write_bytes(b"not a JPEG")  # unreadable
-    code, last = prepare(["pacs", "--src", src, "--out", out, "--size", "8"], capsys)
-    assert code == 0, last
-    assert "20 images written" in last and "skipped 3 stray non-image files" in last and ".DS_Store" in last
-    assert "skipped 1 unreadable image" in last and "pic_999" in last and len(last.splitlines()) == 1
-    assert sum(len(tr) + len(te) for tr, te in split_of(out).values()) == 20
-    assert not any("pic_999" in f for f in files_under(out))
-
-
-def test_prepare_data_pacs_sketch_modes_are_rgb_and_fedln_reads_them(tmp_path, monkeypatch, capsys):
-    src, out = pacs_source(tmp_path / "PACS"), tmp_path / "pacs"
-    code, last = prepare(["pacs", "--src", src, "--out", out], capsys)
-    assert code == 0, last
-    for d in ("photo", "sketch"):
-        for c in ("dog", "horse"):  # round(0.2 * 5) = 1 test image of each domain's class
-            assert len(os.listdir(out / "train" / d / c)) == 4 and len(os.listdir(out / "test" / d / c)) == 1
-    for name in files_under(out / "train" / "sketch"):
-        with Image_open(out / "train" / "sketch" / name) as im:
-            assert im.mode == "RGB" and im.getpixel((3, 3)) == (200, 200, 200)  # L, RGBA, RGB: the same grey
-    flags = ["--dataset", "folder", "--data-dir", out, "--clients-per-domain", "1", "--iid", "--model", "resnet18"]
-    args, data, part = load("fedln", flags, monkeypatch)
-    assert data.x_train.shape[1:] == (3, 12, 12) and part.names == ["photo", "sketch"] and data.num_classes == 2
-
-
-def test_prepare_data_shows_a_progress_bar(tmp_path, capsys):
-    import prepare_data
-
-    prepare_data.main(["pacs", "--src", pacs_source(tmp_path / "PACS"), "--out", str(tmp_path / "pacs")])
-    err = capsys.readouterr().err
-    assert "writing:" in err and "/20 [" in err  # tqdm's bar over the 20 images (drawn again each second)
-    assert err.splitlines()[-1].endswith("(train 16, test 4)")  # then the one summary line
-
-
-# ---------------------------------------------------------------------------------------------------- LEAF
-def leaf_json(path, users):
-    """LEAF's JSON: {"users", "num_samples", "user_data": {user: {"x": [...], "y": [...]}}}."""
-    data = {"users": list(users), "num_samples": [len(d["y"]) for d in users.values()], "user_data": users}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data))
-
-
-def femnist_x(ink=(), value=0.0):
-    """784 values, 1.0 (LEAF's white background) except the (row, col) pixels of ink."""
-    x = [1.0] * 784
-    for r, c in ink:
-        x[28 * r + c] = value
-    return x
-
-
-# writer -> (train labels, test labels); A is 10, a is 36 (LEAF's relabel_class)
-WRITERS = {"f0000_14": ([10, 36, 36, 0], [10, 36]), "f0001_41": ([61, 5, 5], [5]), "f0002_03": ([10, 10], [61, 10])}
-
-
-def femnist_source(root):
-    for split, k in (("train", 0), ("test", 1)):
-        users = {w: {"x": [femnist_x([(3, 5)]) for _ in ys[k]], "y": ys[k]} for w, ys in WRITERS.items()}
-        first = {w: users[w] for w in ("f0000_14", "f0001_41")}  # LEAF writes at most 100 writers per file
-        leaf_json(root / split / f"all_data_0_niid_0_keep_0_{split}_9.json", first)
-        leaf_json(root / split / f"all_data_1_niid_0_keep_0_{split}_9.json", {"f0002_03": users["f0002_03"]})
-    return root
-
-
-def test_prepare_data_femnist_from_leaf_json(tmp_path, monkeypatch, capsys):
-    leaf, out = femnist_source(tmp_path / "leaf"), tmp_path / "femnist"
-    code, last = prepare(["femnist", "--train", leaf / "train", "--test", leaf / "test", "--out", out], capsys)
-    assert code == 0 and "14 images written" in last and "train 9, test 5" in last, last
-    # A and a: two folders that a case-insensitive file system keeps apart
-    for d, dirs, _ in os.walk(out):
-        assert len({x.lower() for x in dirs}) == len(dirs), d
-    assert sorted(os.listdir(out / "train" / "f0000_14")) == ["00_0", "10_A", "36_a"]
-    names = (out / "classes.txt").read_text().split()
-    assert len(names) == 62 and names == sorted(names)  # sorted folder names are the label order too
-    assert (names[0], names[9], names[10], names[35], names[36], names[61]) == ("00_0", "09_9", "10_A", "35_Z", "36_a",
-                                                                              "61_z")  # fmt: skip
-    with Image_open(out / "train" / "f0000_14" / "10_A" / "f0000_14_00000.png") as im:  # LEAF's polarity, row by row
-        px = np.array(im)
-        assert im.mode == "L" and im.size == (28, 28) and px[3, 5] == 0 and px[5, 3] == 255 and (px == 255).sum() == 783
-    # the scripts: one client per writer, its own test set, LEAF's labels, 62 classes, FedBABU's 3convNet
-    args, data, part = load("fedbabu", ["--dataset", "folder", "--data-dir", out, "--natural", "--model", "convnet3"],
-                            monkeypatch)  # fmt: skip
-    assert part.names == sorted(WRITERS) and args.client_test and data.num_classes == 62
-    assert data.x_train.shape[1:] == (1, 28, 28)
-    for k, w in enumerate(sorted(WRITERS)):
-        assert sorted(data.y_train[part.train[k]].tolist()) == sorted(WRITERS[w][0])
-        assert sorted(data.y_test[part.test[k]].tolist()) == sorted(WRITERS[w][1])
-    head = common.build_model("convnet3", data).head
-    assert (head.in_features, head.out_features) == (576, 62)  # FedBABU App. A.1: Linear(576, 62)
-
-
-def test_prepare_data_femnist_values_become_pixels_by_hand(tmp_path, capsys):
-    x = femnist_x()
-    x[0], x[1], x[28], x[783] = 0.0, 0.2, 0.5, 0.996  # round(255 x): 0, 51, 128 (127.5 to even), 254
-    leaf_json(tmp_path / "train" / "a.json", {"w": {"x": [x], "y": [3]}})
-    leaf_json(tmp_path / "test" / "a.json", {"w": {"x": [x], "y": [3]}})
-    out = tmp_path / "out"
-    assert (
-        prepare(["femnist", "--train", tmp_path / "train", "--test", tmp_path / "test", "--out", out], capsys)[0] == 0
-    )
-    with Image_open(out / "train" / "w" / "03_3" / "w_00000.png") as im:
-        px = np.array(im)
-    assert (px[0, 0], px[0, 1], px[1, 0], px[27, 27], px[13, 13]) == (0, 51, 128, 254, 255)
-
-
-def test_prepare_data_leaf_refusals(tmp_path, capsys):
-    good = {"w": {"x": [femnist_x()], "y": [1]}}
-    leaf_json(tmp_path / "test" / "a.json", good)
-    cases = [
-        ({"w": {"x": [femnist_x()], "y": [62]}}, "--train", "outside 0..61"),  # not FEMNIST's label
-        ({"w": {"x": [femnist_x()], "y": [float("nan")]}}, "--train", "outside 0..61"),
-        ({"w": {"x": [femnist_x(), femnist_x()], "y": [1]}}, "--train", "2 x but 1 y"),
-        ({"w": {"x": ["000001.jpg"], "y": [1]}}, "--train", "784"),  # CelebA's JSON given to femnist
-        ({"Ab": good["w"], "ab": good["w"]}, "--train", "case"),  # one folder on a case-insensitive file system
-        ({"../w": good["w"]}, "--train", "folder name"),
-    ]
-    for users, flag, said in cases:
-        leaf_json(tmp_path / "train" / "a.json", users)
-        code, last = prepare(["femnist", "--train", tmp_path / "train", "--test", tmp_path / "test", "--out",
-                              tmp_path / "out"], capsys)  # fmt: skip
-        assert code == 2 and flag in last and said in last, (users.keys(), last)
-    (tmp_path / "train" / "a.json").write_text("{not json")
-    code, last = prepare(["femnist", "--train", tmp_path / "train", "--test", tmp_path / "test", "--out",
-                          tmp_path / "out"], capsys)  # fmt: skip
-    assert code == 2 and "--train" in last and "JSON" in last
-    code, last = prepare(["femnist", "--train", tmp_path / "nothing", "--test", tmp_path / "test", "--out",
-                          tmp_path / "out"], capsys)  # fmt: skip
-    assert code == 2 and "--train" in last
-    assert not (tmp_path / "out").exists()
-
-
-def celeba_source(root):
-    """LEAF's CelebA: x an image name of img_align_celeba/ (178x218 JPEGs), y 0.0 or 1.0 as LEAF writes them."""
-    from PIL import Image
-
-    os.makedirs(root / "img_align_celeba")
-    users = {"2880": [(1, 1.0), (2, 0.0), (3, 1.0)], "7": [(4, 0.0), (5, 0.0)]}
-    test = {"2880": [(6, 1.0)], "7": [(7, 1.0)]}
-    for split, data in (("train", users), ("test", test)):
-        for samples in data.values():
-            for i, _ in samples:
-                Image.new("RGB", (178, 218), (i, 100, 0)).save(root / "img_align_celeba" / f"{i:06d}.jpg", quality=95)
-        users = {u: {"x": [f"{i:06d}.jpg" for i, _ in s], "y": [y for _, y in s]} for u, s in data.items()}
-        leaf_json(root / split / f"all_data_niid_0_keep_5_{split}_9.json", users)
-    return root
-
-
-def test_prepare_data_celeba_from_leaf_json(tmp_path, monkeypatch, capsys):
-    leaf, out = celeba_source(tmp_path / "leaf"), tmp_path / "celeba"
-    flags = ["celeba", "--train", leaf / "train", "--test", leaf / "test", "--images", leaf / "img_align_celeba"]
-    code, last = prepare([*flags, "--out", out, "--size", "16"], capsys)
-    assert code == 0 and "7 images written" in last, last
-    assert (out / "classes.txt").read_text().split() == ["0_not_smiling", "1_smiling"]
-    assert sorted(os.listdir(out / "train" / "2880" / "1_smiling")) == ["000001.png", "000003.png"]  # CelebA's names
-    with Image_open(out / "test" / "7" / "1_smiling" / "000007.png") as im:
-        assert im.size == (16, 16) and abs(im.getpixel((8, 8))[1] - 100) <= 2
-    args, data, part = load("anfr", ["--dataset", "folder", "--data-dir", out, "--natural", "--depth", "18"],
-                            monkeypatch)  # fmt: skip
-    assert part.names == ["2880", "7"] and data.num_classes == 2 and args.num_clients == 2
-    assert counts(data.y_train, part.train, 2) == [[1, 2], [2, 0]] and counts(data.y_test, part.test, 2) == [
-        [0, 1],
-        [0, 1],
-    ]
-    os.remove(leaf / "img_align_celeba" / "000004.jpg")
-    code, last = prepare([*flags, "--out", tmp_path / "again"], capsys)
-    assert code == 2 and "--images" in last and "000004.jpg" in last and "1 of the 7" in last
-    assert not (tmp_path / "again").exists()
-
-
-def test_prepare_data_leaf_split_by_user_gives_one_shared_test_folder(tmp_path, monkeypatch, capsys):
-    """LEAF's -t user puts whole users in test: the test images become one shared test/<class>/ (every class
-    folder present, as the scripts need), which --natural --client-test deals by training labels."""
-    leaf_json(tmp_path / "train" / "a.json", {"u1": {"x": [femnist_x()] * 3, "y": [0, 1, 1]},
-                                              "u2": {"x": [femnist_x()] * 2, "y": [0, 0]}})  # fmt: skip
-    leaf_json(tmp_path / "test" / "a.json", {"u3": {"x": [femnist_x()] * 2, "y": [1, 0]}})
-    out = tmp_path / "out"
-    code, last = prepare(["femnist", "--train", tmp_path / "train", "--test", tmp_path / "test", "--out", out], capsys)
-    assert code == 0 and "shared test/<class>/" in last, last
-    assert len(os.listdir(out / "test")) == 62 and len(files_under(out / "test")) == 2
-    args, data, part = load("fedavg", ["--dataset", "folder", "--data-dir", out, "--natural", "--model", "mlp"],
-                            monkeypatch)  # fmt: skip
-    assert args.num_clients == 2 and data.group_test is None and sorted(data.y_test.tolist()) == [0, 1]
 
 
 # ---------------------------------------------------------------------------------------------------- classes.txt

@@ -1,6 +1,7 @@
 """torchrun: K processes (gloo on CPU) give the one-process run bit for bit, resume with another K,
 and a failing rank stops the whole run with nothing half-written."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -325,3 +326,67 @@ def test_each_rank_trains_its_share_and_all_ranks_end_equal(tmp_path):
         assert [k for rnd, k in rows[r]["trained"] if rnd == 1] == order[r::2]
         assert len(rows[r]["trained"]) == 2 * len(order[r::2])  # two rounds, nothing trained twice
     assert rows[0]["model"] == rows[1]["model"] and rows[0]["c_local"] == rows[1]["c_local"]
+
+
+BROADCAST = """import os, sys
+sys.path.insert(0, os.getcwd())  # the repository root
+import torch, torch.distributed as dist
+import common
+sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
+from client_result import result_of
+dist.init_process_group("gloo")
+rank, out = dist.get_rank(), sys.argv[1]
+mine = result_of(rank)
+for src in (0, 1):  # each rank's own result goes in, as each_client passes it; an idle rank passes None
+    got = common._broadcast(mine if rank != 1 or src == 1 else None, src)
+    torch.save({"got": got, "is_mine": got is mine}, os.path.join(out, f"rank{rank}_from{src}.pt"))
+dist.destroy_process_group()
+"""
+CLIENT_RESULT = """import torch
+def result_of(r):  # a client's result as the scripts return it: nested dicts, tuples and lists, tensors of
+    g = torch.Generator().manual_seed(r)  # several dtypes (a transposed view, bfloat16), numbers, strings, None
+    return {"loss": torch.tensor(0.5 + r, dtype=torch.float64),
+            "state": {"w": torch.randn(3, 4, generator=g).t(), "steps": torch.tensor(7 + r),
+                      "h": torch.randn(5, generator=g).to(torch.bfloat16)},
+            "pair": (r, [1.5 * r, None, torch.arange(3) * (r + 1)]), "name": f"client {r}"}
+"""
+
+
+def assert_same_result(got, want, where="result"):
+    """Bit for bit, the layout too (a tuple stays a tuple): compared here, not with common._map_leaves."""
+    assert type(got) is type(want), (where, type(got), type(want))
+    if isinstance(want, dict):
+        assert got.keys() == want.keys(), where
+        for k in want:
+            assert_same_result(got[k], want[k], f"{where}[{k!r}]")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), where
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert_same_result(a, b, f"{where}[{i}]")
+    elif torch.is_tensor(want):
+        assert got.dtype == want.dtype and got.shape == want.shape and got.device.type == "cpu", where
+        bits = lambda t: t.contiguous().reshape(-1).view(torch.uint8)
+        assert torch.equal(bits(got), bits(want)), where
+        assert not got.requires_grad, where
+    else:
+        assert got == want, where
+
+
+def test_broadcast_sends_a_results_bits_and_layout_to_every_rank(tmp_path):
+    """common._broadcast under torchrun (gloo): every rank gets rank src's result with each tensor's bits, dtype and
+    shape and the layout of dicts, tuples, lists, numbers, strings and None; rank src keeps its own object; a rank
+    without a client (None) receives as the others do."""
+    (tmp_path / "client_result.py").write_text(CLIENT_RESULT)
+    (tmp_path / "broadcast.py").write_text(BROADCAST)
+    out = tmp_path / "out"
+    out.mkdir()
+    finish(start(torchrun_cmd(2, tmp_path / "broadcast.py", out)))
+    spec = importlib.util.spec_from_file_location("client_result", tmp_path / "client_result.py")
+    spec.loader.exec_module(module := importlib.util.module_from_spec(spec))
+    result_of = module.result_of
+    assert result_of(0)["state"]["w"].stride() != (4, 1)  # the transposed view really is not contiguous
+    for rank in (0, 1):
+        for src in (0, 1):
+            saved = torch.load(out / f"rank{rank}_from{src}.pt", weights_only=False)
+            assert_same_result(saved["got"], result_of(src), f"rank {rank} from {src}")
+            assert saved["is_mine"] == (rank == src)  # the sender's own result, not a copy

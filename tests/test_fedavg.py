@@ -13,7 +13,7 @@ import torch
 import common
 
 import fedavg
-from helpers import TINY, assert_same_model, metrics, run_batches, run_script, set_state, start_script, summary
+from helpers import TINY, assert_same_model, metrics, prepare, run_batches, run_script, set_state, start_script, summary
 
 
 def test_client_weights():
@@ -271,50 +271,102 @@ def test_divergence_stops_with_summary(tmp_path):
     assert s["diverged"] is True and s["round"] == 1
 
 
+# Refused by parse_args: a flag's own value, or flags that exclude each other (argparse names both).
 BAD = [
-    (["--dataset", "imagenet7"], "--dataset"),
-    (["--model", "transformer9"], "--model"),
-    (["--shards", "2", "--iid"], "partition"),
-    (["--alpha", "0.5", "--classes-per-client", "2"], "partition"),
-    (["--shards", "11"], "--shards"),  # more shards per client than the 10 classes
-    (["--num-clients", "30000", "--shards", "2"], "--shards"),  # N*S > 50,000 CIFAR-10 samples
-    (["--classes-per-client", "11"], "--classes-per-client"),
-    (["--alpha", "0"], "--alpha"),
-    (["--alpha", "-1"], "--alpha"),
-    (["--frac", "0"], "--frac"),
-    (["--frac", "1.5"], "--frac"),
-    (["--rounds", "0"], "--rounds"),
-    (["--dataset", "folder", "--data-dir", "/nonexistent"], "--data-dir"),
-    (["--augment", "mixup"], "--augment"),
-    (["--split2", "--num-clients", "10"], "--split2"),
-    (["--resume", "/nonexistent"], "--resume"),
+    (["--dataset", "imagenet7"], ["--dataset"]),
+    (["--model", "transformer9"], ["--model"]),
+    (["--shards", "2", "--iid"], ["--iid", "--shards"]),
+    (["--alpha", "0.5", "--classes-per-client", "2"], ["--classes-per-client", "--alpha"]),
+    (["--local-epochs", "2", "--local-steps", "3"], ["--local-steps", "--local-epochs"]),
+    (["--clients-per-domain", "2"], ["--clients-per-domain"]),  # needs a partition within each domain
+    (["--alpha", "0"], ["--alpha"]),
+    (["--alpha", "-1"], ["--alpha"]),
+    (["--frac", "0"], ["--frac"]),
+    (["--frac", "1.5"], ["--frac"]),
+    (["--rounds", "0"], ["--rounds"]),
+    (["--augment", "mixup"], ["--augment"]),
+    (["--resume", "/nonexistent"], ["--resume"]),
 ]
 
 
-@pytest.mark.parametrize("flags,name", BAD, ids=[" ".join(f) for f, _ in BAD])
-def test_bad_input_exits_2_naming_the_flag(flags, name, monkeypatch, capsys):
+@pytest.mark.parametrize("flags,names", BAD, ids=[" ".join(f) for f, _ in BAD])
+def test_bad_input_exits_2_naming_the_flag(flags, names, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["fedavg.py", *flags])
     with pytest.raises(SystemExit) as exit_info:
         fedavg.parse_args()
     assert exit_info.value.code == 2
     message = capsys.readouterr().err.strip().splitlines()[-1]
-    assert name in message, message
+    assert all(name in message for name in names), message
 
 
-def test_bad_input_fails_before_any_work(tmp_path):
-    proc = run_script(
-        "fedavg.py",
-        "--dataset",
-        "cifar10",
-        "--data-dir",
-        tmp_path / "dl",
-        "--alpha",
-        "-2",
-        "--out",
-        tmp_path / "run",
-        check=False,
-    )
-    assert proc.returncode == 2 and "--alpha" in proc.stderr.splitlines()[-1]
+@pytest.mark.parametrize(
+    "flags,partition,local_epochs",
+    [
+        ([], {"shards": 2}, 5),  # none written: the paper's --shards 2, E = 5
+        (["--iid", "--local-steps", "3"], {"iid": True}, None),  # a written one replaces it; steps, not epochs
+        (["--alpha", "0.3", "--local-epochs", "1"], {"alpha": 0.3}, 1),
+    ],
+)
+def test_the_papers_partition_and_epochs_apply_only_when_none_is_given(
+    flags, partition, local_epochs, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(sys, "argv", ["fedavg.py", "--device", "cpu", "--out", str(tmp_path / "run"), *flags])
+    args = fedavg.parse_args()
+    names = ("iid", "shards", "classes_per_client", "alpha", "split2", "disjoint_classes", "natural")
+    assert {k: getattr(args, k) for k in names if getattr(args, k)} == partition
+    assert args.local_epochs == local_epochs and not os.path.exists(tmp_path / "run")
+
+
+# Refused once the data is read (load_data, make_partition), before the run folder: the synthetic set has
+# 3,000 training samples of 10 classes.
+BAD_FOR_THE_DATA = [
+    (["--shards", "11"], "--shards"),  # more shards per client than the 10 classes present
+    (["--num-clients", "1501", "--shards", "2"], "--shards"),  # N*S = 3,002 shards > 3,000 samples
+    (["--classes-per-client", "11"], "--classes-per-client"),
+    (["--dataset", "folder", "--data-dir", "/nonexistent"], "--data-dir"),
+    (["--split2", "--num-clients", "10"], "--split2"),  # split-2 has exactly 5 clients
+    (["--iid", "--num-clients", "3001"], "--num-clients"),  # a client would get no sample
+    (["--split2", "--num-clients", "5", "--quantity", "powerlaw"], "--quantity"),  # split-2's sizes are fixed
+]
+
+
+@pytest.mark.parametrize("flags,name", BAD_FOR_THE_DATA, ids=[" ".join(f) for f, _ in BAD_FOR_THE_DATA])
+def test_bad_input_for_the_data_exits_2_naming_the_flag(flags, name, tmp_path, monkeypatch, capsys):
+    base = ["--dataset", "synthetic", "--device", "cpu", "--out", tmp_path / "run"]
+    code, message = prepare("fedavg", [*base, *flags], monkeypatch, capsys)
+    assert code == 2 and name in message, message
+    assert message.startswith("fedavg.py: error: ")  # one line, as argparse's own refusals
+    assert not os.path.exists(tmp_path / "run")
+
+
+@pytest.mark.parametrize(
+    "flags,clients",
+    [
+        (["--shards", "10"], 100),
+        (["--num-clients", "1500", "--shards", "2"], 1500),
+        (["--classes-per-client", "10"], 100),
+        (["--split2", "--num-clients", "5"], 5),
+        (["--iid", "--num-clients", "3000"], 3000),
+    ],
+)
+def test_data_checks_accept_their_limits(flags, clients, monkeypatch):
+    """The refusals above stop at the data's limits: S = C = the 10 classes present, N*S = N = the 3,000 samples,
+    split-2's 5 clients."""
+    args, data, partition = prepare("fedavg", ["--dataset", "synthetic", "--device", "cpu", *flags], monkeypatch)
+    assert len(partition.train) == clients == args.num_clients
+    assert sorted(torch.cat(partition.train).tolist()) == list(range(3000))  # every sample, once
+
+
+@pytest.mark.parametrize(
+    "flags,name",
+    [
+        (["--dataset", "cifar10", "--alpha", "-2"], "--alpha"),  # a flag's value: parse_args
+        (["--dataset", "synthetic", "--shards", "11"], "--shards"),  # what the data tells: make_partition
+    ],
+)
+def test_bad_input_fails_before_any_work(flags, name, tmp_path):
+    proc = run_script("fedavg.py", *flags, "--data-dir", tmp_path / "dl", "--out", tmp_path / "run", check=False)
+    assert proc.returncode == 2 and name in proc.stderr.splitlines()[-1]
     assert not os.path.exists(tmp_path / "dl") and not os.path.exists(tmp_path / "run")
 
 

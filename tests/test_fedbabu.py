@@ -210,9 +210,25 @@ def test_defaults_follow_the_paper(monkeypatch):
     assert (args.lr_decay, args.augment, args.weighting, args.prox_mu) == (0.1, "crop-flip", "samples", 0.0)
     assert (args.ft_epochs, args.ft_lr, args.ft_part, args.train_head) == (5, 1e-3, "full", False)
     assert args.ft_eval_epochs == [0, 1, 2, 5, 10]
-    monkeypatch.setattr(sys, "argv", ["fedbabu.py", "--device", "cpu", "--no-client-test"])
+    monkeypatch.setattr(sys, "argv", ["fedbabu.py", "--device", "cpu"])
     args = fedbabu.parse_args()
-    assert args.rounds == 32 and not args.client_test
+    assert args.rounds == 32 and args.local_epochs == 10 and args.client_test  # tau = 10: K = 320 / 10
+    monkeypatch.setattr(sys, "argv", ["fedbabu.py", "--device", "cpu", "--local-steps", "5"])
+    args = fedbabu.parse_args()  # local steps, not epochs: K stays the paper's 320 / 10
+    assert args.rounds == 32 and args.local_epochs is None and args.local_steps == 5
+    monkeypatch.setattr(sys, "argv", ["fedbabu.py", "--device", "cpu", "--local-epochs", "4", "--rounds", "7"])
+    assert fedbabu.parse_args().rounds == 7  # a written --rounds wins
+
+
+def test_no_client_test_turns_personalization_off(monkeypatch, tmp_path):
+    """--no-client-test (docs/fedbabu.md's flag table; benchmarks/overhead.py's fedbabu flags): no per-client test
+    sets, so no Algorithm 2 after the last round (the global model's test accuracy only)."""
+    monkeypatch.setattr(sys, "argv", ["fedbabu.py", "--device", "cpu", "--no-client-test"])
+    assert not fedbabu.parse_args().client_test
+    run_script("fedbabu.py", *E2E, "--rounds", "1", "--no-client-test", "--out", tmp_path / "run")
+    s = summary(tmp_path / "run")
+    assert "test_acc" in s and not any(k.startswith(("init_", "pers_", "nohead_")) for k in s)
+    assert "client_test_acc_mean" not in metrics(tmp_path / "run")[-1]
 
 
 @pytest.mark.parametrize(
@@ -292,10 +308,11 @@ def test_global_head_stays_initial_unless_train_head(full_run, tmp_path):
     final = torch.load(full_run / "model.pt")
     assert torch.equal(final["head.weight"], init["head.weight"]) and torch.equal(final["head.bias"], init["head.bias"])
     assert not torch.equal(final["body.0.0.weight"], init["body.0.0.weight"])  # while the body trained
-    run_script("fedbabu.py", *E2E, "--rounds", "1", "--train-head", "--no-client-test", "--out", tmp_path / "avg")
+    run_script("fedbabu.py", *E2E, "--rounds", "1", "--train-head", "--out", tmp_path / "avg")
     avg = torch.load(tmp_path / "avg" / "model.pt")
     assert not torch.equal(avg["head.weight"], init["head.weight"])  # --train-head: FedAvg moves the head
-    assert "pers_acc_mean" not in summary(tmp_path / "avg")
+    assert not torch.equal(avg["body.0.0.weight"], init["body.0.0.weight"])
+    assert "pers_acc_mean" in summary(tmp_path / "avg")  # the paper's FedAvg baseline is fine-tuned too
 
 
 @pytest.mark.slow  # a second run, stopped and resumed
@@ -323,7 +340,9 @@ def test_fedprox_anchor_is_detached(tmp_path):
             "2",
             "--prox-mu",
             "0.01",
-            "--no-client-test",
+            "--ft-epochs",  # no fine-tuning after the round: the client's gradients are local training's
+            "0",
+            "--ft-eval-epochs",
             "--out",
             str(tmp_path / "run"),
         ]

@@ -22,7 +22,8 @@ AGGS = ["fedavg", "scaffold", "fedexp"]
 # In-process: feature normalization
 # ---------------------------------------------------------------------------------------------
 def tiny_data(n=24, size=8):
-    x, y, xt, yt = synthetic_dataset(0, n_train=n, n_test=n, size=size)
+    d = synthetic_dataset(argparse.Namespace(data_seed=0), n_train=n, n_test=n, size=size)
+    x, y, xt, yt = d["x_train"], d["y_train"], d["x_test"], d["y_test"]
     xf = x.float() / 255
     return Data(x, y, xt, yt, 10, xf.mean((0, 2, 3), keepdim=True), xf.std((0, 2, 3), keepdim=True))
 
@@ -92,7 +93,7 @@ def test_fn_makes_the_last_body_layer_scale_invariant():
             assert grown == pytest.approx(expected, rel=1e-3)
         else:
             assert abs(float(w @ g)) > 1e-4 * float(w.norm() * g.norm())
-        loss = lambda: float(torch.nn.functional.cross_entropy(fedfn.fn_forward(model, x, fn)[0], y))
+        loss = lambda: float(torch.nn.functional.cross_entropy(fedfn.fn_forward(model, x, fn)[0], y).detach())
         before = loss()
         with torch.no_grad():
             for p in layer.parameters():

@@ -6,6 +6,7 @@ refusals after the data is loaded (exit 2, one line)."""
 import argparse
 import json
 import math
+import os
 import sys
 import urllib.error
 
@@ -16,8 +17,9 @@ import torch.nn as nn
 
 import common
 import fedln
-from common import Data, ScaleNorm, build_model
-from helpers import assert_same_model, metrics, run_batches, run_script, summary
+from common import Data, build_model
+from fedln import ScaleNorm
+from helpers import assert_same_model, metrics, prepare, run_batches, run_script, summary
 
 
 def fake_data(size=32, channels=3, n=64):
@@ -708,26 +710,29 @@ def test_defaults_are_the_papers(monkeypatch):
 
 
 # --- common.py: refusals found only after the data is loaded exit 2 with one line naming the flag ----------
-SYNTH = ["--dataset", "synthetic", "--device", "cpu", "--out", "unused"]
+SYNTH = ["--dataset", "synthetic", "--device", "cpu"]
 
 
 @pytest.mark.parametrize(
     "flags,flag",
     [
-        (["--num-clients", "100000", "--iid"], "--num-clients"),
-        (["--num-clients", "2000", "--shards", "2"], "--num-clients"),
+        (["--num-clients", "100000", "--iid"], "--num-clients"),  # clients left without data
+        (["--num-clients", "2000", "--shards", "2"], "--shards"),  # N*S = 4000 shards of 3000 samples
         (["--num-clients", "300", "--alpha", "0.001"], "--alpha"),
     ],
 )
-def test_partition_refusals_exit_2_with_one_line(monkeypatch, capsys, flags, flag):
-    monkeypatch.setattr(sys, "argv", ["fedln.py", *SYNTH, *flags])
+def test_partition_refusals_exit_2_with_one_line(monkeypatch, capsys, tmp_path, flags, flag):
+    """parse_args lets these through (only the data can tell); make_partition refuses them before a run folder."""
+    monkeypatch.setattr(sys, "argv", ["fedln.py", *SYNTH, *flags, "--out", str(tmp_path / "run")])
     args = fedln.parse_args()
     data = common.load_data(args)
+    capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
         common.make_partition(args, data)
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(err) == 1 and err[0].split(": error: ")[1].startswith(flag), err
     assert flag in str(exit_info.value)  # the message also travels in the exception
+    assert not (tmp_path / "run").exists()
 
 
 def test_no_data_refusal_is_exit_status_2_in_a_real_process(tmp_path):
@@ -750,41 +755,52 @@ def test_no_data_refusal_is_exit_status_2_in_a_real_process(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "layout,words",
+    "layout,images,words",
     [
-        ({"train": [], "test": []}, "no class folders"),
-        ({"train": ["a", "b"], "test": ["a"]}, "lacks the class folder(s) b"),
+        ({"train": [], "test": []}, True, "train/ lacks the class folder(s)"),
+        ({"train": ["a", "b"], "test": ["a"]}, True, "lacks the class folder(s) b"),
+        ({"train": ["a", "b"], "test": ["a", "b"]}, False, "hold no images"),
     ],
 )
-def test_folder_refusals_exit_2_naming_data_dir(tmp_path, monkeypatch, capsys, layout, words):
+def test_folder_refusals_exit_2_naming_data_dir(tmp_path, monkeypatch, capsys, layout, images, words):
+    """The folder is read after parse_args (load_data): still exit 2, one line naming --data-dir, no run folder."""
+    from PIL import Image
+
+    data_dir = tmp_path / "data"
     for split, classes in layout.items():
-        (tmp_path / split).mkdir()
+        (data_dir / split).mkdir(parents=True)
         for c in classes:
-            (tmp_path / split / c).mkdir()
-    monkeypatch.setattr(
-        sys,
-        "argv",
-        ["fedln.py", "--dataset", "folder", "--data-dir", str(tmp_path), "--device", "cpu", "--out", "unused"],
-    )
-    with pytest.raises(SystemExit) as exit_info:
-        fedln.parse_args()
-    last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert exit_info.value.code == 2 and "--data-dir" in last and words in last, last
+            (data_dir / split / c).mkdir()
+            if images:
+                Image.new("RGB", (2, 2)).save(data_dir / split / c / "0.png")
+    argv = ["--dataset", "folder", "--data-dir", data_dir, "--device", "cpu", "--out", tmp_path / "run"]
+    code, last = prepare("fedln", argv, monkeypatch, capsys)
+    assert code == 2 and "--data-dir" in last and words in last, last
+    assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("existed", [False, True])
 @pytest.mark.parametrize(
     "error", [urllib.error.URLError("[Errno -2] Name or service not known"), ConnectionResetError("reset")]
 )
-def test_failed_download_exits_2_with_what_to_do(monkeypatch, capsys, error):
-    """Offline --dataset cifar10 (torchvision's CIFAR10 raising as urllib does without internet): one line, exit 2."""
+def test_failed_download_exits_2_with_what_to_do(monkeypatch, capsys, tmp_path, error, existed):
+    """Offline --dataset cifar10 (torchvision's CIFAR10 raising as urllib does without internet): one line, exit 2;
+    a --data-dir the failed download made is removed again, one that was there before is kept."""
     import torchvision.datasets
 
-    def offline(*_, **__):
+    root = tmp_path / "data"
+    if existed:
+        root.mkdir()
+        (root / "kept.txt").write_text("x")
+
+    def offline(folder, *_, **__):
+        os.makedirs(folder, exist_ok=True)  # as torchvision does before it downloads
         raise error
 
     monkeypatch.setattr(torchvision.datasets, "CIFAR10", offline)
     with pytest.raises(SystemExit) as exit_info:
-        common.torchvision_dataset("cifar10", "unused-dir")
+        common.torchvision_dataset(argparse.Namespace(dataset="cifar10", data_dir=str(root)))
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(err) == 1, err
     assert "--dataset folder --data-dir" in err[0] and "cifar10" in err[0] and type(error).__name__ in err[0]
+    assert root.exists() == existed and (not existed or (root / "kept.txt").exists())

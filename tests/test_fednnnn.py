@@ -255,7 +255,9 @@ BASE = [
 ]
 
 
-AS_FEDAVG = BASE + [
+# fedavg.py offers common.py's models only (lenet and cnn6 are registered by fednnnn.py): the FedAvg comparison runs
+# McMahan's CNN, like lenet convolutions then fully connected layers, without batch norm.
+AS_FEDAVG = [*BASE[: BASE.index("--model") + 1], "cnn", *BASE[BASE.index("--model") + 2 :]] + [
     "--frac",
     "0.5",
     "--local-steps",
@@ -297,6 +299,7 @@ def test_beta1_gamma0_no_normalize_reproduces_fedavg(runs):
     assert [r["round"] for r in a] == [2] and [r["round"] for r in b] == [1, 2]  # + a norms-only row
     assert {k: b[1][k] for k in a[0]} == a[0]  # shared keys identical (test_acc, test_loss, train_loss, lr)
     assert all(r["step_norm"] == r["N"] < r["E"] for r in b)  # FedAvg's server step is the plain average
+    assert all(0 < r["N_conv"] < r["E_conv"] and 0 < r["N_fc"] < r["E_fc"] for r in b)  # both kinds of layer
     assert_same_model(runs / "fedavg", runs / "nnnn")
 
 

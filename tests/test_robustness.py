@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import common
-from helpers import ROOT, TINY, assert_same_model, metrics, run_script, start_script, summary
+from helpers import ROOT, TINY, assert_same_model, metrics, prepare, run_script, start_script, summary
 
 SCRIPTS = ["fedavg", "fedbabu", "fedfn", "fedln", "fednnnn", "anfr"]
 # the smallest valid command of each script (what the bad value is added to)
@@ -128,6 +128,7 @@ EXTRA = {
     "--crop-scale": ["0", "1.5"],
     "--agc": [],
     "--warmup-steps": [],
+    "--threads": ["0"],
 }
 # edge values that must still be accepted
 VALID = {
@@ -296,13 +297,21 @@ def test_amp_on_the_cpu_is_said(tmp_path, monkeypatch, capsys):
     assert "--amp on the CPU" in capsys.readouterr().err
 
 
-def test_default_run_folders_never_collide(tmp_path, monkeypatch):
+def test_default_run_folders_never_collide(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    args = argparse.Namespace(dataset="synthetic", seed=0)
-    first = common.default_out_dir("fedavg", args)
+    monkeypatch.setattr(common.time, "strftime", lambda fmt: "20260101-000000")  # two runs in the same second
+    first = parse_args_of("fedavg", ["--dataset", "synthetic"], monkeypatch).out
+    assert first == os.path.join("runs", "fedavg__synthetic__0__20260101-000000") and not os.path.exists(first)
     os.makedirs(first)
-    second = common.default_out_dir("fedavg", args)
-    assert second != first and second.startswith(first)  # same second: "-2" appended
+    second = parse_args_of("fedavg", ["--dataset", "synthetic"], monkeypatch).out
+    assert second == first + "-2"  # same second: "-2" appended
+    os.makedirs(second)
+    assert parse_args_of("fedavg", ["--dataset", "synthetic"], monkeypatch).out == first + "-3"
+
+
+def parse_args_of(name, argv, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", *map(str, argv)])
+    return importlib.import_module(name).parse_args()
 
 
 def test_empty_class_folder_is_named(tmp_path, monkeypatch, capsys):
@@ -313,10 +322,11 @@ def test_empty_class_folder_is_named(tmp_path, monkeypatch, capsys):
             (tmp_path / split / cls).mkdir(parents=True)
     Image.new("RGB", (8, 8)).save(tmp_path / "train" / "cat" / "a.png")
     Image.new("RGB", (8, 8)).save(tmp_path / "test" / "cat" / "a.png")
-    code, last = parse(
+    code, last = prepare(
         "fedavg", ["--dataset", "folder", "--data-dir", tmp_path, "--out", tmp_path / "run"], monkeypatch, capsys
     )
     assert code == 2 and "--data-dir" in last and "dog" in last and "no images" in last, last
+    assert not (tmp_path / "run").exists()  # refused before the run folder is made
 
 
 # ---- run folders ----------------------------------------------------------------------------------------
@@ -514,12 +524,17 @@ def make_folder(root, counts, size=8):
                 Image.fromarray(pixels).save(root / split / cls / f"{i}.png")
 
 
+def read_folder(root):  # common's image-folder reader: (x_train, y_train, x_test, y_test)
+    d = common.image_folder(argparse.Namespace(data_dir=str(root)))
+    return d["x_train"], d["y_train"], d["x_test"], d["y_test"]
+
+
 def test_folder_cache_sees_added_removed_and_replaced_images(tmp_path):
     from PIL import Image
 
     root = tmp_path / "data"
     make_folder(root, {"train": {"cat": 3, "dog": 2}, "test": {"cat": 1, "dog": 1}})
-    x, y, _, _ = common.folder_dataset(root)
+    x, y, _, _ = read_folder(root)
     assert y.tolist() == [0, 0, 0, 1, 1] and (root / ".cleanfl-cache.pt").exists()
     stamps = {d: os.stat(d).st_mtime_ns for d in (root / "train", root / "train" / "cat")}
 
@@ -529,14 +544,14 @@ def test_folder_cache_sees_added_removed_and_replaced_images(tmp_path):
 
     make_folder(root, {"train": {"cat": 5}})  # two more cats (0-2 rewritten with the same pixels)
     restore_folder_times()
-    x, y, _, _ = common.folder_dataset(root)
+    x, y, _, _ = read_folder(root)
     assert y.tolist() == [0] * 5 + [1, 1]
     (root / "train" / "cat" / "4.png").unlink()
     restore_folder_times()
-    assert common.folder_dataset(root)[1].tolist() == [0] * 4 + [1, 1]
+    assert read_folder(root)[1].tolist() == [0] * 4 + [1, 1]
     Image.new("RGB", (8, 8), (1, 2, 3)).save(root / "train" / "cat" / "0.png")  # replaced in place
     restore_folder_times()
-    x = common.folder_dataset(root)[0]
+    x = read_folder(root)[0]
     assert x[0].flatten().tolist()[:2] == [1, 1] and x[0][:, 0, 0].tolist() == [1, 2, 3]
 
 
@@ -575,3 +590,156 @@ def test_every_third_party_import_of_tests_and_benchmarks_is_installed_by_requir
                     if provided_by.get(top, top).lower() not in names:
                         missing.add(f"{d}/{f}: {top}")
     assert not missing, missing
+
+
+# ---- a new user's first runs (issue 45) -------------------------------------------------------------------
+NEW_USER_REFUSALS = [
+    (["--local-epochs", "1", "--local-steps", "2"], ["--local-steps", "--local-epochs"]),  # one kind of local work
+    (["--shards", "2", "--alpha", "0.1"], ["--alpha", "--shards"]),  # one partition
+    (["--seed", "-1"], ["--seed", "must be in [0, 4294967295], got -1"]),  # the range as integers
+    (["--dataset", "cifar11"], ["--dataset", "invalid choice"]),
+    (["--model", "resnet19"], ["--model", "invalid choice"]),
+]
+
+
+@pytest.mark.parametrize("flags,named", NEW_USER_REFUSALS, ids=[" ".join(f) for f, _ in NEW_USER_REFUSALS])
+def test_conflicting_or_unknown_flags_are_refused_in_one_line(flags, named, tmp_path, monkeypatch, capsys):
+    code, last = parse("fedavg", ["--device", "cpu", "--out", tmp_path / "run", *flags], monkeypatch, capsys)
+    assert code == 2 and all(n in last for n in named), last
+    assert os.listdir(tmp_path) == []
+
+
+def test_one_kind_of_local_work_is_kept(tmp_path, monkeypatch, capsys):
+    """--local-steps leaves --local-epochs unset (config.json holds one of them); neither: the paper's E."""
+    args = parse_args_of(
+        "fedavg", ["--dataset", "synthetic", "--local-steps", "3", "--out", tmp_path / "a"], monkeypatch
+    )
+    assert (args.local_epochs, args.local_steps) == (None, 3)
+    args = parse_args_of("fedavg", ["--dataset", "synthetic", "--out", tmp_path / "b"], monkeypatch)
+    assert (args.local_epochs, args.local_steps) == (5, None)  # fedavg.py's E
+
+
+def test_a_split_folder_given_as_data_dir_suggests_its_parent(tmp_path, monkeypatch, capsys):
+    from PIL import Image
+
+    for split in ("train", "test"):
+        (tmp_path / "cifar10" / split / "cat").mkdir(parents=True)
+        Image.new("RGB", (4, 4)).save(tmp_path / "cifar10" / split / "cat" / "0.png")
+    code, last = prepare("fedavg", ["--dataset", "folder", "--data-dir", tmp_path / "cifar10" / "train", "--iid",
+                                    "--out", tmp_path / "run"], monkeypatch, capsys)  # fmt: skip
+    assert code == 2 and "--data-dir" in last and f"try --data-dir {tmp_path / 'cifar10'}" in last, last
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_failed_download_removes_the_folder_it_made_and_keeps_one_that_was_there(tmp_path, monkeypatch, capsys):
+    import torchvision.datasets as tvd
+
+    def offline(root, **_):  # torchvision makes the folder, then fails to reach the internet
+        os.makedirs(os.path.join(root, "cifar-10-batches-py"), exist_ok=True)
+        raise OSError("URLError: <urlopen error [Errno -3] Temporary failure in name resolution>")
+
+    monkeypatch.setattr(tvd, "CIFAR10", offline)
+    code, last = prepare("fedavg", ["--data-dir", tmp_path / "data", "--out", tmp_path / "run"], monkeypatch, capsys)
+    assert code == 2 and "--dataset folder" in last and not (tmp_path / "data").exists()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    code, last = prepare("fedavg", ["--data-dir", tmp_path / "mine", "--out", tmp_path / "run"], monkeypatch, capsys)
+    assert code == 2 and (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_unreadable_text_files_and_missing_annotated_images_are_one_line(tmp_path, monkeypatch, capsys):
+    from helpers import stand_in_folder, stand_in_tinyimagenet
+
+    flat = stand_in_folder(tmp_path / "flat")
+    (tmp_path / "flat" / "classes.txt").write_text("cat\ndog\n", encoding="utf-16")
+    code, last = prepare("fedavg", ["--dataset", "folder", "--data-dir", flat, "--iid"], monkeypatch, capsys)
+    assert code == 2 and "classes.txt" in last and "UTF-8" in last, last
+    tiny = stand_in_tinyimagenet(tmp_path / "tiny")
+    with open(tmp_path / "tiny" / "val" / "val_annotations.txt", "a") as f:
+        f.write("val_9.JPEG\tn01443537\t0\t0\t63\t63\n")  # an image that is not there
+    code, last = prepare("fedavg", ["--dataset", "tinyimagenet", "--data-dir", tiny, "--iid"], monkeypatch, capsys)
+    assert code == 2 and "val_9.JPEG" in last and "val_annotations.txt" in last, last
+
+
+def test_empty_test_class_folders_are_said_in_one_line(tmp_path, monkeypatch, capsys):
+    """A test class folder without images (LEAF's user split leaves most of them empty): one note, the run goes on."""
+    from helpers import stand_in_folder
+
+    root = stand_in_folder(tmp_path / "flat")
+    os.remove(os.path.join(root, "test", "dog", "0.png"))
+    args, data, _ = prepare("fedavg", ["--dataset", "folder", "--data-dir", root, "--iid", "--num-clients", "2"],
+                            monkeypatch, capsys)  # fmt: skip
+    assert len(data.y_test) == 9 and data.num_classes == 10
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "1 test class folder(s) hold no images" in err[0] and "dog" in err[0]
+
+
+@pytest.mark.parametrize(
+    "cores,load,env,given,want",
+    [
+        (2, 0.2, {}, [], 2),  # an idle 2-core machine: both cores
+        (2, 1.1, {}, [], 1),  # another job on one core: the other
+        (2, 3.0, {}, [], 1),  # more jobs than cores: one thread, never none
+        (8, 2.6, {"LOCAL_WORLD_SIZE": "2"}, [], 2),  # torchrun: (8 - 3) // 2 a process
+        (8, 0.0, {"OMP_NUM_THREADS": "3"}, [], 3),  # the user's (or torchrun's) OMP_NUM_THREADS
+        (8, 0.0, {"OMP_NUM_THREADS": "3"}, ["--threads", "4"], 4),  # --threads wins
+    ],
+)
+def test_the_default_threads_are_the_cores_the_load_leaves_free(cores, load, env, given, want, tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(cores)))
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, 0.0, 0.0))
+    args = parse_args_of("fedavg", ["--dataset", "synthetic", "--out", tmp_path / "run", *given], monkeypatch)
+    assert args.threads == want
+
+
+def test_the_picked_threads_are_used_kept_and_said(tmp_path, monkeypatch):
+    """Run sets torch's thread count from args.threads (config.json keeps it: a resume computes as the run began) and
+    the start-up line and summary.json say it."""
+    before = torch.get_num_threads()
+    args = argparse.Namespace(out=str(tmp_path), seed=0, script="fedavg", device="cpu", threads=2, resume=None)
+    try:
+        run = common.Run(args)
+        assert torch.get_num_threads() == 2 and "2 torch threads" in run.device
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_ctrl_c_before_the_run_folder_says_nothing_was_written(tmp_path, capsys):
+    args = argparse.Namespace(out=str(tmp_path / "r"), seed=0, script="fedavg", device="cpu", threads=None, resume=None)
+    run = common.Run(args)
+    with pytest.raises(SystemExit) as e:
+        run._ctrl_c()  # while the data is read: no round to finish, no folder yet
+    assert e.value.code == 130 and "nothing was written" in capsys.readouterr().err
+    run.started = True
+    with pytest.raises(SystemExit):
+        run._ctrl_c()
+    assert "keeps what was saved" in capsys.readouterr().err
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def test_every_long_phase_has_its_bar(tmp_path, monkeypatch):
+    """Decoding an image folder, each round's clients, FedBABU's per-client fine-tuning and ANFR's steps within a
+    round go through common.progress (a bar shown once a phase passes 5 s); recorded here by its description."""
+    import runpy
+
+    from helpers import stand_in_folder
+
+    seen = []
+
+    def recording(items, desc, total=None):
+        seen.append(desc)
+        return items
+
+    monkeypatch.setattr(common, "progress", recording)
+    folder = stand_in_folder(tmp_path / "flat")
+    common.image_folder(argparse.Namespace(data_dir=folder))
+    tiny = ["--dataset", "synthetic", "--device", "cpu", "--rounds", "1", "--local-steps", "1", "--num-clients", "2"]
+    for script, extra in [("fedbabu.py", ["--model", "convnet4-tiny", "--iid", "--ft-epochs", "1"]),
+                          ("anfr.py", ["--depth", "18", "--width", "4", "--iid"])]:  # fmt: skip
+        monkeypatch.setattr(sys, "argv", [script, *tiny, *extra, "--out", str(tmp_path / script)])
+        runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
+    assert {"decoding train/", "decoding test/", "round 1: clients by 1", "fine-tuning clients"} <= set(seen)
+    assert {"client 0: steps", "client 1: steps"} <= set(seen), seen
