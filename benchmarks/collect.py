@@ -33,8 +33,10 @@ SCALES = ("small", "proxy", "paper")
 
 # Per claim: title, the paper's setting, variants in display order, and the reported quantities.
 # Each quantity: (column label, where: ("summary", key) or ("summary_by_epoch", epoch) or
-# ("at_fraction", f): the test accuracy of the last evaluation at or before f * final round,
-# paper numbers per variant (strings, in percent, with their table), or None).
+# ("at_fraction", f): the test accuracy of the last evaluation at or before f * final round, or ("last_mean", k): the
+# mean test accuracy of the last k evaluations (where single evaluations swing); paper numbers per variant (strings,
+# in percent, with their table), or None).
+LAST5 = ("mean of the last 5 evaluations", ("last_mean", 5), None)
 CLAIMS = {
     "fedfn-s2": {
         "title": "Claim 1: FedFN vs FedAvg, s=2 shards per client (fedfn.md Table 1, VGG11, CIFAR-10)",
@@ -56,12 +58,12 @@ CLAIMS = {
         # ours (proxy, one seed): FedFN at FedAvg's lr; FN scaled to sqrt(d); weight decay 1e-5 (FedNTD's config);
         # (every seed) E=5 local epochs instead of the proxy's 2, toward the paper's 15
         "controls": ["fedfn-lr0.01", "fedfn-sqrtd", "fedavg-wd1e-5", "fedfn-wd1e-5", "fedavg-e5", "fedfn-e5"],
-        "metrics": [("final test acc", ("summary", "test_acc"), {"fedavg": "73.16", "fedfn": "75.58"})],
+        "metrics": [("final test acc", ("summary", "test_acc"), {"fedavg": "73.16", "fedfn": "75.58"}), LAST5],
     },
     "fedfn-a0.5": {
         "title": "Claim 1: FedFN vs FedAvg, Dirichlet alpha=0.5 (fedfn.md Table 8, VGG11, CIFAR-10, one seed)",
         "variants": ["fedavg", "fedfn"],
-        "metrics": [("final test acc", ("summary", "test_acc"), {"fedavg": "81.63", "fedfn": "83.06"})],
+        "metrics": [("final test acc", ("summary", "test_acc"), {"fedavg": "81.63", "fedfn": "83.06"}), LAST5],
     },
     "fedbabu": {
         "title": "Claim 2: FedBABU vs FedAvg personalization "
@@ -117,6 +119,7 @@ CLAIMS = {
             ),
             ("test acc at 1/4 of the rounds", ("at_fraction", 0.25), None),
             ("test acc at 1/2 of the rounds", ("at_fraction", 0.5), None),
+            LAST5,
         ],
         "note": "Convergence speed: the paper shows it only as curves (Fig. 7); the 1/4 and 1/2 columns and "
         "docs/fednnnn-<scale>.png are ours.",
@@ -139,32 +142,27 @@ CLAIMS = {
         "instead of timm's 0 (--last-gain-init 1).",
     },
 }
-CLAIMS["anfr-recipe"] = {  # the recipe's runs before anfr.sh named them by AUGMENT (benchmarks/results/anfr-recipe-*)
-    "title": "Claim 5 under the paper's CIFAR-10 recipe (Pieri et al. 2023) with timm's init: ANFR vs BN/GN/SE/NF, "
-    "split-2, FedAvg (anfr.md Table 9)",
-    "variants": ["bn", "gn", "se", "nf", "anfr"],
-    "controls": ["nf-agc", "anfr-agc", "nf-nowarmup", "anfr-nowarmup"],  # ours, one seed: AGC; no warm-up
-    "metrics": [
-        ("test acc at best val (the paper's)", ("summary", "test_acc_at_best_val"), CLAIMS["anfr"]["metrics"][0][2]),
-        ("final test acc", ("summary", "test_acc"), None),
-        ("mean |last gain|", ("summary", "last_gain_abs_mean"), None),
-    ],
-    "note": "Each client keeps its batch-norm statistics; test and validation accuracies are means over the clients' "
-    "models. The -agc and -nowarmup rows are our one-seed controls (adaptive gradient clipping in place of norm "
-    "clipping; no warm-up).",
-}
-# benchmarks/reproduce/anfr.sh's recipe runs are named by their augmentation (AUGMENT): anfr-cropflip (the 4-pixel
-# pad-crop and flip, as the earlier anfr-recipe folders at small and proxy scale) and anfr-rrc (the recipe's
-# RandomResizedCrop, the only one at paper scale). At small and proxy scale both add Table 9's central column:
-# <arch>-central, one client holding all the training data for a federated client's steps, and
+# Claim 5 under Pieri et al.'s recipe with timm's init (benchmarks/reproduce/anfr.sh RECIPE=paper), named by the
+# augmentation its runs used (AUGMENT): anfr-cropflip (4-pixel pad-crop and flip at 32x32, small and proxy scale) and
+# anfr-rrc (the recipe's RandomResizedCrop; at paper scale the only one). At small and proxy scale both add Table 9's
+# central column: <arch>-central, one client holding all the training data for a federated client's steps, and
 # {bn,nf,anfr}-central-total (first seed) for the federation's total steps; drawn as controls (not federated).
-CENTRAL = [f"{arch}-central" for arch in CLAIMS["anfr-recipe"]["variants"]]
+TABLE9 = CLAIMS["anfr"]["metrics"][0][2]
+CENTRAL = [f"{arch}-central" for arch in CLAIMS["anfr"]["variants"]]
 CENTRAL += [f"{arch}-central-total" for arch in ("bn", "nf", "anfr")]
-for augment, what in (("cropflip", "4-pixel pad-crop and flip"), ("rrc", "RandomResizedCrop of area 5-100%, no flip")):
+AUGMENTS = {"cropflip": "with a 4-pixel pad-crop and flip in place of its", "rrc": "with its"}
+for augment, what in AUGMENTS.items():
     CLAIMS[f"anfr-{augment}"] = {
-        **CLAIMS["anfr-recipe"],
-        "title": CLAIMS["anfr-recipe"]["title"] + f", {what}",
-        "controls": CENTRAL + (CLAIMS["anfr-recipe"]["controls"] if augment == "cropflip" else []),
+        "title": f"Claim 5: ANFR vs BN/GN/SE/NF, split-2, FedAvg (anfr.md Table 9), Pieri et al.'s recipe {what} "
+        "RandomResizedCrop (area 5-100%, no flip), timm's init",
+        "variants": ["bn", "gn", "se", "nf", "anfr"],
+        # ours, one seed: AGC; no warm-up
+        "controls": CENTRAL + (["nf-agc", "anfr-agc", "nf-nowarmup", "anfr-nowarmup"] if augment == "cropflip" else []),
+        "metrics": [
+            ("test acc at best val (the paper's)", ("summary", "test_acc_at_best_val"), TABLE9),
+            ("final test acc", ("summary", "test_acc"), None),
+            ("mean |last gain|", ("summary", "last_gain_abs_mean"), None),
+        ],
         "note": "Each client keeps its batch-norm statistics; test and validation accuracies are means over the "
         "clients' models. The -central rows are Table 9's central column (one client holding all the data; "
         "-central-total: the federation's total steps, one seed)."
@@ -236,6 +234,9 @@ def value(run, where):
         final = run["summary"].get("final_round") or max((r["round"] for r in run["metrics"]), default=0)
         rows = [r for r in run["metrics"] if "test_acc" in r and r["round"] <= arg * final]
         return float(rows[-1]["test_acc"]) if rows else None
+    if kind == "last_mean":
+        rows = [float(r["test_acc"]) for r in run["metrics"] if "test_acc" in r][-arg:]
+        return sum(rows) / len(rows) if len(rows) == arg else None
     raise ValueError(kind)
 
 

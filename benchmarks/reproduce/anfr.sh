@@ -6,14 +6,15 @@
 #   DATA_DIR=/path/to/cifar10 [SEEDS="0 1 2"] [RECIPE=paper|old] [AUGMENT=cropflip|rrc] \
 #     bash benchmarks/reproduce/anfr.sh [small|proxy|paper]
 #
-# RECIPE=paper (default): the recipe the paper follows for CIFAR-10 (App. B.3: Pieri et al. 2023's code,
+# RECIPE=paper (default): the training recipe the paper follows for CIFAR-10 (App. B.3: Pieri et al. 2023's code,
 # sarapieri/fed_het), every model started as timm's (anfr.py --init timm): AdamW 1e-3 with weight decay 0.05,
 # 100 linear warm-up steps into the cosine, clipping 1.0, inputs (x - 0.5) / 0.5, batch-norm statistics kept by
 # each client (--bn-stats local), 10% of each client's data held out for validation (test_acc_at_best_val is
 # the paper's number; test_acc the final round's). The augmentation names the claim: AUGMENT=rrc is the recipe's
-# RandomResizedCrop (area 5-100%) without flip (the only one at the paper scale, there to 224 with the ImageNet
-# stem); AUGMENT=cropflip (the default at small and proxy scale) keeps the 4-pixel pad-crop and flip. At small and
-# proxy scale the images stay 32x32 with the CIFAR stem. Runs go to
+# RandomResizedCrop (area 5-100%) without flip, so only these runs follow the recipe whole (the only one at the
+# paper scale, there to 224 with the ImageNet stem); AUGMENT=cropflip (the default at small and proxy scale) keeps
+# the 4-pixel pad-crop and flip in its place. At small and proxy scale the images stay 32x32 with the CIFAR stem.
+# Runs go to
 # runs/reproduce/anfr-<augment>-<scale>/{bn,gn,se,nf,anfr}/seed<k>, with --analyze (the last gains of the residual
 # branches and their gradients at every evaluation). At small and proxy scale also the central column of Table 9:
 # <arch>-central, one client holding all the training data (--iid --num-clients 1) for the per-client steps of
