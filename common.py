@@ -1108,11 +1108,20 @@ def finish_args(parser, args, script, paper):  # after argparse: what cannot run
         parser.error(f"--device: {args.device} is not on this machine ({gpus} CUDA GPUs{', no MPS' * (not mps)})")
     if args.amp and args.device == "cpu":
         print("note: --amp on the CPU: bfloat16 autocast runs, but usually slower than float32 there", file=sys.stderr)
-    if getattr(args, "threads", None) is None:  # OMP_NUM_THREADS, or the cores the 1-min load leaves, per process
+    if getattr(args, "threads", None) is None:  # OMP_NUM_THREADS, or the cores other work leaves free, per process
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        free = max(1, (cores - round(os.getloadavg()[0])) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        free = max(1, (cores - busy_threads()) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         args.threads = int(os.environ.get("OMP_NUM_THREADS") or free)  # in config.json: a resumed run computes alike
     return args
+
+
+def busy_threads():  # threads running now besides this one: more threads than free cores stall each other
+    looks = []  # /proc/loadavg's runnable count, median of 5 looks 50 ms apart (the 1-minute load average still counts
+    for _ in range(5 * os.path.exists("/proc/loadavg")):  # a run that ended seconds ago; it is the fallback: macOS)
+        with open("/proc/loadavg") as f:
+            looks.append(int(f.read().split()[3].split("/")[0]) - 1)
+        time.sleep(0.05)
+    return sorted(looks)[2] if looks else round(os.getloadavg()[0])
 
 
 def new_run_args(parser, args, script, paper):
@@ -1127,15 +1136,11 @@ def new_run_args(parser, args, script, paper):
         args.num_clients = None  # the data's: make_partition counts the folders
     args.data_seed, args.script = args.seed if args.data_seed is None else args.data_seed, script
     if args.out is None:  # runs/<script>__<dataset>__<seed>__<time>, -2, -3, ... where one started in the same second
-        args.out = base = f"runs/{script}__{args.dataset}__{args.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
-        for n in itertools.count(2):
-            if not os.path.exists(args.out):
-                break
-            args.out = f"{base}-{n}"
+        base = f"runs/{script}__{args.dataset}__{args.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
+        names = itertools.chain([base], (f"{base}-{n}" for n in itertools.count(2)))
+        args.out = next(name for name in names if not os.path.exists(name))
     elif any(os.path.exists(os.path.join(args.out, f)) for f in RUN_FILES) and not args.overwrite:
-        err(
-            f"--out: {args.out} holds a run; continue it with --resume {args.out}, or give another --out or --overwrite"
-        )
+        err(f"--out: {args.out} holds a run; continue it with --resume {args.out}, or another --out or --overwrite")
     path = os.path.abspath(args.out)  # --out: a folder this process can make and write in (a probe that it removes)
     while not os.path.exists(path):
         path = os.path.dirname(path)
@@ -1292,9 +1297,8 @@ class Run:
     def finish(self, model=None, **extra):  # summary.json: the final round's evaluation and `extra`; model.pt
         final, best = {k: v for k, v in self.last_eval.items() if k != "round"}, self.best_val
         if best:  # --val-frac: the protocol of papers that report the test accuracy at the best validation round
-            final.update(
-                best_val_acc=best["val_acc"], best_val_round=best["round"], test_acc_at_best_val=best["test_acc"]
-            )
+            final.update(best_val_acc=best["val_acc"], best_val_round=best["round"])
+            final["test_acc_at_best_val"] = best["test_acc"]
         summary = self.write_summary({"final_round": self.args.rounds, **final, **extra})
         if self.main and model is not None and self.args.save_model:
             _atomic_save(model.state_dict(), f"{self.dir}/model.pt")
@@ -1311,9 +1315,8 @@ class Run:
     def _ctrl_c(self, *_):  # in the rounds: stop after this one; before them, or twice: at once, one line
         if self.in_rounds and not self.stop_requested:
             self.stop_requested = True
-            return print(
-                "\ninterrupt: finishing this round, then a checkpoint (Ctrl-C again: at once)", file=sys.stderr
-            )
+            note = "\ninterrupt: finishing this round, then a checkpoint (Ctrl-C again: at once)"
+            return print(note, file=sys.stderr)
         kept = "the run folder keeps what was saved (resume from its last checkpoint with --resume)"
         print(f"\ninterrupted; {kept if self.started else 'nothing was written'}", file=sys.stderr)
         raise SystemExit(130)

@@ -9,7 +9,8 @@ Four configurations, run in interleaved cycles (each cycle runs each configurati
 
   flower-default   benchmarks/flower_app/simulate.py: run_simulation, 100 SuperNodes, Flower's backend defaults
                    (each actor reserves 2 CPUs: cores/2 actors, and Ray sets OMP_NUM_THREADS=2 in each)
-  cleanfl-default  python fedavg.py ...: one process, torch's default threads (one per core)
+  cleanfl-default  python fedavg.py ...: one process at the scripts' default threads (no --threads, no
+                   OMP_NUM_THREADS: the cores not running other threads as it starts)
   flower-equal     the same with --actor-cpus 1 --ray-cpus C and OMP_NUM_THREADS=1: C actors of 1 thread
   cleanfl-equal    torchrun --nproc_per_node C fedavg.py ... with OMP_NUM_THREADS=1: C ranks of 1 thread
 
@@ -102,7 +103,8 @@ def timed(cmd, env, log_path):
     """Run cmd (output to log_path); its wall time in seconds. A failed run stops the benchmark."""
     with open(log_path, "w") as log:
         start = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
+        base = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # each configuration sets its own
+        proc = subprocess.run(cmd, cwd=ROOT, env={**base, **env}, stdout=log, stderr=subprocess.STDOUT)
         wall = time.perf_counter() - start
     if proc.returncode != 0:
         with open(log_path) as f:

@@ -156,6 +156,10 @@ def test_fedbabu_and_fednnnn_columns(tmp_path):
     make_run(root, "fednnnn-small", "fednnnn", 0, [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8], script="fednnnn")
     r = rows(collect.table("fednnnn", "small", collect.gather(root)[("fednnnn", "small")]))
     assert r["fednnnn"][1:5] == ["80.00", "76.7", "20.00", "40.00"]
+    assert r["fednnnn"][5] == "60.00"  # the mean of the last five evaluations: 0.4 ... 0.8
+    make_run(root, "fednnnn-small", "fednnnn", 1, [0.1, 0.2, 0.3, 0.4], script="fednnnn")  # fewer than five: none
+    r = rows(collect.table("fednnnn", "small", collect.gather(root)[("fednnnn", "small")]))
+    assert r["fednnnn"][5] == "60.00"
 
 
 def test_variant_order_puts_controls_after_the_papers_variants():
@@ -858,3 +862,53 @@ def test_fn_growth_replays_the_round_and_fn_only_lengthens_the_invariant_layer(t
             text=True,
         )
         assert res.returncode == 2 and flag in res.stderr.splitlines()[-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# threads.py (issue 46): how each way launches a script, and its table
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "way,launcher,threads_flag",
+    [("default", [], None), ("1 thread", [], "1"), ("2 threads", [], "2"), ("torchrun 2x1", ["-m"], None)],
+)
+def test_threads_ways_launch_as_named_and_time_between_evaluations(way, launcher, threads_flag, tmp_path, monkeypatch):
+    """The default gets neither --threads nor OMP_NUM_THREADS (the scripts choose); s/round is the last two
+    evaluations' elapsed_s apart over R; the picked threads come from config.json."""
+    threads = importlib.import_module("threads")
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    seen = {}
+
+    def fake_run(cmd, cwd, env, **kw):
+        seen.update(cmd=cmd, env=env)
+        out = cmd[cmd.index("--out") + 1]
+        os.makedirs(out)
+        rows = [{"round": 3, "test_acc": 0.2, "elapsed_s": 10.0}, {"round": 6, "test_acc": 0.3, "elapsed_s": 22.0}]
+        with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows))
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump({"threads": 2}, f)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(threads.subprocess, "run", fake_run)
+    args = argparse.Namespace(data_dir="/d", rounds=3, run_timeout=60)
+    assert threads.run_once(args, "fedfn-small", way, str(tmp_path / "r")) == (4.0, 2, 0.3)
+    cmd = seen["cmd"]
+    assert "OMP_NUM_THREADS" not in seen["env"] and cmd[1 : 1 + len(launcher)] == launcher
+    assert (cmd[cmd.index("--threads") + 1] if "--threads" in cmd else None) == threads_flag
+    assert ("torch.distributed.run" in cmd) == (way == "torchrun 2x1")
+    assert cmd[cmd.index("--rounds") + 1] == "6" and cmd[cmd.index("--eval-every") + 1] == "3"
+
+
+def test_threads_table_takes_medians_says_timeouts_and_the_defaults_ratio_to_the_best():
+    threads = importlib.import_module("threads")
+    secs = {"default": [5.0, 7.0, 6.0], "1 thread": [8.0, 9.0, 10.0], "2 threads": [None, None, 3.0]}
+    secs["torchrun 2x1"] = [4.0, 5.0, 3.0]
+    runs = [
+        dict(workload="fedavg-cnn", condition="idle", way=way, s_per_round=s, threads=2 if way == "default" else 1)
+        for way, ss in secs.items()
+        for s in ss
+    ]
+    args = argparse.Namespace(workloads=["fedavg-cnn"], conditions=["idle"], run_timeout=900)
+    row = threads.table(runs, args).splitlines()[2]
+    # medians 6, 9, timed out (two of three), 4; the default 1.5x the best
+    assert row == "| fedavg-cnn | idle | 6.00 | 9.00 | timed out (900 s) | 4.00 | [2] threads | 1.50 |"

@@ -6,6 +6,7 @@ import argparse
 import ast
 import importlib
 import json
+import io
 import os
 import signal
 import subprocess
@@ -675,24 +676,39 @@ def test_empty_test_class_folders_are_said_in_one_line(tmp_path, monkeypatch, ca
 
 
 @pytest.mark.parametrize(
-    "cores,load,env,given,want",
+    "cores,busy,env,given,want",
     [
-        (2, 0.2, {}, [], 2),  # an idle 2-core machine: both cores
-        (2, 1.1, {}, [], 1),  # another job on one core: the other
-        (2, 3.0, {}, [], 1),  # more jobs than cores: one thread, never none
-        (8, 2.6, {"LOCAL_WORLD_SIZE": "2"}, [], 2),  # torchrun: (8 - 3) // 2 a process
-        (8, 0.0, {"OMP_NUM_THREADS": "3"}, [], 3),  # the user's (or torchrun's) OMP_NUM_THREADS
-        (8, 0.0, {"OMP_NUM_THREADS": "3"}, ["--threads", "4"], 4),  # --threads wins
+        (2, 0, {}, [], 2),  # an idle 2-core machine: both cores
+        (2, 1, {}, [], 1),  # another job on one core: the other
+        (2, 3, {}, [], 1),  # more jobs than cores: one thread, never none
+        (8, 3, {"LOCAL_WORLD_SIZE": "2"}, [], 2),  # torchrun: (8 - 3) // 2 a process
+        (8, 0, {"OMP_NUM_THREADS": "3"}, [], 3),  # the user's (or torchrun's) OMP_NUM_THREADS
+        (8, 0, {"OMP_NUM_THREADS": "3"}, ["--threads", "4"], 4),  # --threads wins
     ],
 )
-def test_the_default_threads_are_the_cores_the_load_leaves_free(cores, load, env, given, want, tmp_path, monkeypatch):
+def test_the_default_threads_are_the_cores_other_work_leaves_free(cores, busy, env, given, want, tmp_path, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(cores)))
-    monkeypatch.setattr(os, "getloadavg", lambda: (load, 0.0, 0.0))
+    monkeypatch.setattr(common, "busy_threads", lambda: busy)
     args = parse_args_of("fedavg", ["--dataset", "synthetic", "--out", tmp_path / "run", *given], monkeypatch)
     assert args.threads == want
+
+
+def test_busy_threads_are_the_runnable_others_now(monkeypatch):
+    """/proc/loadavg's 4th field counts the runnable threads, this one included: the median of five looks, less one,
+    whatever the 1-minute average (which still counts a run that just ended); without /proc, that average rounded."""
+    looks = iter(
+        ["3.90 2.00 1.00 3/95 1", "3.90 2.00 1.00 1/95 1", "3.90 2.00 1.00 6/95 1"] + ["3.90 2.0 1.0 3/9 1"] * 2
+    )
+    monkeypatch.setattr(common, "open", lambda path: io.StringIO(next(looks)), raising=False)
+    monkeypatch.setattr(common.time, "sleep", lambda s: None)
+    monkeypatch.setattr(common.os.path, "exists", lambda path: path == "/proc/loadavg")
+    assert common.busy_threads() == 2  # looks 2, 0, 5, 2, 2: not the 1-minute 3.90
+    monkeypatch.setattr(common.os.path, "exists", lambda path: False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.6, 0.0, 0.0))
+    assert common.busy_threads() == 2
 
 
 def test_the_picked_threads_are_used_kept_and_said(tmp_path, monkeypatch):

@@ -1,0 +1,145 @@
+"""Time per round on the CPU at each thread setting, on an idle machine and beside a busy process (issue 46).
+
+Three workloads, each run four ways:
+  fedavg-cnn     fedavg.py, McMahan's CNN, IID over N=100, 10 a round, E=1, B=50, SGD 0.01 momentum 0.5 (the Flower
+                 comparison's work, benchmarks/vs_flower.py)
+  fedbabu-small  fedbabu.py at benchmarks/reproduce/fedbabu.sh small (convnet4-tiny, s=10, tau=10)
+  fedfn-small    fedfn.py at benchmarks/reproduce/fedfn.sh small (convnet4-tiny, s=2, E=5, lr 0.03)
+ways:
+  default        python SCRIPT ...               no --threads, no OMP_NUM_THREADS: the scripts' own choice
+  1 thread       python SCRIPT ... --threads 1
+  2 threads      python SCRIPT ... --threads 2
+  torchrun 2x1   torchrun --nproc_per_node 2 SCRIPT ...   (torchrun sets OMP_NUM_THREADS=1 a rank)
+and two conditions: idle, and loaded (--load busy processes, `while True: pass`, started first). The default counts
+the threads running as it starts (common.py: busy_threads) and takes the cores left free. Each run evaluates after
+rounds R and 2R; its time per round is the difference of the two rows' elapsed_s over R (start-up, data loading and
+the first rounds' warm-up left out; one test-set evaluation in). The table gives the
+median over --cycles interleaved cycles and, for the default, the threads it picked (config.json).
+
+    python benchmarks/threads.py --data-dir /path/to/cifar10                      # idle and loaded, 2 cycles
+    python benchmarks/threads.py --data-dir D --conditions idle --workloads fedavg-cnn --cycles 1 --rounds 1
+
+Stop other work on the machine first (the idle rows assume it). Every number goes to --out as it is measured.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKLOADS = {
+    "fedavg-cnn": "fedavg.py --model cnn --iid --num-clients 100 --frac 0.1 --local-epochs 1 --batch-size 50 "
+    "--lr 0.01 --momentum 0.5 --weight-decay 0 --augment none",
+    "fedbabu-small": "fedbabu.py --model convnet4-tiny --num-clients 100 --shards 10 --frac 0.1 --local-epochs 10 "
+    "--ft-epochs 0 --ft-eval-epochs",
+    "fedfn-small": "fedfn.py --model convnet4-tiny --num-clients 100 --frac 0.1 --local-epochs 5 --shards 2 --lr 0.03",
+}
+WAYS = ["default", "1 thread", "2 threads", "torchrun 2x1"]
+
+
+def parse_args():
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--data-dir", required=True, help="CIFAR-10 image folder (train/<class>/*, test/<class>/*)")
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS), help="a subset")
+    p.add_argument("--conditions", nargs="+", default=["idle", "loaded"], choices=["idle", "loaded"], help="a subset")
+    p.add_argument("--load", type=int, default=1, help="busy processes of the loaded condition")
+    p.add_argument("--rounds", type=int, default=3, help="R: rounds timed, after R warm-up rounds")
+    p.add_argument("--cycles", type=int, default=2, help="interleaved repetitions of the ways")
+    p.add_argument("--run-timeout", type=float, default=900, help="seconds a run may take (then: timed out)")
+    p.add_argument("--out", default=os.path.join("runs", "threads", "results.json"), help="JSON of every run")
+    args = p.parse_args()
+    if args.rounds < 1 or args.cycles < 1 or args.load < 1:
+        p.error("--rounds, --cycles and --load must be at least 1")
+    args.data_dir = os.path.abspath(args.data_dir)
+    return args
+
+
+def run_once(args, workload, way, out):
+    """One run; (seconds a round, the threads a process used, final test accuracy)."""
+    script, *flags = WORKLOADS[workload].split()
+    flags += ["--dataset", "folder", "--data-dir", args.data_dir, "--device", "cpu", "--out", out]
+    flags += [
+        "--rounds",
+        str(2 * args.rounds),
+        "--eval-every",
+        str(args.rounds),
+        "--checkpoint-every",
+        str(2 * args.rounds),
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    launcher = [sys.executable]
+    if way.endswith("thread") or way.endswith("threads"):
+        flags += ["--threads", way.split()[0]]
+    elif way.startswith("torchrun"):
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd = [*launcher, os.path.join(ROOT, script), *flags]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.run_timeout)
+    except subprocess.TimeoutExpired:  # oversubscribed threads can be tens of times slower: a row, not a stall
+        return None, None, None
+    if proc.returncode != 0:
+        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    with open(os.path.join(out, "config.json")) as f:
+        threads = json.load(f).get("threads")
+    return (rows[-1]["elapsed_s"] - rows[-2]["elapsed_s"]) / args.rounds, threads, rows[-1]["test_acc"]
+
+
+def table(runs, args):
+    workloads, conditions = args.workloads, args.conditions
+    lines = ["| workload | condition | " + " | ".join(WAYS) + " | default picked | default / best |"]
+    lines.append("|---|---|" + "---|" * (len(WAYS) + 2))
+    for w in workloads:
+        for c in conditions:
+            sel = {
+                way: [r for r in runs if r["workload"] == w and r["condition"] == c and r["way"] == way] for way in WAYS
+            }
+            if not all(sel.values()):
+                continue
+            inf = float("inf")  # a timed-out run
+            med = {way: statistics.median(r["s_per_round"] or inf for r in rs) for way, rs in sel.items()}
+            picked = sorted({r["threads"] for r in sel["default"] if r["threads"]})
+            cells = [f"{med[w_]:.2f}" if med[w_] < inf else f"timed out ({args.run_timeout:.0f} s)" for w_ in WAYS]
+            ratio = med["default"] / min(med.values())
+            lines.append(f"| {w} | {c} | " + " | ".join(cells) + f" | {picked} threads | {ratio:.2f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for condition in args.conditions:
+            busy = []
+            if condition == "loaded":
+                busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
+            try:
+                for cycle in range(1, args.cycles + 1):
+                    for workload in args.workloads:
+                        for way in WAYS:
+                            load = os.getloadavg()[0]
+                            out = os.path.join(tmp, f"{condition}-{cycle}-{workload}-{WAYS.index(way)}")
+                            sec, threads, acc = run_once(args, workload, way, out)
+                            row = dict(condition=condition, cycle=cycle, workload=workload, way=way, s_per_round=sec)
+                            runs.append({**row, "threads": threads, "test_acc": acc, "loadavg_before": load})
+                            said = f"{sec:.2f} s/round, threads {threads}, acc {acc:.4f}" if sec else "timed out"
+                            print(f"{condition} {cycle} {workload} {way}: {said}, load before {load:.2f}", flush=True)
+                            with open(args.out, "w") as f:
+                                json.dump({"args": vars(args), "cpu_count": os.cpu_count(), "runs": runs}, f, indent=1)
+            finally:
+                for proc in busy:
+                    proc.terminate()
+                    proc.wait()
+    print(
+        f"\n{os.cpu_count()} cores; s/round: median over {args.cycles} cycles of rounds {args.rounds + 1}-"
+        f"{2 * args.rounds} (one test-set evaluation in each R)"
+    )
+    print(table(runs, args))
