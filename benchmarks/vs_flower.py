@@ -162,6 +162,31 @@ def per_round(stamps):
     return statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
 
 
+def compute_floor(threads, steps=100, batch=50, test=10_000):
+    """Seconds of one round's arithmetic alone, in this process at `threads` torch threads: `steps` SGD steps of the
+    CNN on random batches (10 clients x 10 steps: E=1 of 500 images at B=50) and a forward pass over `test` images in batches of 2,000 (the
+    evaluation); no data path, no framework. What either side's round cannot go below on these cores."""
+    import torch
+    from types import SimpleNamespace
+
+    sys.path.insert(0, ROOT)
+    from common import build_model
+
+    torch.set_num_threads(threads)
+    model = build_model("cnn", SimpleNamespace(in_channels=3, num_classes=10, image_size=32))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.5)
+    x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
+    start = time.perf_counter()
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    with torch.no_grad():
+        for _ in range(test // 2000):
+            model(torch.randn(2000, 3, 32, 32))
+    return time.perf_counter() - start
+
+
 # ---------------------------------------------------------------------------------------------
 # Load, table
 # ---------------------------------------------------------------------------------------------
@@ -242,4 +267,13 @@ if __name__ == "__main__":
         "fixed s: wall - R x s/round"
     )
     print(table(runs, args.configs, args.rounds))
+    floor = {threads: compute_floor(threads) for threads in (args.cores, 1)}
+    with open(args.out) as f:
+        saved = json.load(f)
+    with open(args.out, "w") as f:
+        json.dump({**saved, "floor_s": floor}, f, indent=1)
+    print(
+        f"compute floor of a round (its SGD steps and evaluation alone): {floor[args.cores]:.2f} s at {args.cores} "
+        f"threads; {floor[1]:.2f} s at 1 thread, {floor[1] / args.cores:.2f} s split over {args.cores} processes"
+    )
     print(f"\nraw numbers: {args.out}")

@@ -5,7 +5,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Runs inside the pytest process must match script runs in subprocesses (helpers.py gives them
-# OMP_NUM_THREADS=1) bit for bit, and a different thread count can change float reductions.
+# OMP_NUM_THREADS=1) bit for bit, and a different thread count can change float reductions. A script run in this
+# process (runpy) reads OMP_NUM_THREADS too; without it, it would take the idle cores and leave torch at that count.
+os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
 
 

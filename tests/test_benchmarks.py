@@ -910,5 +910,5 @@ def test_threads_table_takes_medians_says_timeouts_and_the_defaults_ratio_to_the
     ]
     args = argparse.Namespace(workloads=["fedavg-cnn"], conditions=["idle"], run_timeout=900)
     row = threads.table(runs, args).splitlines()[2]
-    # medians 6, 9, timed out (two of three), 4; the default 1.5x the best
-    assert row == "| fedavg-cnn | idle | 6.00 | 9.00 | timed out (900 s) | 4.00 | [2] threads | 1.50 |"
+    # medians 6, 9, timed out (two of three), 4; the default is the best one process (1.00), 1.5x torchrun
+    assert row == "| fedavg-cnn | idle | 6.00 | 9.00 | timed out (900 s) | 4.00 | [2] threads | 1.00 | 1.50 |"

@@ -669,3 +669,32 @@ def test_readme_speed_figure_is_speed_mds():
     percent = int(re.search(r"every script is within (\d+)% of the same SGD steps centralized", readme).group(1))
     assert f"Every script is within {percent}% of the centralized loop" in " ".join(speed.split())
     assert len(medians) == len(METHODS) and max(abs(x - 1) for x in medians) <= percent / 100 + 1e-9
+
+
+def test_speed_tables_are_their_runs():
+    """docs/speed.md's threads and Flower tables are what benchmarks/threads.py and vs_flower.py print from the
+    JSON they wrote (benchmarks/results-cpu/), cell for cell; the README's torchrun figure is the threads table's."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import threads
+    import vs_flower
+
+    speed = read("docs/speed.md")
+    for name, module in (("threads", threads), ("vs_flower", vs_flower)):
+        with open(os.path.join(ROOT, "benchmarks", "results-cpu", f"{name}.json")) as f:
+            saved = json.load(f)
+        shown = speed.split(f"<!-- {name}:start -->\n", 1)[1].split(f"\n<!-- {name}:end -->", 1)[0]
+        args = argparse.Namespace(**saved["args"])
+        made = (
+            threads.table(saved["runs"], args)
+            if name == "threads"
+            else vs_flower.table(saved["runs"], args.configs, args.rounds)
+        )
+        assert shown.strip() == made.strip(), f"docs/speed.md's {name} table is not its JSON's"
+        if name == "threads":
+            saved_threads = {"runs": saved["runs"], "args": args}
+        else:  # the README's ratio at each side's default
+            ratio = next(row for row in made.splitlines() if row.startswith("| flower-default")).split("|")[-2].strip()
+            assert f"`fedavg.py` is {ratio} faster than Flower" in " ".join(read("README.md").split())
+    rows = [row for row in threads.table(*[saved_threads[k] for k in ("runs", "args")]).splitlines()[2:]]
+    best = max(float(row.split("|")[-2]) for row in rows)  # default / torchrun: torchrun's best speed-up
+    assert f"(up to {best:.2f}x)" in " ".join(read("README.md").split())
