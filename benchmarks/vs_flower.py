@@ -164,8 +164,8 @@ def per_round(stamps):
 
 def compute_floor(threads, steps=100, batch=50, test=10_000):
     """Seconds of one round's arithmetic alone, in this process at `threads` torch threads: `steps` SGD steps of the
-    CNN on random batches (10 clients x 10 steps: E=1 of 500 images at B=50) and a forward pass over `test` images in batches of 2,000 (the
-    evaluation); no data path, no framework. What either side's round cannot go below on these cores."""
+    CNN on random batches (10 clients x 10 steps: E=1 of 500 images at B=50) and a forward pass over `test` images
+    in batches of 2,000 (the evaluation); no data path, no framework: what a round's time cannot go below."""
     import torch
     from types import SimpleNamespace
 

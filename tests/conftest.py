@@ -14,6 +14,7 @@ torch.set_num_threads(1)
 def pytest_configure(config):
     """The `slow` marker: the full suite (CI, the README's command) runs everything; `-m "not slow"` is the fast
     tier for work in progress (README, "Tests and CI"): every script end to end at least once and every
-    equation's test, without torchrun, gpu.sh's tiny mode, the timing benchmarks and the second runs that
-    resume == uninterrupted, Ctrl-C and the run-folder refusals need."""
+    equation's test, without torchrun, gpu.sh's tiny mode and dry run, the timing benchmarks, fn_growth's replay,
+    the bars' scripts, the second real-CIFAR-10 run and the second runs that resume == uninterrupted, Ctrl-C and the
+    run-folder refusals need."""
     config.addinivalue_line("markers", "slow: left out of the fast tier (pytest -m 'not slow'); CI runs it")

@@ -810,6 +810,7 @@ def test_every_hand_mutant_finds_its_snippet_once():
         assert mutated != original, name
 
 
+@pytest.mark.slow  # 20 s: two runs and a replay
 def test_fn_growth_replays_the_round_and_fn_only_lengthens_the_invariant_layer(tmp_path):
     """benchmarks/fn_growth.py on a run stopped after 2 of 3 rounds (FN, momentum 0, no weight decay): its average
     of the traced clients is the model fedfn.py itself ends round 3 with (bit for bit); at every local step the

@@ -411,6 +411,7 @@ def test_real_cifar10_folder_end_to_end(tmp_path):
     assert sum(map(sum, part["train"])) == 50000 and len(part["train"][0]) == 10
 
 
+@pytest.mark.slow  # the fast tier keeps the real-CIFAR-10 run end to end
 @pytest.mark.skipif(not CIFAR, reason="set CLEANFL_CIFAR10_DIR to an unpacked cifar10-jpg folder")
 def test_real_cifar10_accuracy_does_not_depend_on_the_test_order():
     """Issue 12: a batch norm without running statistics normalizes each evaluation batch with its own

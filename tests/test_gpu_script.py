@@ -63,6 +63,7 @@ def dry_commands(stdout):
     return out
 
 
+@pytest.mark.slow  # every command of gpu.sh through its parser
 def test_dry_run_prints_commands_each_parser_accepts(tmp_path, places, monkeypatch, capsys):  # noqa: F811
     res = gpu_sh(tmp_path, MODE="dry", timeout=120)
     assert res.returncode == 0, res.stderr

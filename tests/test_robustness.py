@@ -736,6 +736,7 @@ def test_ctrl_c_before_the_run_folder_says_nothing_was_written(tmp_path, capsys)
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+@pytest.mark.slow  # four scripts in this process
 def test_every_long_phase_has_its_bar(tmp_path, monkeypatch):
     """Decoding an image folder, each round's clients, FedBABU's per-client fine-tuning and ANFR's steps within a
     round go through common.progress (a bar shown once a phase passes 5 s); recorded here by its description."""
