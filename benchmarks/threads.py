@@ -57,6 +57,8 @@ def parse_args():
     if args.rounds < 1 or args.cycles < 1 or args.load < 1:
         p.error("--rounds, --cycles and --load must be at least 1")
     args.data_dir = os.path.abspath(args.data_dir)
+    if not all(os.path.isdir(os.path.join(args.data_dir, split)) for split in ("train", "test")):
+        p.error(f"--data-dir: {args.data_dir} is not an image folder with train/ and test/")
     return args
 
 

@@ -913,3 +913,15 @@ def test_threads_table_takes_medians_says_timeouts_and_the_defaults_ratio_to_the
     row = threads.table(runs, args).splitlines()[2]
     # medians 6, 9, timed out (two of three), 4; the default is the best one process (1.00), 1.5x torchrun
     assert row == "| fedavg-cnn | idle | 6.00 | 9.00 | timed out (900 s) | 4.00 | [2] threads | 1.00 | 1.50 |"
+
+
+@pytest.mark.parametrize(
+    "flags,flag", [(["--data-dir", "no-such-folder"], "--data-dir"), (["--rounds", "0"], "--rounds")]
+)
+def test_threads_refuses_bad_input_in_one_line(flags, flag, tmp_path):
+    base = ["--data-dir", str(tmp_path)]
+    (tmp_path / "train").mkdir()
+    (tmp_path / "test").mkdir()
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "threads.py"), *base, *flags]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 2 and flag in res.stderr.strip().splitlines()[-1]
