@@ -698,6 +698,8 @@ def test_speed_tables_are_their_runs():
         else:  # the README's ratio at each side's default
             ratio = next(row for row in made.splitlines() if row.startswith("| flower-default")).split("|")[-2].strip()
             assert f"`fedavg.py` is {ratio} faster than Flower" in " ".join(read("README.md").split())
+            floor = saved["floor_s"]  # compute_floor's seconds at 2 threads and 1, as the page quotes them
+            assert f"take {floor['2']:.2f} s at 2 threads and {floor['1']:.2f} s at one" in " ".join(speed.split())
     rows = [row for row in threads.table(*[saved_threads[k] for k in ("runs", "args")]).splitlines()[2:]]
     best = max(float(row.split("|")[-2]) for row in rows)  # default / torchrun: torchrun's best speed-up
     assert f"(up to {best:.2f}x)" in " ".join(read("README.md").split())
