@@ -1110,8 +1110,8 @@ def finish_args(parser, args, script, paper):  # after argparse: what cannot run
         print("note: --amp on the CPU: bfloat16 autocast runs, but usually slower than float32 there", file=sys.stderr)
     if getattr(args, "threads", None) is None:  # OMP_NUM_THREADS, or the cores other work leaves free, per process
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        free = max(1, (cores - busy_threads()) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-        args.threads = int(os.environ.get("OMP_NUM_THREADS") or free)  # in config.json: a resumed run computes alike
+        free = lambda: max(1, (cores - busy_threads()) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # looks 250 ms
+        args.threads = int(os.environ.get("OMP_NUM_THREADS") or free())  # in config.json: a resumed run computes alike
     return args
 
 
