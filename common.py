@@ -403,22 +403,24 @@ def autocast(device, enabled):
 @torch.no_grad()
 def evaluate(forward, x, y, data, batch_size=2000, amp=False, balanced=False):
     """Accuracy and mean cross-entropy of `forward` (on normalized images); balanced=True adds the balanced accuracy,
-    the mean recall over the classes present (FLamby's and scikit-learn's; Fed-ISIC2019's metric)."""
-    correct, loss, hits = 0, 0.0, torch.zeros(data.num_classes, device=y.device)
-    for i in range(0, len(x), batch_size):
-        xb, yb = prepare_batch(x[i : i + batch_size], data), y[i : i + batch_size]
+    the mean recall over the classes present (FLamby's and scikit-learn's; Fed-ISIC2019's metric). Under torchrun
+    batch j runs on rank j mod K and every rank adds the batches' sums in their order: bit for bit one process."""
+    rank, world = rank_and_world()
+    sums = torch.zeros(math.ceil(len(x) / batch_size), 2 + data.num_classes, dtype=torch.float64, device=y.device)
+    for j in range(rank, len(sums), world):  # a batch's loss sum, hits, hits per class (float64: exact)
+        xb, yb = prepare_batch(x[j * batch_size : (j + 1) * batch_size], data), y[j * batch_size : (j + 1) * batch_size]
         with autocast(xb.device, amp):
             logits = forward(xb).float()
-        loss += F.cross_entropy(logits, yb, reduction="sum")
         right = logits.argmax(1) == yb
-        correct += right.sum()
-        if balanced:
-            hits += torch.bincount(yb[right], minlength=data.num_classes)
-    acc, loss = float(correct) / len(x), float(loss) / len(x)
-    if not balanced:
-        return acc, loss
-    counts = torch.bincount(y, minlength=data.num_classes)
-    return acc, loss, float((hits[counts > 0].cpu().double() / counts[counts > 0].cpu().double()).mean())
+        sums[j, 0], sums[j, 1] = F.cross_entropy(logits, yb, reduction="sum"), right.sum()
+        sums[j, 2:] = torch.bincount(yb[right], minlength=data.num_classes) if balanced else 0
+    if world > 1:
+        dist.all_reduce(sums)  # a row is one rank's, zeros on the others
+    loss = functools.reduce(lambda total, s: total + s.float(), sums[:, 0], torch.zeros((), device=y.device))
+    acc, loss = float(sums[:, 1].sum()) / len(x), float(loss) / len(x)  # the loss summed in float32, batch by batch
+    counts, hits = torch.bincount(y, minlength=data.num_classes), sums[:, 2:].sum(0)
+    recall = hits[counts > 0].cpu().double() / counts[counts > 0].cpu().double()  # of the classes present
+    return (acc, loss, float(recall.mean())) if balanced else (acc, loss)
 
 
 def spread(values):

@@ -254,8 +254,10 @@ def test_balanced_accuracy_by_hand():
     # class 0: 2 of 3 right, class 1: 1 of 1, class 2: 1 of 2; class 3 is predicted once but never a target
     y, pred = [0, 0, 0, 1, 2, 2], [0, 3, 0, 1, 0, 2]
     data, forward = fixed_predictions(y, pred, 4)
-    acc, _, bacc = common.evaluate(forward, data.x_test, data.y_test, data, batch_size=4, balanced=True)
+    acc, loss, bacc = common.evaluate(forward, data.x_test, data.y_test, data, batch_size=4, balanced=True)
     assert acc == pytest.approx(4 / 6) and bacc == pytest.approx((2 / 3 + 1 + 1 / 2) / 3)  # 13/18
+    # one-hot logits: -log softmax is log(e + 3) - 1 for the predicted class and log(e + 3) for another
+    assert loss == pytest.approx((4 * (math.log(math.e + 3) - 1) + 2 * math.log(math.e + 3)) / 6)  # over both batches
     assert len(common.evaluate(forward, data.x_test, data.y_test, data)) == 2  # without balanced: as before
 
 

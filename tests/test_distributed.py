@@ -390,3 +390,40 @@ def test_broadcast_sends_a_results_bits_and_layout_to_every_rank(tmp_path):
             saved = torch.load(out / f"rank{rank}_from{src}.pt", weights_only=False)
             assert_same_result(saved["got"], result_of(src), f"rank {rank} from {src}")
             assert saved["is_mine"] == (rank == src)  # the sender's own result, not a copy
+
+
+EVAL_SPLIT = """import json, os, sys
+sys.path.insert(0, os.getcwd())  # the repository root
+import torch, torch.distributed as dist
+import torch.nn.functional as F
+import common
+if os.environ.get("WORLD_SIZE"):
+    dist.init_process_group("gloo")
+torch.manual_seed(0)  # the same model and data on every rank
+y = torch.randint(0, 5, (1100,))
+x = torch.randint(0, 256, (1100, 1, 4, 4), dtype=torch.uint8)
+data = common.Data(x, y, x, y, 5, torch.full((1, 1, 1, 1), 0.5), torch.full((1, 1, 1, 1), 0.25))
+net, seen = torch.nn.Linear(16, 5), []
+forward = lambda xb: seen.append(len(xb)) or net(xb.flatten(1))
+acc, loss, bacc = common.evaluate(forward, x, y, data, batch_size=200, balanced=True)  # 6 batches, the last 100
+with open(f"{sys.argv[1]}{common.rank_and_world()[0]}.json", "w") as f:  # a file per rank: no interleaved lines
+    json.dump({"seen": seen, "scores": [acc, loss, bacc]}, f)
+if dist.is_initialized():  # leave together (a rank that exits with the group open aborts)
+    dist.barrier()
+    dist.destroy_process_group()
+"""
+
+
+def test_torchrun_splits_the_evaluation_and_matches_one_process(tmp_path):
+    """Under torchrun rank r evaluates the batches r, r+K, ... and no other; every rank returns the one-process
+    accuracy, loss and balanced accuracy bit for bit (the batches' float32 loss sums added in batch order)."""
+    script = tmp_path / "eval_split.py"
+    script.write_text(EVAL_SPLIT)
+    finish(start([sys.executable, script, tmp_path / "alone"]), start(torchrun_cmd(2, script, tmp_path / "rank")))
+    alone, ranks = (
+        json.loads((tmp_path / "alone0.json").read_text()),
+        [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)],
+    )
+    assert alone["seen"] == [200] * 5 + [100]
+    assert ranks[0]["seen"] == [200] * 3 and ranks[1]["seen"] == [200, 200, 100]
+    assert ranks[0]["scores"] == ranks[1]["scores"] == alone["scores"]  # JSON floats: every bit
