@@ -586,7 +586,7 @@ RESULTS_SOURCES = {
         "verdict": text("docs/anfr.md", 5)  # the central gap to BN, federation's cost: ours and the paper's
         + runs("anfr-cropflip", "proxy", "anfr", "bn", "gn", "se", "nf", metric=BEST_VAL)
         + text("docs/anfr.md", 3)  # ANFR's gap to BN, mean |g|
-        + text("docs/anfr.md", 4)  # centrally: ANFR's gap to BN (seed 0), federation's cost to ANFR and BN's range
+        + text("docs/anfr.md", 3)  # centrally: ANFR's gap to BN, federation's cost to ANFR and BN (3-seed means)
         + runs("anfr", "proxy", "anfr", "bn", "gn", "se", "nf"),
     },
 }
