@@ -675,27 +675,28 @@ def test_readme_speed_figure_is_speed_mds():
 
 
 def test_speed_tables_are_their_runs():
-    """docs/speed.md's threads and Flower tables are what benchmarks/threads.py and vs_flower.py print from the
-    JSON they wrote (benchmarks/results-cpu/), cell for cell; the README's torchrun figure is the threads table's."""
+    """docs/speed.md's threads tables (the six cases; the loaded CNN's again over 3 cycles) and Flower table are
+    what benchmarks/threads.py and vs_flower.py print from the JSON they wrote (benchmarks/results-cpu/), cell for
+    cell; the README's torchrun figure is the threads table's."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import threads
     import vs_flower
 
     speed = read("docs/speed.md")
-    for name, module in (("threads", threads), ("vs_flower", vs_flower)):
+    for name, module in (("threads", threads), ("threads-cnn-loaded", threads), ("vs_flower", vs_flower)):
         with open(os.path.join(ROOT, "benchmarks", "results-cpu", f"{name}.json")) as f:
             saved = json.load(f)
         shown = speed.split(f"<!-- {name}:start -->\n", 1)[1].split(f"\n<!-- {name}:end -->", 1)[0]
         args = argparse.Namespace(**saved["args"])
         made = (
             threads.table(saved["runs"], args)
-            if name == "threads"
+            if module is threads
             else vs_flower.table(saved["runs"], args.configs, args.rounds)
         )
         assert shown.strip() == made.strip(), f"docs/speed.md's {name} table is not its JSON's"
         if name == "threads":
             saved_threads = {"runs": saved["runs"], "args": args}
-        else:  # the README's ratio at each side's default
+        elif name == "vs_flower":  # the README's ratio at each side's default
             ratio = next(row for row in made.splitlines() if row.startswith("| flower-default")).split("|")[-2].strip()
             assert f"`fedavg.py` is {ratio} faster than Flower" in " ".join(read("README.md").split())
             floor = saved["floor_s"]  # compute_floor's seconds at 2 threads and 1, as the page quotes them
