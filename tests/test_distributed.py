@@ -301,24 +301,23 @@ sys.argv = sys.argv[1:]
 g = runpy.run_path(sys.argv[0], run_name="__main__")
 digest = lambda ts: hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes() for t in ts)).hexdigest()
 c_local = [t for k in sorted(g["c_local"]) for t in g["c_local"][k].values()]
-print("INSPECT", json.dumps({"rank": dist.get_rank(), "trained": trained, "sampled": g["clients"],
-      "model": digest(g["model"].state_dict().values()), "c_local": digest(c_local)}), file=sys.stderr)
+with open(os.environ["INSPECT_OUT"] + f"{dist.get_rank()}.json", "w") as f:  # a file per rank: no interleaved lines
+    json.dump({"rank": dist.get_rank(), "trained": trained, "sampled": g["clients"],
+               "model": digest(g["model"].state_dict().values()), "c_local": digest(c_local)}, f)
 """
 
 
-def test_each_rank_trains_its_share_and_all_ranks_end_equal(tmp_path):
+def test_each_rank_trains_its_share_and_all_ranks_end_equal(tmp_path, monkeypatch):
     """Rank r trains the clients at positions r, r+K, ... of the sampled list, and no other (the
     speed-up); at the end every rank holds the same global model and the same SCAFFOLD c_i."""
     wrapper = tmp_path / "count_clients.py"  # (not inspect.py: that is a stdlib module torch imports)
     wrapper.write_text(INSPECT)
     flags = [*CASES["fedfn"], "--ft-epochs", "0", "--rounds", "2", "--frac", "1"]  # every client in every round
+    monkeypatch.setenv("INSPECT_OUT", str(tmp_path / "rank"))  # start() passes the environment on
     proc = start(torchrun_cmd(2, wrapper, "fedfn.py", *flags, "--out", tmp_path / "run"))
     _, err = proc.communicate()
     assert proc.returncode == 0, err[-3000:]
-    rows = {
-        r["rank"]: r
-        for r in (json.loads(line.split("INSPECT ", 1)[1]) for line in err.splitlines() if "INSPECT " in line)
-    }
+    rows = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
     assert sorted(rows) == [0, 1]
     order = rows[0]["sampled"]  # the last round's sampled clients (all 5 here, in sampled order)
     assert sorted(order) == [0, 1, 2, 3, 4]
