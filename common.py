@@ -406,8 +406,8 @@ def evaluate(forward, x, y, data, batch_size=2000, amp=False, balanced=False):
     the mean recall over the classes present (FLamby's and scikit-learn's; Fed-ISIC2019's metric). Under torchrun
     batch j runs on rank j mod K and every rank adds the batches' sums in their order: bit for bit one process."""
     rank, world = rank_and_world()
-    sums = torch.zeros(math.ceil(len(x) / batch_size), 2 + data.num_classes, dtype=torch.float64, device=y.device)
-    for j in range(rank, len(sums), world):  # a batch's loss sum, hits, hits per class (float64: exact)
+    sums = torch.zeros(math.ceil(len(x) / batch_size), 2 + data.num_classes, device=y.device)  # float32: MPS has no 64
+    for j in range(rank, len(sums), world):  # a batch's loss sum, hits, hits per class (exact: counts below 2^24)
         xb, yb = prepare_batch(x[j * batch_size : (j + 1) * batch_size], data), y[j * batch_size : (j + 1) * batch_size]
         with autocast(xb.device, amp):
             logits = forward(xb).float()
@@ -416,7 +416,7 @@ def evaluate(forward, x, y, data, batch_size=2000, amp=False, balanced=False):
         sums[j, 2:] = torch.bincount(yb[right], minlength=data.num_classes) if balanced else 0
     if world > 1:
         dist.all_reduce(sums)  # a row is one rank's, zeros on the others
-    loss = functools.reduce(lambda total, s: total + s.float(), sums[:, 0], torch.zeros((), device=y.device))
+    loss = functools.reduce(lambda total, s: total + s, sums[:, 0], torch.zeros((), device=y.device))
     acc, loss = float(sums[:, 1].sum()) / len(x), float(loss) / len(x)  # the loss summed in float32, batch by batch
     counts, hits = torch.bincount(y, minlength=data.num_classes), sums[:, 2:].sum(0)
     recall = hits[counts > 0].cpu().double() / counts[counts > 0].cpu().double()  # of the classes present
