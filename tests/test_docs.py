@@ -591,8 +591,8 @@ RESULTS_SOURCES = {
         + text("docs/anfr.md", 1)  # centrally: ANFR's gap to BN (3-seed means)
         + runs("anfr-cropflip", "proxy", "anfr-central-total", "bn-central-total", metric=BEST_VAL)  # 5x, seed 0
         + text("docs/anfr.md", 2)  # federation's cost to ANFR and BN (3-seed means)
-        + runs("anfr-rrc", "proxy", "anfr", "bn", metric=BEST_VAL)  # the paper's recipe (seed 0)
-        + text("docs/anfr.md", 2)  # ANFR's gap to BN under it and with pad-crop and flip at seed 0
+        + runs("anfr-rrc", "proxy", "anfr", "bn", metric=BEST_VAL)  # the paper's recipe (3 seeds)
+        + text("docs/anfr.md", 2)  # ANFR's gap to BN under it and with pad-crop and flip (means)
         + runs("anfr", "proxy", "anfr", "bn", "gn", "se", "nf"),
     },
 }
