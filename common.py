@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional  # noqa: F401  before any group: its `group=WORLD` defaults bind now, to None
 import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
@@ -860,8 +861,7 @@ def scale_norm(x, scale="sqrt-d", eps=1e-5):
     return s * (x / flat.norm(dim=1).clamp_min(eps).view(-1, *[1] * (x.dim() - 1)))
 
 
-# ResNet: one implementation; normalization (batch, group, layer; none with weight-standardized NF blocks, ANFR) and
-# channel attention are options
+# ResNet: one implementation; batch, group or layer norm (or none: weight-standardized NF blocks) and attention options
 RELU_GAMMA = 1.7139588594436646  # gamma = 1/std(relu(z)), z ~ N(0, 1), as timm and DeepMind's NFNets measure it
 NF_ALPHA = 0.2  # alpha: scale of each residual branch (Brock et al. 2021a; timm NfCfg.alpha)
 NF_ATTN_GAIN = 2.0  # attention output x2 in NF blocks, since a sigmoid gate starts near 0.5 (timm NfCfg.attn_gain)
@@ -1343,8 +1343,7 @@ rank_and_world = lambda: (dist.get_rank(), dist.get_world_size()) if dist.is_ini
 progress = lambda items, desc, total=None: tqdm(items, desc, total, False, disable=rank_and_world()[0] > 0, delay=5)
 
 
-# --- `torchrun --nproc_per_node K script.py`: K ranks train a round's clients, each sums their results in client order
-# (bit for bit the one-process run, with the same threads a process)
+# --- `torchrun --nproc_per_node K script.py`: K ranks share a round's clients; bit for bit one process (same threads)
 def setup_distributed(args):
     """Under torchrun: join the process group (NCCL on GPUs, gloo on CPUs), each rank on its GPU, rank 0's --out."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 or dist.is_initialized():
@@ -1356,6 +1355,7 @@ def setup_distributed(args):
         args.device = f"cuda:{gpu if visible > 1 else 0}"  # one GPU a process: a scheduler's share
         torch.cuda.set_device(args.device)
     # a long timeout: ranks wait for rank 0's first download or decoding, and for a wave's slowest client
+    # (imported after this, torch.distributed.nn.functional would keep the group past destroy_process_group: SIGABRT)
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=6))
     atexit.register(dist.destroy_process_group)
     out = [args.out]

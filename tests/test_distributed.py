@@ -286,10 +286,16 @@ def test_failing_rank_stops_every_rank_and_leaves_whole_files(tmp_path):
     assert_same_run(tmp_path / "whole", out)
 
 
-INSPECT = """import hashlib, json, os, runpy, sys
+INSPECT = """import atexit, hashlib, json, os, runpy, sys
 sys.path.insert(0, os.getcwd())  # the repository root
 import torch, torch.distributed as dist
 import common
+def threads_at_exit():  # registered first, so it runs last: after the script's destroy_process_group
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    with open(os.environ["INSPECT_OUT"] + os.environ["RANK"] + "-threads.json", "w") as f:
+        json.dump(names, f)
+if os.path.isdir("/proc/self/task"):  # Linux: a process's threads by name
+    atexit.register(threads_at_exit)
 trained, real = [], common.each_client
 def each_client(clients, weights, train_client, seed, rnd):  # count the clients this rank trains
     def counted(k):
@@ -325,6 +331,11 @@ def test_each_rank_trains_its_share_and_all_ranks_end_equal(tmp_path, monkeypatc
         assert [k for rnd, k in rows[r]["trained"] if rnd == 1] == order[r::2]
         assert len(rows[r]["trained"]) == 2 * len(order[r::2])  # two rounds, nothing trained twice
     assert rows[0]["model"] == rows[1]["model"] and rows[0]["c_local"] == rows[1]["c_local"]
+    # and the group is gone when the script ends: no gloo thread left to abort the exit (a group kept alive, e.g. by
+    # torch.distributed.nn.functional's `group=WORLD` defaults bound after init, ends some runs "terminate called")
+    for r in (0, 1) if os.path.isdir("/proc/self/task") else ():  # Linux: threads by name
+        names = json.loads((tmp_path / f"rank{r}-threads.json").read_text())
+        assert "python" in names and not [n for n in names if "gloo" in n], names
 
 
 BROADCAST = """import os, sys
