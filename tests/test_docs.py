@@ -554,7 +554,7 @@ RESULTS_SOURCES = {
         + runs("fedfn-s10", "proxy", "fedfn", "fedavg")
         + text("docs/fedfn.md", 1)  # alpha 0.1
         + runs("fedfn-a0.1", "proxy", "fedfn", "fedavg")
-        + runs("fedfn-a0.1", "proxy", "fedfn-e5", "fedavg-e5")  # E=5, seed 0
+        + runs("fedfn-a0.1", "proxy", "fedfn-e5", "fedavg-e5")  # E=5, seeds 0 and 1
         + runs("fedfn-a0.1", "proxy", "fedfn-e5", "fedavg-e5", metric=LAST5)
         + text("docs/fedfn.md", 1)  # alpha 0.5
         + runs("fedfn-a0.5", "proxy", "fedfn", "fedavg"),
