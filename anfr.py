@@ -30,7 +30,8 @@ from common import (ATTENTION, AUGMENTATIONS, DATASETS, RESNET_LAYOUT, HelpForma
                     accumulate, autocast, build_model, client_batches, client_weights, decay_rate, device_flag,
                     each_client, eval_metrics, finish_args, flag_type, fraction, given_flags, load_average,
                     load_data, make_norm, make_partition, non_negative_float, non_negative_int, positive_float,
-                    positive_int, prepare_batch, progress, prox_term, refuse, round_channels, sample_clients, seed_int,
+                    positive_int, prepare_batch, progress, prox_term, refuse, round_channels, safe_load, sample_clients,
+                    seed_int, threads_flag,
                     scaffold_control, scaffold_correction, scaffold_server)  # ANFR: SCAFFOLD  # fmt: skip
 
 # The paper's from-scratch CIFAR-10 setting, the defaults of the flags below: App. A.1 and B.3, Table 9, with Pieri et
@@ -207,7 +208,7 @@ def parse_args():
     g.add_argument("--seed", type=seed_int, default=0, help="seed of the init, client sampling and local shuffling")
     g.add_argument("--device", type=device_flag, help="cpu, cuda, cuda:N or mps (default: cuda if there is one)")
     g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes (not with DP)")
-    g.add_argument("--threads", type=positive_int, help="CPU threads (default: OMP_NUM_THREADS, or the free cores)")
+    g.add_argument("--threads", type=threads_flag, help="CPU threads, or auto: the free cores (default: the cores)")
     g.add_argument("--eval-every", type=positive_int, default=1, help="evaluate every this many rounds and the last")
     g.add_argument("--analyze", action="store_true",
         help="ANFR: class selectivity and attention-weight spread of the last attention module (Sec. 3.4) in "
@@ -311,7 +312,7 @@ def load_pretrained(model, src, layout):  # ANFR: --init-from
     """Load a state dict (a path or a dict: ours, a checkpoint.pt, or timm's, renamed by timm_name). Every
     entry of ours but the head must come from it with our shape, and every entry of it must be used (the
     head is loaded if its shape matches, e.g. not a 1000-class one); else ValueError, naming the first few."""
-    src = torch.load(src, map_location="cpu", weights_only=False) if isinstance(src, str) else src
+    src = safe_load(src, "--init-from") if isinstance(src, str) else src  # runs no code
     src = src["model"] if isinstance(src.get("model"), dict) else src  # a checkpoint.pt works too
     src = {timm_name(k, layout): v for k, v in src.items()}
     own = model.state_dict()

@@ -9,9 +9,13 @@ only the ones a run uses.
 
 import argparse
 import atexit
+import contextlib
 import datetime
+import errno
+import fcntl
 import functools
 import hashlib
+import io
 import itertools
 import json
 import math
@@ -275,7 +279,7 @@ def _decode_cached(root, files, layout):
         h.update(f"{os.path.relpath(path, root)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     stamp = h.hexdigest() if layout == "flat" else f"{layout}:{h.hexdigest()}"
     for path in caches:
-        cached = torch.load(path) if os.path.isfile(path) else {}
+        cached = safe_load(path, "--data-dir") if os.path.isfile(path) else {}  # delete a refused one: decoded anew
         if cached.get("stamp") == stamp:
             return cached["tensors"]
     out, skipped = [], []
@@ -1079,6 +1083,14 @@ decay_rate = flag_type(float, 0, 1, open_high=True)  # [0, 1): momentum and mome
 inner_fraction = flag_type(float, 0, 1, open_low=True, open_high=True)  # (0, 1): --lr-decay-at
 
 
+def threads_flag(text):  # --threads: a count, or auto (the cores not running other threads as the run starts)
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or auto, got '{text}'")
+    return int(text)
+
+
 def device_flag(text):
     if text in ("cpu", "cuda", "mps") or (text.startswith("cuda:") and text[5:].isdigit()):
         return text
@@ -1110,11 +1122,12 @@ def finish_args(parser, args, script, paper):  # after argparse: what cannot run
         parser.error(f"--device: {args.device} is not on this machine ({gpus} CUDA GPUs{', no MPS' * (not mps)})")
     if args.amp and args.device == "cpu":
         print("note: --amp on the CPU: bfloat16 autocast runs, but usually slower than float32 there", file=sys.stderr)
-    if getattr(args, "threads", None) is None:  # OMP_NUM_THREADS, or the cores other work leaves free, per process
+    if getattr(args, "threads", 1) in (None, "auto"):  # the machine's cores per process, so one command, one result
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        free = lambda: max(1, (cores - busy_threads()) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # looks 250 ms
-        args.threads = int(os.environ.get("OMP_NUM_THREADS") or free())  # in config.json: a resumed run computes alike
-    return args
+        per_process = lambda busy: max(1, (cores - busy) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        default = lambda: int(os.environ.get("OMP_NUM_THREADS") or per_process(0))
+        args.threads = per_process(busy_threads()) if args.threads == "auto" else default()  # auto: looks 250 ms
+    return args  # (args.threads is in config.json: a resumed run computes as it began)
 
 
 def busy_threads():  # threads running now besides this one: more threads than free cores stall each other
@@ -1137,20 +1150,7 @@ def new_run_args(parser, args, script, paper):
     if (args.natural or m) and "num_clients" not in given_flags(parser):
         args.num_clients = None  # the data's: make_partition counts the folders
     args.data_seed, args.script = args.seed if args.data_seed is None else args.data_seed, script
-    if args.out is None:  # runs/<script>__<dataset>__<seed>__<time>, -2, -3, ... where one started in the same second
-        base = f"runs/{script}__{args.dataset}__{args.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
-        names = itertools.chain([base], (f"{base}-{n}" for n in itertools.count(2)))
-        args.out = next(name for name in names if not os.path.exists(name))
-    elif any(os.path.exists(os.path.join(args.out, f)) for f in RUN_FILES) and not args.overwrite:
-        err(f"--out: {args.out} holds a run; continue it with --resume {args.out}, or another --out or --overwrite")
-    path = os.path.abspath(args.out)  # --out: a folder this process can make and write in (a probe that it removes)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".cleanfl-probe", dir=path))
-    except OSError as e:
-        err(f"--out: {path} is a file, not a folder" if os.path.isfile(path) else f"--out: cannot write in {path}: {e}")
-    return args
+    return args  # --out (default: a new runs/<script>__<dataset>__<seed>__<time>) is taken by Run: take_folder
 
 
 def resume_args(parser, args, script):
@@ -1197,8 +1197,15 @@ class Run:
     rounds under a bar, with checkpoints, --stop-after and Ctrl-C (once: a checkpoint after this round; twice: now)."""
 
     def __init__(self, args):
-        self.args, self.dir, self.script, self.started, self.in_rounds = args, args.out, args.script, False, False
         setup_distributed(args)
+        if rank_and_world()[0] == 0:
+            take_folder(args)  # before any work: refused in one line if another run holds it
+        if rank_and_world()[1] > 1:
+            dist.broadcast_object_list(out := [args.out], src=0)  # the default run folder has a time stamp: rank 0's
+            args.out = out[0]
+        self.args, self.dir, self.script, self.started, self.in_rounds = args, args.out, args.script, False, False
+        path = f"{self.dir}/checkpoint.pt"  # a damaged one is refused before anything is written
+        self.checkpoint = safe_load(path, "--resume", args.device) if getattr(args, "resume", None) else None
         torch.set_num_threads(getattr(args, "threads", None) or torch.get_num_threads())
         random.seed(args.seed)
         np.random.seed(args.seed)
@@ -1221,14 +1228,15 @@ class Run:
                 "test": counts(data.y_test, partition.test), "classes": data.classes,
                 "val": counts(data.y_train, partition.val), "clients": partition.names}  # fmt: skip
         if self.main:
-            os.makedirs(self.dir, exist_ok=True)
-            for f in () if args.resume else RUN_FILES:
-                if os.path.exists(f"{self.dir}/{f}"):
-                    os.remove(f"{self.dir}/{f}")
-            open(f"{self.dir}/metrics.jsonl", "a").close()
-            config = {k: v for k, v in vars(args).items() if k not in ("resume", "stop_after", "overwrite")}
-            _atomic_save(config, f"{self.dir}/config.json")
-            _atomic_save({k: v for k, v in info.items() if v is not None}, f"{self.dir}/partition.json")
+            for f in () if args.resume else RUN_FILES:  # --overwrite: the run's files go first
+                with self.writing(f):
+                    if os.path.exists(f"{self.dir}/{f}"):
+                        os.remove(f"{self.dir}/{f}")
+            if not args.resume:
+                self.save("", "metrics.jsonl")
+            self.save({k: v for k, v in vars(args).items() if k not in ("resume", "stop_after", "overwrite")},
+                      "config.json")  # fmt: skip
+            self.save({k: v for k, v in info.items() if v is not None}, "partition.json")
             print(f"{self.script}: {self.device} | model {name or args.model}, "
                   f"{sum(p.numel() for p in model.parameters()):,} parameters | {partition.scheme}: {len(sizes)} "
                   f"clients, {min(sizes)}-{max(sizes)} training samples each | run folder {self.dir}"
@@ -1237,21 +1245,19 @@ class Run:
 
     def resume(self):
         """checkpoint.pt (returned), its RNG states, the clock; metrics.jsonl cut to its round and whole lines."""
-        ckpt = torch.load(f"{self.dir}/checkpoint.pt", map_location=self.args.device, weights_only=False)
+        ckpt, self.checkpoint = self.checkpoint, None  # read by __init__
         torch.set_rng_state(ckpt["rng"]["torch"].cpu())  # CPU tensors, also where the checkpoint went to a GPU
         self.sampler.bit_generator.state = ckpt["rng"]["numpy_sampler"]
         if "cuda" in ckpt["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([s.cpu() for s in ckpt["rng"]["cuda"]])
         self.elapsed_before, self.first_round, rows = ckpt["elapsed_s"], ckpt["round"], []
-        for line in open(f"{self.dir}/metrics.jsonl"):
-            try:
+        for line in open(f"{self.dir}/metrics.jsonl") if os.path.isfile(f"{self.dir}/metrics.jsonl") else ():
+            with contextlib.suppress(ValueError):  # a line a crash cut short
                 rows += [row for row in [json.loads(line)] if row["round"] <= ckpt["round"]]
-            except ValueError:
-                continue
         self.last_eval = next((row for row in reversed(rows) if "test_acc" in row), {})
         self.best_val = max((r for r in rows if r.get("val_acc") is not None), key=lambda r: r["val_acc"], default={})
         if self.main:
-            _atomic_save("".join(json.dumps(row) + "\n" for row in rows), f"{self.dir}/metrics.jsonl")
+            self.save("".join(json.dumps(row) + "\n" for row in rows), "metrics.jsonl")
         return ckpt
 
     def rounds(self, state):
@@ -1268,8 +1274,7 @@ class Run:
             if self.main and (stop or done == args.rounds or (done % every == 0 if every else self.evaluates(rnd))):
                 rng = {"torch": torch.get_rng_state(), "numpy_sampler": self.sampler.bit_generator.state}
                 rng.update({"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {})
-                ckpt = {"round": done, "elapsed_s": self.elapsed, "rng": rng, **state()}
-                _atomic_save(ckpt, f"{self.dir}/checkpoint.pt")
+                self.save({"round": done, "elapsed_s": self.elapsed, "rng": rng, **state()}, "checkpoint.pt")
             if stop:
                 bar.close()
                 print(f"stopped after round {done}; continue with: python {self.script}.py --resume {self.dir}")
@@ -1281,11 +1286,16 @@ class Run:
 
     def log(self, metrics):  # one row (with elapsed_s) appended to metrics.jsonl and flushed to the disk
         metrics = {**metrics, "elapsed_s": round(self.elapsed, 3)}
-        if self.main:
-            with open(f"{self.dir}/metrics.jsonl", "a") as f:
-                f.write(json.dumps(_json_safe(metrics), allow_nan=False) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+        if self.main:  # unbuffered and synced: the row reaches the disk whole, or a failed one is cut back off
+            with self.writing("metrics.jsonl"), open(f"{self.dir}/metrics.jsonl", "ab", buffering=0) as f:
+                line, size = (json.dumps(_json_safe(metrics), allow_nan=False) + "\n").encode(), f.seek(0, os.SEEK_END)
+                try:
+                    if f.write(line) < len(line):  # a short write to a file: the disk is full
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                    os.fsync(f.fileno())
+                except OSError:
+                    f.truncate(size)
+                    raise
         self.last_eval = metrics if "test_acc" in metrics else self.last_eval
         if metrics.get("val_acc", -math.inf) > self.best_val.get("val_acc", -math.inf):  # the first best
             self.best_val = metrics
@@ -1303,7 +1313,7 @@ class Run:
             final["test_acc_at_best_val"] = best["test_acc"]
         summary = self.write_summary({"final_round": self.args.rounds, **final, **extra})
         if self.main and model is not None and self.args.save_model:
-            _atomic_save(model.state_dict(), f"{self.dir}/model.pt")
+            self.save(model.state_dict(), "model.pt")
         print(f"final test accuracy {summary['test_acc']:.4f} after {self.args.rounds} rounds; outputs in {self.dir}")
         return summary
 
@@ -1311,8 +1321,22 @@ class Run:
         summary = {**summary, "wall_time_s": round(self.elapsed, 3), "device": self.device, "torch": torch.__version__,
                    "script": self.script, "processes": rank_and_world()[1]}  # fmt: skip
         if self.main:
-            _atomic_save(summary, f"{self.dir}/summary.json")
+            self.save(summary, "summary.json")
         return summary
+
+    def save(self, obj, name):  # a run file written whole (rank 0)
+        with self.writing(name):
+            _atomic_save(obj, f"{self.dir}/{name}")
+
+    @contextlib.contextmanager
+    def writing(self, name):  # a write that fails (a full disk, a read-only or removed folder) ends the run in one line
+        try:
+            yield
+        except OSError as e:
+            sys.exit(
+                f"{self.script}.py: error: cannot write {self.dir}/{name}: {e.strerror or e}; the files written "
+                f"before are whole: once that is fixed, --resume {self.dir} continues from its last checkpoint"
+            )
 
     def _ctrl_c(self, *_):  # in the rounds: stop after this one; before them, or twice: at once, one line
         if self.in_rounds and not self.stop_requested:
@@ -1328,10 +1352,14 @@ def _atomic_save(obj, path):  # torch.save (JSON for *.json, text for a str) to 
     tmp = f"{path}.{socket.gethostname()}.{os.getpid()}.tmp"  # one per process: writers never share one
     try:
         if isinstance(obj, str) or path.endswith(".json"):
-            with open(tmp, "w") as f:
-                f.write(obj if isinstance(obj, str) else json.dumps(_json_safe(obj), indent=2, allow_nan=False))
+            data = (obj if isinstance(obj, str) else json.dumps(_json_safe(obj), indent=2, allow_nan=False)).encode()
         else:
-            torch.save(obj, tmp)
+            torch.save(obj, buffer := io.BytesIO())  # in memory first, so a full disk is an OSError, not torch's own
+            data = buffer.getbuffer()
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # on the disk before the rename: a crash leaves the old file or the new one
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):  # interrupted (or failed) before the rename
@@ -1344,8 +1372,65 @@ progress = lambda items, desc, total=None: tqdm(items, desc, total, False, disab
 
 
 # --- `torchrun --nproc_per_node K script.py`: K ranks share a round's clients; bit for bit one process (same threads)
+def safe_load(path, flag, device="cpu"):  # torch.load that runs no code: tensors and plain types only, else one line
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:  # noqa: BLE001  a cut zip, garbage or a pickled object: all refused alike
+        why = "it needs more than tensors and plain types" if "Weights only" in str(e) else "cut short or corrupt"
+        refuse(f"{flag}: cannot load {path}: {why} ({type(e).__name__}); nothing was run or changed")
+
+
+_HELD = {}  # run folders this process holds: its path -> the locked descriptor (a process may run runs one by one)
+
+
+def take_folder(args):
+    """The run folder, held for the run's life: made (the default name: runs/<script>__<dataset>__<seed>__<time>, or
+    the next free -2, -3, ..., made atomically) and locked, so a second run into it is refused in one line. The OS
+    drops the lock when the process ends, killed or not; a folder made here and left empty is removed at exit."""
+    flag, out = "--resume" if getattr(args, "resume", None) else "--out", args.out
+    try:
+        if out is None:
+            base = f"runs/{args.script}__{args.dataset}__{args.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
+            os.makedirs("runs", exist_ok=True)
+            for out in itertools.chain([base], (f"{base}-{n}" for n in itertools.count(2))):
+                with contextlib.suppress(FileExistsError):
+                    made = os.mkdir(out) or True
+                    break
+        else:
+            made = not os.path.isdir(out)
+            os.makedirs(out, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=".cleanfl-probe", dir=out))  # a folder this process can write in
+    except OSError as e:
+        path = os.path.abspath(out or "runs")
+        while not os.path.exists(path):
+            path = os.path.dirname(path)
+        why = "is a file, not a folder" if os.path.isfile(path) else f"cannot be written in: {e.strerror}"
+        refuse(f"{flag}: {path} {why}")
+    if made:
+        atexit.register(_remove_if_empty, out)  # a run refused before it wrote anything leaves no folder
+    args.out, key = out, os.path.realpath(out)
+    if key not in _HELD:
+        _HELD[key] = fd = os.open(out, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            del _HELD[key]
+            refuse(f"{flag}: another run is using {out} now; wait for it to end, or choose another --out")
+    if (
+        flag == "--out"
+        and not getattr(args, "overwrite", False)
+        and any(os.path.exists(f"{out}/{f}") for f in RUN_FILES)
+    ):
+        refuse(f"--out: {out} holds a run; continue it with --resume {out}, or another --out or --overwrite")
+
+
+def _remove_if_empty(path):
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+
+
 def setup_distributed(args):
-    """Under torchrun: join the process group (NCCL on GPUs, gloo on CPUs), each rank on its GPU, rank 0's --out."""
+    """Under torchrun: join the process group (NCCL on GPUs, gloo on CPUs), each rank on its GPU."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 or dist.is_initialized():
         return
     if cuda := args.device.startswith("cuda"):
@@ -1358,9 +1443,6 @@ def setup_distributed(args):
     # (imported after this, torch.distributed.nn.functional would keep the group past destroy_process_group: SIGABRT)
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=6))
     atexit.register(dist.destroy_process_group)
-    out = [args.out]
-    dist.broadcast_object_list(out, src=0)  # the default run folder has a time stamp: rank 0's
-    args.out = out[0]
     if dist.get_rank() != 0:
         sys.stdout = open(os.devnull, "w")  # rank 0 prints; errors (stderr) still show from every rank
 

@@ -21,6 +21,7 @@ from common import (AUGMENTATIONS, DATASETS, MODELS, HelpFormatter, Run, accumul
                     client_batches, client_weights, decay_rate, device_flag, each_client, eval_metrics, finish_args,
                     fraction, inner_fraction, load_average, load_data, lr_at, make_partition, non_negative_float,
                     non_negative_int, positive_float, positive_int, prepare_batch, prox_term, sample_clients, seed_int,
+                    threads_flag,
                     FineTuning, personalize)  # FedBABU: Algorithm 2 fine-tuning  # fmt: skip
 
 # The paper's setting, the defaults of the flags below: CIFAR-100 with MobileNet, s = 10 (Sec. 3, App. A, Tables
@@ -102,7 +103,7 @@ def parse_args():
     g.add_argument("--seed", type=seed_int, default=0, help="seed of the init, client sampling and local shuffling")
     g.add_argument("--device", type=device_flag, help="cpu, cuda, cuda:N or mps (default: cuda if there is one)")
     g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
-    g.add_argument("--threads", type=positive_int, help="CPU threads (default: OMP_NUM_THREADS, or the free cores)")
+    g.add_argument("--threads", type=threads_flag, help="CPU threads, or auto: the free cores (default: the cores)")
     g.add_argument("--eval-every", type=positive_int, default=1, help="evaluate every this many rounds and the last")
     g.add_argument("--checkpoint-every", type=positive_int, help="checkpoint period (default: at each evaluation)")
     g.add_argument("--out", help="run folder (default: runs/fedbabu__<dataset>__<seed>__<time>)")

@@ -221,7 +221,6 @@ REFUSED = [
     ("fedavg", ["--device", "gpu"], "--device"),
     ("fedavg", ["--seed", "-1"], "--seed"),
     ("fedavg", ["--data-seed", "-1"], "--data-seed"),
-    ("fedavg", ["--out", "/proc/cleanfl-x"], "--out"),
     ("fedavg", ["--local-steps", "0"], "--local-steps"),
     ("fedavg", ["--local-epochs", "0"], "--local-epochs"),
     ("fedavg", ["--momentum", "1.5"], "--momentum"),
@@ -256,11 +255,16 @@ def test_regressions_are_refused(name, flags, flag, tmp_path, monkeypatch, capsy
     assert os.listdir(tmp_path) == []
 
 
-def test_out_below_a_file_is_refused(tmp_path, monkeypatch, capsys):
+def test_an_out_that_cannot_be_made_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    """--out below a file, a file, or where nothing can be written: one line from Run (it takes the folder first)."""
     (tmp_path / "file").write_text("x")
-    for out in (tmp_path / "file" / "run", tmp_path / "file"):
-        code, last = parse("fedavg", ["--dataset", "synthetic", "--out", out], monkeypatch, capsys)
-        assert code == 2 and "--out" in last and "is a file" in last
+    cases = [(tmp_path / "file" / "run", "is a file"), (tmp_path / "file", "is a file"), ("/proc/cleanfl-x", "cannot")]
+    for out, why in cases:
+        monkeypatch.setattr(sys, "argv", ["fedavg.py", "--dataset", "synthetic", "--device", "cpu", "--out", str(out)])
+        with pytest.raises(SystemExit) as e:
+            common.Run(importlib.import_module("fedavg").parse_args())
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert e.value.code == 2 and "--out" in last and why in last, last
     assert os.listdir(tmp_path) == ["file"]
 
 
@@ -296,18 +300,6 @@ def test_amp_on_the_cpu_is_said(tmp_path, monkeypatch, capsys):
     )
     importlib.import_module("fedavg").parse_args()
     assert "--amp on the CPU" in capsys.readouterr().err
-
-
-def test_default_run_folders_never_collide(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(common.time, "strftime", lambda fmt: "20260101-000000")  # two runs in the same second
-    first = parse_args_of("fedavg", ["--dataset", "synthetic"], monkeypatch).out
-    assert first == os.path.join("runs", "fedavg__synthetic__0__20260101-000000") and not os.path.exists(first)
-    os.makedirs(first)
-    second = parse_args_of("fedavg", ["--dataset", "synthetic"], monkeypatch).out
-    assert second == first + "-2"  # same second: "-2" appended
-    os.makedirs(second)
-    assert parse_args_of("fedavg", ["--dataset", "synthetic"], monkeypatch).out == first + "-3"
 
 
 def parse_args_of(name, argv, monkeypatch):
@@ -673,28 +665,6 @@ def test_empty_test_class_folders_are_said_in_one_line(tmp_path, monkeypatch, ca
     assert len(data.y_test) == 9 and data.num_classes == 10
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "1 test class folder(s) hold no images" in err[0] and "dog" in err[0]
-
-
-@pytest.mark.parametrize(
-    "cores,busy,env,given,want",
-    [
-        (2, 0, {}, [], 2),  # an idle 2-core machine: both cores
-        (2, 1, {}, [], 1),  # another job on one core: the other
-        (2, 3, {}, [], 1),  # more jobs than cores: one thread, never none
-        (8, 3, {"LOCAL_WORLD_SIZE": "2"}, [], 2),  # torchrun: (8 - 3) // 2 a process
-        (8, 0, {"OMP_NUM_THREADS": "3"}, [], 3),  # the user's (or torchrun's) OMP_NUM_THREADS
-        (8, 0, {"OMP_NUM_THREADS": "3"}, ["--threads", "4"], 4),  # --threads wins
-    ],
-)
-def test_the_default_threads_are_the_cores_other_work_leaves_free(cores, busy, env, given, want, tmp_path, monkeypatch):
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(cores)))
-    unasked = lambda: pytest.fail("busy_threads looked (250 ms) though OMP_NUM_THREADS gives the count")
-    monkeypatch.setattr(common, "busy_threads", unasked if "OMP_NUM_THREADS" in env else lambda: busy)
-    args = parse_args_of("fedavg", ["--dataset", "synthetic", "--out", tmp_path / "run", *given], monkeypatch)
-    assert args.threads == want
 
 
 def test_busy_threads_are_the_runnable_others_now(monkeypatch):

@@ -1,0 +1,334 @@
+"""A run owns its folder (issue 54): two runs started at once into one folder, or into the default name, leave one
+run's files each; a write that fails (a full disk, a read-only or removed folder) ends the run in one line with the
+earlier files whole, and --resume then ends as the uninterrupted run; a cut, corrupt or code-carrying checkpoint.pt,
+--init-from file or image-folder cache is refused in one line and runs nothing; the default thread count is the
+machine's, whatever its load."""
+
+import argparse
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import common
+from helpers import ROOT, TINY, metrics, run_script, start_script, summary
+
+FLAGS = [*TINY, "--frac", "1", "--rounds", "3"]
+# a wrapper that runs a script as `python script.py ...` does, with os.fsync failing (ENOSPC) from call N on: the disk
+# fills up after N synced writes (a run syncs metrics.jsonl "", config.json, partition.json, then per round a
+# metrics row and a checkpoint)
+FULL_DISK = """
+import errno, os, runpy, sys
+calls, sync = [0], os.fsync
+def fsync(fd):
+    calls[0] += 1
+    if calls[0] >= int(os.environ["FULL_AT_FSYNC"]):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    sync(fd)
+os.fsync = fsync
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.getcwd())
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+class Planted:
+    """A pickled object whose loading runs a shell command (`touch MARKER`): what a stranger's file can carry."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def plant(path, marker, wrap=lambda obj: obj):
+    torch.save(wrap(Planted(marker)), path)
+    torch.load(path, weights_only=False)  # loaded the unsafe way, the file does run its command: a real plant
+    assert os.path.exists(marker)
+    os.remove(marker)
+
+
+def files_of(folder):  # every file's bytes, by name
+    return {f: hashlib.sha1((folder / f).read_bytes()).hexdigest() for f in sorted(os.listdir(folder))}
+
+
+def last_line(proc):
+    lines = proc.stderr.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+def one_line_error(proc, code):
+    assert proc.returncode == code, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    return last_line(proc)
+
+
+def start(cmd, cwd=ROOT):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+# ---- a run owns its folder ------------------------------------------------------------------------------
+@pytest.mark.slow  # two processes at once
+def test_two_runs_started_at_once_into_one_folder_leave_one_runs_files(tmp_path):
+    out = tmp_path / "run"
+    procs = [start([sys.executable, "fedavg.py", *FLAGS, "--seed", s, "--out", str(out)]) for s in ("0", "1")]
+    done = [(p, *p.communicate()) for p in procs]
+    ok = [i for i, (p, _, _) in enumerate(done) if p.returncode == 0]
+    assert len(ok) == 1, [p.returncode for p, _, _ in done]
+    loser = done[1 - ok[0]]
+    assert loser[0].returncode == 2 and "Traceback" not in loser[2]
+    assert loser[2].strip().splitlines()[-1].startswith("fedavg.py: error: --out: ")  # in use, or (later) holds a run
+    rows = metrics(out)
+    config, final = json.loads((out / "config.json").read_text()), summary(out)
+    assert [r["round"] for r in rows] == [1, 2, 3] and config["seed"] == ok[0]
+    assert final["test_acc"] == rows[-1]["test_acc"]
+    alone = tmp_path / "alone"  # the winner's numbers are its own: the same seed alone gives the same rows
+    run_script("fedavg.py", *FLAGS, "--seed", ok[0], "--out", alone)
+    assert metrics(alone) == rows
+
+
+@pytest.mark.slow  # two processes at once
+def test_two_runs_started_at_once_under_one_default_name_take_the_next_free_one(tmp_path):
+    """Both stamped with one second (time.strftime fixed): one takes runs/<name>, the other runs/<name>-2, each with
+    its own config and rows."""
+    wrapper = "import runpy, sys, time; time.strftime = lambda *a: '20260101-000000'; sys.argv = sys.argv[1:]; " \
+              "sys.path.insert(0, sys.argv.pop(0)); runpy.run_path(sys.argv[0], run_name='__main__')"  # fmt: skip
+    procs = [
+        start([sys.executable, "-c", wrapper, ROOT, f"{ROOT}/fedavg.py", *FLAGS, "--alpha", a], cwd=tmp_path)
+        for a in ("0.3", "0.9")
+    ]
+    for p in procs:
+        assert p.wait() == 0, p.stderr.read()[-2000:]
+    base = tmp_path / "runs" / "fedavg__synthetic__0__20260101-000000"
+    assert sorted(os.listdir(tmp_path / "runs")) == [base.name, base.name + "-2"]
+    alphas = []
+    for folder in (base, base.parent / (base.name + "-2")):
+        config = json.loads((folder / "config.json").read_text())
+        assert config["out"] == os.path.join("runs", folder.name) and [r["round"] for r in metrics(folder)] == [1, 2, 3]
+        alphas.append(config["alpha"])
+    assert sorted(alphas) == [0.3, 0.9]
+
+
+def test_the_default_name_takes_the_next_free_one_and_a_held_folder_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(common.time, "strftime", lambda fmt: "20260101-000000")  # two runs in the same second
+    monkeypatch.setattr(common, "_HELD", {})
+    base = os.path.join("runs", "fedavg__synthetic__0__20260101-000000")
+    names = []
+    for _ in range(3):
+        args = argparse.Namespace(out=None, script="fedavg", dataset="synthetic", seed=0, resume=None)
+        common.take_folder(args)
+        names.append(args.out)
+    assert names == [base, base + "-2", base + "-3"] and all(os.path.isdir(n) for n in names)
+    code = subprocess.run(  # another process: each folder this one holds is refused there, before any work
+        [sys.executable, os.path.join(ROOT, "fedavg.py"), *FLAGS, "--out", base], capture_output=True, text=True
+    )
+    assert one_line_error(code, 2) == f"fedavg.py: error: --out: another run is using {base} now; wait for it to " \
+                                       "end, or choose another --out"  # fmt: skip
+    assert os.listdir(base) == []
+
+
+@pytest.mark.slow  # a run killed, then resumed
+def test_a_killed_run_leaves_no_lock_and_resumes_at_once(tmp_path):
+    out = tmp_path / "run"
+    proc = start_script("fedavg.py", *TINY, "--rounds", "200", "--local-steps", "50", "--out", out)
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((out / "checkpoint.pt").exists() and metrics(out)):
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    done = run_script("fedavg.py", "--resume", out, "--stop-after", "1")  # not refused as in use
+    assert "stopped after round" in done.stdout
+
+
+def test_a_refused_run_leaves_no_folder(tmp_path):
+    proc = run_script("fedavg.py", *FLAGS, "--dataset", "folder", "--data-dir", tmp_path / "none", "--out",
+                      tmp_path / "run", check=False)  # fmt: skip
+    assert "--data-dir" in one_line_error(proc, 2) and not (tmp_path / "run").exists()
+
+
+# ---- a write that fails ---------------------------------------------------------------------------------
+@pytest.mark.slow  # a run, its resume, and the uninterrupted run
+@pytest.mark.parametrize("fsync_call, rows_kept", [(6, 1), (7, 2)])  # the second metrics row; the second checkpoint
+def test_a_full_disk_is_one_line_and_resume_continues_once_it_is_fixed(fsync_call, rows_kept, tmp_path):
+    out, whole = tmp_path / "run", tmp_path / "whole"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FULL_AT_FSYNC": str(fsync_call)}
+    proc = subprocess.run([sys.executable, "-c", FULL_DISK, "fedavg.py", *FLAGS, "--out", str(out)], cwd=ROOT,
+                          env=env, capture_output=True, text=True)  # fmt: skip
+    line = one_line_error(proc, 1)
+    name = "metrics.jsonl" if fsync_call == 6 else "checkpoint.pt"
+    assert line.startswith(f"fedavg.py: error: cannot write {out}/{name}: No space left on device;"), line
+    assert f"--resume {out}" in line
+    assert [r["round"] for r in metrics(out)] == list(range(1, rows_kept + 1))  # every row whole, none cut
+    assert common.safe_load(str(out / "checkpoint.pt"), "--resume")["round"] == 1  # the previous one, whole
+    assert not (out / "summary.json").exists() and not [f for f in os.listdir(out) if f.endswith(".tmp")]
+    run_script("fedavg.py", "--resume", out)
+    run_script("fedavg.py", *FLAGS, "--out", whole)
+    assert metrics(out) == metrics(whole)
+    drop = lambda s: {k: v for k, v in s.items() if k not in ("wall_time_s", "elapsed_s")}
+    assert drop(summary(out)) == drop(summary(whole))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MB filesystem (tmpfs), where this machine lets the tests mount one; else the test is skipped."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small filesystem here")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+@pytest.mark.slow  # runs on a filesystem of its own
+def test_a_real_full_disk_keeps_the_last_checkpoint_and_a_read_only_folder_is_refused(small_disk, tmp_path):
+    """The mlp's checkpoint is 2.6 MB: the first fits the 3 MB disk, the second's temporary file does not."""
+    out = small_disk / "run"
+    line = one_line_error(run_script("fedavg.py", *FLAGS, "--out", out, check=False), 1)
+    assert line.startswith(f"fedavg.py: error: cannot write {out}/checkpoint.pt: No space left on device;"), line
+    assert common.safe_load(str(out / "checkpoint.pt"), "--resume")["round"] == 1
+    assert [r["round"] for r in metrics(out)] == [1, 2] and not [f for f in os.listdir(out) if f.endswith(".tmp")]
+    before = files_of(out)
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    line = one_line_error(run_script("fedavg.py", "--resume", out, check=False), 2)
+    assert line == f"fedavg.py: error: --resume: {out} cannot be written in: Read-only file system", line
+    assert files_of(out) == before
+    moved = tmp_path / "moved"  # the cause fixed (a disk with room): the run goes on from round 1 to its end
+    shutil.copytree(out, moved)
+    run_script("fedavg.py", "--resume", moved)
+    run_script("fedavg.py", *FLAGS, "--out", tmp_path / "whole")
+    assert metrics(moved) == metrics(tmp_path / "whole")
+
+
+@pytest.mark.slow  # a run whose folder goes away under it
+def test_a_folder_removed_mid_run_is_one_line(tmp_path):
+    out = tmp_path / "run"
+    proc = start_script("fedavg.py", *TINY, "--rounds", "200", "--out", out)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out.joinpath("metrics.jsonl").exists() and metrics(out)):
+        time.sleep(0.05)
+    shutil.rmtree(out)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith(f"fedavg.py: error: cannot write {out}/"), err[-500:]
+    assert "No such file or directory" in err.strip().splitlines()[-1]
+
+
+# ---- a damaged or code-carrying file is refused ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A 3-round run stopped after round 2: a checkpoint to damage and resume."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    run_script("fedavg.py", *FLAGS, "--out", out, "--stop-after", "2")
+    return out
+
+
+@pytest.mark.slow  # a resume per damage
+@pytest.mark.parametrize("damage", ["cut", "garbage", "planted"])
+def test_a_damaged_or_planted_checkpoint_is_refused_with_every_file_unchanged(damage, finished, tmp_path):
+    out, marker = tmp_path / "run", tmp_path / "ran"
+    shutil.copytree(finished, out)
+    ckpt = (out / "checkpoint.pt").read_bytes()
+    if damage == "cut":
+        (out / "checkpoint.pt").write_bytes(ckpt[: len(ckpt) // 2])
+    elif damage == "garbage":
+        (out / "checkpoint.pt").write_bytes(ckpt[:100] + bytes(range(256)) * 40 + ckpt[100 + 256 * 40 :])
+    else:
+        plant(out / "checkpoint.pt", marker, lambda obj: {"round": 2, "rng": obj})
+    before = files_of(out)
+    line = one_line_error(run_script("fedavg.py", "--resume", out, check=False), 2)
+    why = "it needs more than tensors and plain types" if damage == "planted" else "cut short or corrupt"
+    assert line.startswith(f"fedavg.py: error: --resume: cannot load {out}/checkpoint.pt: {why}"), line
+    assert files_of(out) == before and not marker.exists()
+
+
+def test_a_planted_init_from_file_is_refused_and_runs_nothing(tmp_path):
+    import anfr
+
+    marker, path = tmp_path / "ran", tmp_path / "weights.pt"
+    plant(path, marker, lambda obj: {"body.stem.0.weight": obj})
+    model = common.build_model("mlp", argparse.Namespace(in_channels=3, num_classes=10, image_size=8))
+    with pytest.raises(SystemExit) as e:
+        anfr.load_pretrained(model, str(path), [2, 2, 2, 2])
+    assert e.value.code == 2 and "--init-from: cannot load" in str(e.value) and "more than tensors" in str(e.value)
+    assert not marker.exists()
+
+
+def test_a_planted_image_folder_cache_is_refused_and_runs_nothing(tmp_path, capsys):
+    from test_robustness import make_folder, read_folder
+
+    make_folder(tmp_path / "ds", {"train": {"a": 2, "b": 2}, "test": {"a": 1, "b": 1}})
+    read_folder(tmp_path / "ds")  # decoded and cached
+    marker, cache = tmp_path / "ran", tmp_path / "ds" / ".cleanfl-cache.pt"
+    stamp = torch.load(cache)["stamp"]
+    plant(cache, marker, lambda obj: {"stamp": stamp, "tensors": obj})
+    with pytest.raises(SystemExit) as e:
+        read_folder(tmp_path / "ds")
+    assert e.value.code == 2 and not marker.exists()
+    assert f"error: --data-dir: cannot load {cache}: it needs more than tensors" in capsys.readouterr().err
+
+
+def test_a_checkpoint_holds_tensors_and_plain_types_only(finished):
+    """What Run writes loads with weights_only=True: the RNG states as tensors, numpy's sampler state as plain types."""
+    ckpt = torch.load(finished / "checkpoint.pt", weights_only=True)
+    assert ckpt["round"] == 2 and torch.is_tensor(ckpt["rng"]["torch"])
+    assert ckpt["rng"]["numpy_sampler"]["bit_generator"] == "PCG64"
+    with pytest.raises(pickle.UnpicklingError):  # and the safe load is a real one: it refuses an object
+        torch.save({"x": argparse.Namespace()}, finished.parent / "object.pt")
+        torch.load(finished.parent / "object.pt", weights_only=True)
+
+
+# ---- one command, one set of numbers --------------------------------------------------------------------
+def parse_threads(argv, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["fedavg.py", "--dataset", "synthetic", *map(str, argv)])
+    import fedavg
+
+    return fedavg.parse_args().threads
+
+
+@pytest.mark.parametrize(
+    "cores,env,given,busy,want",
+    [
+        (2, {}, [], None, 2),  # the machine's cores, without looking at its load
+        (8, {"LOCAL_WORLD_SIZE": "2"}, [], None, 4),  # torchrun: 8 // 2 a process
+        (8, {"OMP_NUM_THREADS": "3"}, [], None, 3),  # the user's (or torchrun's) OMP_NUM_THREADS
+        (8, {"OMP_NUM_THREADS": "3"}, ["--threads", "4"], None, 4),  # --threads wins
+        (2, {}, ["--threads", "auto"], 1, 1),  # auto: the cores other work leaves free as the run starts
+        (2, {}, ["--threads", "auto"], 3, 1),  # more jobs than cores: one thread, never none
+        (8, {"LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}, ["--threads", "auto"], 3, 2),  # (8 - 3) // 2
+    ],
+)
+def test_threads_are_the_machines_cores_unless_auto_follows_the_load(cores, env, given, busy, want, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(cores)))
+    unasked = lambda: pytest.fail("the default looked at the machine's load (250 ms)")
+    monkeypatch.setattr(common, "busy_threads", unasked if busy is None else lambda: busy)
+    assert parse_threads(given, monkeypatch) == want
+
+
+def test_the_default_threads_are_the_same_with_the_load_high_and_low(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1})
+    picked = []
+    for busy in (0, 1, 5):  # an idle machine, one busy core, an overloaded one
+        monkeypatch.setattr(common, "busy_threads", lambda: busy)
+        picked.append((parse_threads([], monkeypatch), parse_threads(["--threads", "auto"], monkeypatch)))
+    assert [p[0] for p in picked] == [2, 2, 2] and [p[1] for p in picked] == [2, 1, 1]
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5", ""])
+def test_a_bad_threads_value_is_one_line(value, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_threads(["--threads", value], monkeypatch)
+    assert e.value.code == 2 and "--threads" in capsys.readouterr().err.strip().splitlines()[-1]
