@@ -15,7 +15,6 @@ per-client AdamW and cosine state, FedAdam, SCAFFOLD after each AdamW step, DP-S
 batch-norm averaging) and results: docs/anfr.md.
 """
 
-import argparse
 import math
 import os
 import re
@@ -26,10 +25,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call, grad_and_value, vmap  # ANFR: per-sample gradients for DP-SGD
 
-from common import (ATTENTION, AUGMENTATIONS, DATASETS, RESNET_LAYOUT, HelpFormatter, Run, ScaledStdConv2d,
-                    accumulate, autocast, build_model, client_batches, client_weights, decay_rate, device_flag,
-                    each_client, eval_metrics, finish_args, flag_type, fraction, given_flags, load_average,
-                    load_data, make_norm, make_partition, non_negative_float, non_negative_int, positive_float,
+from common import (ATTENTION, AUGMENTATIONS, DATASETS, Parser, RESNET_LAYOUT, Run, ScaledStdConv2d, accumulate,
+                    autocast, build_model, client_batches, client_weights, decay_rate, device_flag, each_client,
+                    eval_metrics, finish_args, flag_type, fraction, given_flags, load_average, load_data, make_norm,
+                    make_partition, non_negative_float, non_negative_int, one_of, path_arg, positive_float,
                     positive_int, prepare_batch, progress, prox_term, refuse, round_channels, safe_load, sample_clients,
                     seed_int, threads_flag,
                     scaffold_control, scaffold_correction, scaffold_server)  # ANFR: SCAFFOLD  # fmt: skip
@@ -84,7 +83,7 @@ class CBAM(nn.Module):  # ANFR
         super().__init__()
         hidden = round_channels(channels / reduction, 1)
         self.fc1, self.fc2 = nn.Conv2d(channels, hidden, 1, bias=False), nn.Conv2d(hidden, channels, 1, bias=False)
-        conv = ScaledStdConv2d(2, 1, 7, 1, 3) if norm == "nf" else nn.Conv2d(2, 1, 7, 1, 3, bias=False)
+        conv = ScaledStdConv2d(2, 1, 7, padding=3) if norm == "nf" else nn.Conv2d(2, 1, 7, padding=3, bias=False)
         self.spatial = nn.Sequential(conv, make_norm(norm, 1))
 
     def weights(self, x):
@@ -101,10 +100,10 @@ ATTENTION.update(eca=EfficientChannelAttention, cbam=CBAM)  # ANFR: --attention,
 
 # fmt: off
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p = Parser(__doc__)
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default=PAPER["dataset"], choices=sorted(DATASETS), help="folder: --data-dir's images")
-    g.add_argument("--data-dir", default="./data", help="download folder, image folder DIR/{train,test}/<class>/*")
+    g.add_argument("--data-dir", type=path_arg, default="./data", help="download folder, or DIR/{train,test}/<class>/*")
     g.add_argument("--augment", default="crop-flip", choices=AUGMENTATIONS,
         help="of training batches, on device; rrc: RandomResizedCrop to --image-size (the paper's recipe, no flip)")
     g.add_argument("--crop-scale", type=fraction, nargs=2, default=[0.08, 1.0], metavar=("LO", "HI"),
@@ -115,14 +114,14 @@ def parse_args():
     g.add_argument("--normalize", default="dataset", choices=["dataset", "half"],
         help="ANFR: by the training split's per-channel mean and std, or (x - 0.5) / 0.5 (the paper's recipe)")  # ANFR
     g = p.add_argument_group("partition: one of these (default: --split2, the paper's)")
-    x = g.add_mutually_exclusive_group()
-    x.add_argument("--iid", action="store_true", help="a uniform random split")
-    x.add_argument("--shards", type=positive_int, help="S: sort by label, cut N*S shards, deal S to each client")
+    x = one_of(g)
+    x.add_argument("--iid", help="a uniform random split")
+    x.add_argument("--shards", type=positive_int, help="S: N*S sorted shards, S each")
     x.add_argument("--classes-per-client", type=positive_int, help="C classes a client, each split among its holders")
     x.add_argument("--alpha", type=positive_float, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
-    x.add_argument("--split2", action="store_true", help="CIFAR-10 split-2 (Qu et al. 2022): 5 clients, 4 classes each")
-    x.add_argument("--disjoint-classes", action="store_true", help="N disjoint class sets (FedLN T5: 2, 2, 3 of 7)")
-    x.add_argument("--natural", action="store_true", help="the clients are the folders DIR/train/<client>/<class>/*")
+    x.add_argument("--split2", default=PAPER["split2"], help="CIFAR-10 split-2 (Qu et al. 2022): 5 clients, 4 classes")
+    x.add_argument("--disjoint-classes", help="N disjoint class sets (FedLN T5: 2, 2, 3 of 7)")
+    x.add_argument("--natural", help="the clients are the folders DIR/train/<client>/<class>/*")
     g.add_argument("--clients-per-domain", type=positive_int, help="M: DIR/train/<domain>/<class>/*, split M ways each")
     g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes")
     g.add_argument("--client-test", action="store_true",
@@ -135,8 +134,8 @@ def parse_args():
         help="C: number of clients")  # ANFR: the paper's symbol
     g.add_argument("--frac", type=fraction, default=PAPER["frac"], help="fraction of clients a round, in (0, 1]")
     g.add_argument("--rounds", type=positive_int, default=PAPER["rounds"], help="T: communication rounds")
-    x = g.add_mutually_exclusive_group()
-    x.add_argument("--local-epochs", type=positive_int, help=f"E: epochs a round (default: {PAPER['local_epochs']})")
+    x = one_of(g)
+    x.add_argument("--local-epochs", type=positive_int, default=PAPER["local_epochs"], help="E: epochs a round")
     x.add_argument("--local-steps", type=positive_int, help="local steps a round, not epochs")  # ANFR: AdamW steps
     g.add_argument("--batch-size", type=positive_int, default=PAPER["batch_size"], help="B: local batch size")
     g.add_argument("--weighting", default="samples", choices=["samples", "uniform"], help="weights n_k/n, or 1/m")
@@ -154,7 +153,7 @@ def parse_args():
         help="ANFR: conv3x3 stem for 32x32 inputs, or conv7x7 + max-pool (paper, at 224)")  # ANFR
     g.add_argument("--attention", default="se", choices=["se", "eca", "cbam"],
         help="ANFR: channel attention of --arch se and anfr (Table 5); SE reduction r=16")  # ANFR
-    g.add_argument("--init-from", metavar="PATH",
+    g.add_argument("--init-from", type=path_arg, metavar="PATH",
         help="ANFR: start from this state dict, ours or timm's (the paper: timm's ImageNet weights; docs/anfr.md); "
              "every entry but the head must load")  # ANFR
     g.add_argument("--init", default="timm", choices=["timm", "torch"],
@@ -208,21 +207,23 @@ def parse_args():
     g.add_argument("--seed", type=seed_int, default=0, help="seed of the init, client sampling and local shuffling")
     g.add_argument("--device", type=device_flag, help="cpu, cuda, cuda:N or mps (default: cuda if there is one)")
     g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes (not with DP)")
+    g.add_argument("--channels-last", action="store_true", help="ANFR: channels-last weights and batches (GPUs)")
+    g.add_argument("--tf32", action="store_true", help="ANFR: TF32 matmuls on CUDA (cuDNN's convolutions: by default)")
     g.add_argument("--threads", type=threads_flag, help="CPU threads, or auto: the free cores (default: the cores)")
     g.add_argument("--eval-every", type=positive_int, default=1, help="evaluate every this many rounds and the last")
     g.add_argument("--analyze", action="store_true",
         help="ANFR: class selectivity and attention-weight spread of the last attention module (Sec. 3.4) in "
              "summary.json; at every evaluation the branches' last gains and how their gradients agree")  # ANFR
     g.add_argument("--checkpoint-every", type=positive_int, help="checkpoint period (default: at each evaluation)")
-    g.add_argument("--out", help="run folder (default: runs/anfr__<dataset>__<seed>__<time>)")
+    g.add_argument("--out", type=path_arg, help="run folder (default: runs/anfr__<dataset>__<seed>__<time>)")
     g.add_argument("--overwrite", action="store_true", help="replace the run in --out (else such an --out is refused)")
     g.add_argument("--save-model", action="store_true", help="write the final global model to OUT/model.pt")
-    g.add_argument("--resume", metavar="DIR", help="continue the run in DIR; a larger --rounds extends it")
+    g.add_argument("--resume", type=path_arg, metavar="DIR", help="continue the run in DIR (a larger --rounds: extend)")
     g.add_argument("--stop-after", type=positive_int, help="checkpoint and stop after this many rounds")
     p.set_defaults(model="resnet")  # ANFR: common.resnet with the options of --arch
     args = p.parse_args()
     args.client_test = args.client_test or args.pfl != "none"  # ANFR: pFL is evaluated on per-client test sets
-    args = finish_args(p, args, "anfr", PAPER)  # ANFR
+    args = finish_args(p, args, "anfr")  # ANFR
     return args if args.resume else check_args(p, args)  # ANFR: a resumed run's flags were checked when it began
 
 
@@ -264,35 +265,20 @@ def check_args(p, args):  # ANFR: this script's flags together
 
 def build(args, data):  # ANFR: the architecture of --arch from the one ResNet in common.py
     norm, attention = ARCHS[args.arch]
-    return build_model(
-        "resnet",
-        data,
-        depth=args.depth,
-        width=args.width,
-        norm=norm,
-        stem=args.stem,
-        attention=args.attention if attention else None,
-        last_gain_init=args.last_gain_init,
-        init=getattr(args, "init", "torch"),  # a run folder's config from before --init: PyTorch's
-    )
+    init = getattr(args, "init", "torch")  # a run folder's config from before --init: PyTorch's
+    return build_model("resnet", data, depth=args.depth, width=args.width, norm=norm, stem=args.stem, init=init,
+                       attention=args.attention if attention else None, last_gain_init=args.last_gain_init)  # fmt: skip
 
 
-def resize(x, size):  # ANFR: --image-size
-    return (
-        x
-        if size is None or x.shape[-1] == size
-        else F.interpolate(x, size=(size, size), mode="bilinear", antialias=True)
-    )
+def resize(x, size, channels_last=False):  # ANFR: --image-size, and --channels-last's batches
+    if size is not None and x.shape[-1] != size:
+        x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True)
+    return x.contiguous(memory_format=torch.channels_last) if channels_last else x
 
 
-TIMM_NAMES = [
-    (r"^(conv1|stem\.conv)\.", "body.stem.0."),
-    (r"^bn1\.", "body.stem.1."),
-    (r"^(head\.)?fc\.", "head."),
-    (r"\.bn(\d)\.", r".n\1."),
-    (r"\.(se|attn_last)\.", ".attn."),
-    (r"\.downsample\.", ".shortcut."),
-]
+TIMM_NAMES = [(r"^(conv1|stem\.conv)\.", "body.stem.0."), (r"^bn1\.", "body.stem.1."), (r"^(head\.)?fc\.", "head."),
+              (r"\.bn(\d)\.", r".n\1."), (r"\.(se|attn_last)\.", ".attn."),
+              (r"\.downsample\.", ".shortcut.")]  # fmt: skip
 
 
 def timm_name(key, layout):  # ANFR: --init-from with timm weights: timm's entry name -> ours (ours unchanged)
@@ -592,8 +578,9 @@ def local_train(
         lr = cosine_lr(args.lr, step, total, args.warmup_steps)  # ANFR: the client's own scheduler (Appendix A.2)
         for group in opt.param_groups:
             group["lr"] = lr
-        x = prepare_batch(data.x_train[batch], data, args.augment, args.image_size, args.crop_scale)  # ANFR: rrc
-        x, y = resize(x, args.image_size), data.y_train[batch]
+        crop = dict(size=args.image_size, crop_scale=args.crop_scale)  # ANFR: --augment rrc: output size, area
+        x = prepare_batch(data.x_train[batch], data, args.augment, **crop)
+        x, y = resize(x, args.image_size, args.channels_last), data.y_train[batch]
         if args.dp_noise_multiplier is None:
             with autocast(args.device, args.amp):
                 loss = loss_fn(model(x).float(), y)
@@ -609,7 +596,8 @@ def local_train(
                 adaptive_clip_(model.body.parameters(), args.agc)
         else:  # ANFR: DP-SGD (Section 4.3); the proximal term touches no data, so it is added after the noise
             # dp_batch = q |D_i|
-            loss = dp_gradients(model, x, y, args.dp_noise_multiplier, args.dp_max_grad_norm, dp_batch, loss_fn)
+            noise, clip = args.dp_noise_multiplier, args.dp_max_grad_norm
+            loss = dp_gradients(model, x, y, noise, max_norm=clip, expected_batch=dp_batch, loss_fn=loss_fn)
             if args.agg == "fedprox":
                 for w, w0 in prox_pairs:
                     w.grad += args.prox_mu * (w.detach() - w0)
@@ -633,6 +621,9 @@ if __name__ == "__main__":
     partition = make_partition(args, data)  # its own generator, seeded by --data-seed
     model = build(args, data).to(args.device)  # the global model w_t; ANFR: build() from --arch
     client = build(args, data).to(args.device)  # one client model, reloaded for every client
+    if args.channels_last:  # ANFR: NHWC weights (and batches: resize), which GPU convolutions run faster
+        model, client = (m.to(memory_format=torch.channels_last) for m in (model, client))
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32 or torch.backends.cuda.matmul.allow_tf32  # ANFR: --tf32
     if args.init_from and not args.resume:  # ANFR: before the run folder exists, so a refused file leaves none
         try:
             print(
@@ -648,6 +639,9 @@ if __name__ == "__main__":
     # FedPer/FedBN parts, SCAFFOLD c_i, DP steps
     opts = [make_optimizer(client.parameters(), args) for _ in range(n_clients)] if args.client_state == "keep" else []
     total_steps = [args.rounds * steps_per_round(n, args) for n in sizes]
+    if args.warmup_steps > min(total_steps):  # ANFR: the lr would never leave its warm-up
+        print(f"note: --warmup-steps {args.warmup_steps} exceeds the {min(total_steps)} local steps of a client's "
+              "run: its lr stays in the warm-up throughout")  # fmt: skip
     client_steps, dp_steps = [0] * n_clients, [0] * n_clients
     local_keys = personal_keys(model, args.pfl, args.bn_stats)  # ANFR: FedPer / FedBN / --bn-stats local
     loss_fns = [F.cross_entropy] * n_clients  # ANFR: --loss focal with the weights of --focal-weights
@@ -688,7 +682,7 @@ if __name__ == "__main__":
         if local[k] is not None:
             client.load_state_dict(local[k], strict=False)
 
-    for rnd in run.rounds(state):
+    for rnd in run.rounds():  # under a bar; a --stop-after or Ctrl-C ends them after this round's checkpoint
         clients = sample_clients(run.sampler, args.num_clients, args.frac)
         weights = client_weights([sizes[k] for k in clients], args.weighting)
         total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items() if k in shared}
@@ -716,23 +710,17 @@ if __name__ == "__main__":
             opt = opts[k] if opts else make_optimizer(client.parameters(), args)  # ANFR: --client-state reset: new
             first = client_steps[k] if opts else rnd * steps_per_round(sizes[k], args)  # ANFR: reset: the round's place
             dp_batch = min(args.batch_size, sizes[k])  # ANFR: DP-SGD's expected batch q |D_i|
-            out = local_train(client, opt, batches, data, args, first, total_steps[k], prox_pairs, correction, dp_batch,
-                              loss_fns[k])  # fmt: skip
-            loss, steps, lr_sum, gain_stats = out
-            return {
-                "loss": loss,
-                "steps": steps,
-                "lr_sum": lr_sum,
-                "state": client.state_dict(),
-                "opt": opt.state_dict() if opts else None,
-                "gain_stats": gain_stats,
-                "gain_delta": torch.cat([g.detach().flatten() for g in last_gains(client)]) - gains_before
-                if args.analyze
-                else None,
-            }
+            out = local_train(client, opt, batches, data, args=args, first_step=first, total=total_steps[k],
+                              prox_pairs=prox_pairs, correction=correction, dp_batch=dp_batch,
+                              loss_fn=loss_fns[k])  # fmt: skip
+            moved = None  # ANFR: --analyze, how far the last gains moved
+            if args.analyze:
+                moved = torch.cat([g.detach().flatten() for g in last_gains(client)]) - gains_before
+            return {"loss": out[0], "steps": out[1], "lr_sum": out[2], "gain_stats": out[3], "gain_delta": moved,
+                    "state": client.state_dict(), "opt": opt.state_dict() if opts else None}  # fmt: skip
 
         # own seed per client; torchrun: split over ranks, summed in order
-        for k, w, out in each_client(clients, weights, train_client, args.seed, rnd):
+        for k, w, out in each_client(clients, weights, train_client, seed=args.seed, rnd=rnd):
             if opts:  # ANFR: client k's optimizer state, on every rank (a no-op where k trained)
                 opts[k].load_state_dict(out["opt"])
             client_steps[k] += out["steps"]
@@ -748,23 +736,15 @@ if __name__ == "__main__":
                 local[k] = {key: client_state[key].clone() for key in local_keys}
             if c is not None:  # ANFR: SCAFFOLD c_i+ (Eq. 4; K eta = the sum of the K cosine lrs), change for the server
                 c_k = c_i[k] if c_i[k] is not None else zeros()
-                new = scaffold_control(
-                    c_k, c, x_params, {n: client_state[n].float() for n in shared_params}, max(out["lr_sum"], 1e-12)
-                )
+                y_k = {n: client_state[n].float() for n in shared_params}
+                new = scaffold_control(c_k, c, x_params, y_k, step_sum=max(out["lr_sum"], 1e-12))
                 for n in shared_params:
                     dc_sum[n] += new[n] - c_k[n]
                 c_i[k] = new
         if args.agg == "fedadam":  # ANFR: Delta = sum_k w_k y_k - x; parameters by server Adam, BN statistics averaged
+            delta = {n: total[n] - x_params[n] for n in shared_params}
             total.update(
-                fedadam_step(
-                    x_params,
-                    {n: total[n] - x_params[n] for n in shared_params},
-                    m,
-                    v,
-                    args.server_lr,
-                    args.server_betas,
-                    args.server_tau,
-                )
+                fedadam_step(x_params, delta, m, v, lr=args.server_lr, betas=args.server_betas, tau=args.server_tau)
             )
         # w_{t+1} = sum_k n_k/n w_{t+1}^k (SCAFFOLD: eta_g = 1); local entries untouched
         load_average(model, total, strict=False)
@@ -774,28 +754,18 @@ if __name__ == "__main__":
 
         if run.evaluates(rnd):  # every --eval-every rounds and the last
             model.eval()
-            fwd = lambda net: lambda x: net(resize(x, args.image_size))  # ANFR: --image-size
+            fwd = lambda net: lambda x: net(resize(x, args.image_size, args.channels_last))  # ANFR: --image-size
             eval_bs = 2000 if (args.image_size or data.image_size) <= 64 else 200
             personal = lambda k: fwd(load_client(k) or client.eval())  # ANFR: personalized model of client k
             if args.bn_stats == "local" and local_keys:  # ANFR: each client's model (the averaged parameters, its
                 # own statistics) on the whole test and validation sets, then the mean over clients (Pieri et al.)
-                rows = [
-                    eval_metrics(personal(k), data, None, args.balanced_acc, args.amp, eval_bs, val=partition.val)
-                    for k in range(n_clients)
-                ]
+                rows = [eval_metrics(personal(k), data, None, args.balanced_acc, amp=args.amp, batch_size=eval_bs,
+                                     val=partition.val) for k in range(n_clients)]  # fmt: skip
                 tests = {key: float(np.mean([row[key] for row in rows])) for key in rows[0]}
             else:  # test_acc, test_loss; per-client mean, std, worst 10% and each client's; --balanced-acc: balanced
-                tests = eval_metrics(
-                    fwd(model),
-                    data,
-                    partition.test,
-                    args.balanced_acc,
-                    args.amp,
-                    eval_bs,
-                    client_forward=personal if local_keys else None,
-                    lists=True,
-                    val=partition.val,
-                )
+                tests = eval_metrics(fwd(model), data, partition.test, args.balanced_acc, amp=args.amp,
+                                     batch_size=eval_bs, client_forward=personal if local_keys else None, lists=True,
+                                     val=partition.val)  # fmt: skip
             first = clients[0]  # ANFR: the lr its next step would take
             at = client_steps[first] if opts else (rnd + 1) * steps_per_round(sizes[first], args)
             lr_now = cosine_lr(args.lr, at, total_steps[first], args.warmup_steps)
@@ -819,5 +789,7 @@ if __name__ == "__main__":
                 ]
                 metrics["dp_epsilon"], metrics["dp_epsilon_max"] = eps, max(eps)
             run.log(metrics)
+        if snapshot := run.checkpoint_due(rnd):  # at each evaluation (or --checkpoint-every), the last round, a stop
+            run.save({**state(), **snapshot}, "checkpoint.pt")  # + the round, RNG states, clock
     extra = {"analysis": analyze(model, data, args.image_size)} if args.analyze else {}  # ANFR: global model (Sec. 3.4)
     run.finish(model, **extra)  # summary.json: the final round's metrics

@@ -39,9 +39,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 
-# ----------------------------------------------------------------------------------------------
-# Data: every dataset becomes uint8 tensors [N, C, H, W] on the run's device
-# ----------------------------------------------------------------------------------------------
+# ---- Data: every dataset becomes uint8 tensors [N, C, H, W] on the run's device ------------------------------------
 @dataclass
 class Data:
     x_train: torch.Tensor  # uint8 [N, C, H, W]
@@ -108,9 +106,8 @@ def unsort(x, y, g=None):
 def synthetic_dataset(args, n_train=3000, n_test=1000, num_classes=10, size=32):
     """Offline, seeded by --data-seed, learnable: a smooth random template per class plus pixel noise."""
     g = torch.Generator().manual_seed(args.data_seed + 12345)
-    templates = F.interpolate(
-        torch.rand(num_classes, 3, 4, 4, generator=g), size=size, mode="bilinear", align_corners=False
-    )
+    templates = torch.rand(num_classes, 3, 4, 4, generator=g)
+    templates = F.interpolate(templates, size=size, mode="bilinear", align_corners=False)
 
     def draw(n):  # n/num_classes images of each class, in random order
         y = (torch.arange(n) % num_classes)[torch.randperm(n, generator=g)]
@@ -128,6 +125,8 @@ def torchvision_dataset(args):
     import torchvision.datasets as tvd
 
     name, root, made = args.dataset, args.data_dir, not os.path.exists(args.data_dir)
+    if os.path.isdir(f"{root}/train") and _listing(f"{root}/train")[0]:  # not torchvision's: an image folder
+        refuse(f"--dataset {name}: {root} holds train/<class>/ folders; read them with --dataset folder")
     ctor = {"mnist": tvd.MNIST, "fashionmnist": tvd.FashionMNIST, "cifar10": tvd.CIFAR10, "cifar100": tvd.CIFAR100}
     out = {}
     try:
@@ -313,24 +312,35 @@ def _decode_cached(root, files, layout):
     return tensors
 
 
-# ----------------------------------------------------------------------------------------------
-# Batches on the device (normalization and augmentation, all batched) and evaluation
-# ----------------------------------------------------------------------------------------------
-AUGMENTATIONS = ["crop-flip", "flip", "none", "rrc", "rrc-flip"]
+# ---- Batches on the device (normalization and augmentation, all batched) and evaluation ----------------------------
+AUGMENTATIONS = {}  # --augment NAME -> augment(x: float [B, C, H, W] in [0, 1], size, crop_scale), on the device
+
+
+def augmentation(name):  # registers an augmentation under its --augment name
+    return lambda augment: AUGMENTATIONS.update({name: augment}) or augment
 
 
 def prepare_batch(x, data, augment="none", size=None, crop_scale=(0.08, 1.0)):
-    """uint8 [B, C, H, W] -> normalized float: crop-flip (a random crop of the 4-pixel zero-padded image, a random
-    horizontal flip), flip, none, or rrc(-flip): RandomResizedCrop of area fraction in crop_scale to size x size."""
-    x = x.float().div_(255)
-    if augment == "crop-flip":
-        x = random_crop(x, padding=4)
-    if augment in ("rrc", "rrc-flip"):
-        x = crop_resize(x, *rrc_boxes(len(x), *x.shape[2:], crop_scale, (3 / 4, 4 / 3), x.device), size or x.shape[-1])
-    if augment in ("crop-flip", "flip", "rrc-flip"):
-        flip = torch.rand(x.shape[0], 1, 1, 1, device=x.device) < 0.5
-        x = torch.where(flip, x.flip(3), x)
-    return (x - data.mean) / data.std
+    """uint8 [B, C, H, W] -> float, augmented by name (AUGMENTATIONS; rrc: to size x size, area in crop_scale) and
+    normalized by the training split's mean and std."""
+    return (AUGMENTATIONS[augment](x.float().div_(255), size, crop_scale) - data.mean) / data.std
+
+
+def hflip(x):  # each image flipped horizontally with probability 1/2
+    return torch.where(torch.rand(x.shape[0], 1, 1, 1, device=x.device) < 0.5, x.flip(3), x)
+
+
+augmentation("none")(lambda x, size, crop_scale: x)
+augmentation("flip")(lambda x, size, crop_scale: hflip(x))
+augmentation("crop-flip")(lambda x, size, crop_scale: hflip(random_crop(x, padding=4)))  # the 4-pixel zero-padded image
+
+
+@augmentation("rrc")
+def rrc(x, size, crop_scale):  # torchvision's RandomResizedCrop, area fraction in crop_scale, to size x size
+    return crop_resize(x, *rrc_boxes(len(x), *x.shape[2:], crop_scale, (3 / 4, 4 / 3), x.device), size or x.shape[-1])
+
+
+augmentation("rrc-flip")(lambda x, size, crop_scale: hflip(rrc(x, size, crop_scale)))
 
 
 def random_crop(x, padding):
@@ -449,9 +459,8 @@ def eval_metrics(forward, data, tests=None, balanced=False, amp=False, batch_siz
     row = {"test_acc": scores[0], "test_loss": scores[1]}
     if val is not None:
         held = torch.cat(val)
-        row["val_acc"], row["val_loss"] = evaluate(
-            forward, data.x_train[held], data.y_train[held], data, batch_size, amp
-        )
+        row["val_acc"], row["val_loss"] = evaluate(forward, data.x_train[held], data.y_train[held], data, batch_size,
+                                                   amp)  # fmt: skip
     if balanced:
         row["test_bacc"] = scores[2]
     fwd = client_forward or (lambda _: forward)
@@ -464,9 +473,7 @@ def eval_metrics(forward, data, tests=None, balanced=False, amp=False, batch_siz
     return row
 
 
-# ----------------------------------------------------------------------------------------------
-# Partitions: every scheme gives one index array per client; @partition registers a scheme's flag
-# ----------------------------------------------------------------------------------------------
+# ---- Partitions: every scheme gives one index array per client; @partition registers a scheme's flag ---------------
 @dataclass
 class Partition:
     train: list  # per client: LongTensor of indices into data.x_train
@@ -648,9 +655,7 @@ def client_test_split(test_labels, train_labels, parts, c, rng):
     return [np.concatenate(t) if t else np.array([], dtype=int) for t in test]
 
 
-# ----------------------------------------------------------------------------------------------
-# Rounds and aggregation: client sampling, the lr schedule, weights, weighted sums, FedProx, SCAFFOLD
-# ----------------------------------------------------------------------------------------------
+# ---- Rounds and aggregation: client sampling, the lr schedule, weights, weighted sums, FedProx, SCAFFOLD -----------
 def sample_clients(rng, num_clients, frac):
     """The clients of one round: m = max(floor(frac N), 1) of them (McMahan et al., Alg. 1), without replacement."""
     m = max(int(frac * num_clients + 1e-9), 1)  # the epsilon keeps e.g. 0.29 * 100 at 29, not 28
@@ -714,9 +719,7 @@ def scaffold_server(c, delta_sum, num_clients):
     return {n: c[n] + delta_sum[n] / num_clients for n in c}
 
 
-# ----------------------------------------------------------------------------------------------
-# Personalization: fine-tune the global model on each client (FedBABU's Algorithm 2, FedFN-FT)
-# ----------------------------------------------------------------------------------------------
+# ---- Personalization: fine-tune the global model on each client (FedBABU's Algorithm 2, FedFN-FT) ------------------
 @dataclass
 class FineTuning:  # `epochs` of SGD on `part` (full | body | head; the rest frozen), tested after them and eval_epochs
     epochs: int
@@ -766,9 +769,7 @@ def personalize(model, global_state, data, train_parts, test_parts, ft, forward=
     return {"acc_mean": stats(np.mean), "acc_std": stats(np.std), "per_client": per_client, "clients": clients}
 
 
-# ----------------------------------------------------------------------------------------------
-# Models: .body (images -> penultimate feature) and .head (one nn.Linear); @register_model names them for --model
-# ----------------------------------------------------------------------------------------------
+# ---- Models: .body (images -> penultimate feature), .head (one nn.Linear); @register_model names them for --model
 MODELS = {}  # --model NAME -> builder(in_channels, num_classes, image_size, **options) -> Classifier
 
 
@@ -855,14 +856,6 @@ def mobilenet(in_channels, num_classes, image_size, **_):
                    nn.Conv2d(cin, cout, 1, bias=False), bn(cout), nn.ReLU()]  # fmt: skip
         cin = cout
     return Classifier(nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten()), cin, num_classes)
-
-
-def scale_norm(x, scale="sqrt-d", eps=1e-5):
-    """n(x) = s x / max(eps, ||x||_2), each sample over all its entries. s = sqrt(d): FedLN's scale normalization
-    (Zhang et al. 2024, Eqs. 6-7), ||n(x)|| = sqrt(d) as an n_MV output has; s = 1: FedFN's unit feature (Sec. 4.1)."""
-    flat = x.flatten(1)
-    s = math.sqrt(flat.shape[1]) if scale == "sqrt-d" else scale
-    return s * (x / flat.norm(dim=1).clamp_min(eps).view(-1, *[1] * (x.dim() - 1)))
 
 
 # ResNet: one implementation; batch, group or layer norm (or none: weight-standardized NF blocks) and attention options
@@ -1048,9 +1041,7 @@ register_model("resnet18")(functools.partial(resnet, depth=18))
 register_model("resnet50")(functools.partial(resnet, depth=50))
 
 
-# ==============================================================================================
-# Run helpers, not federated learning: flags, the run folder, the rounds' control, several processes
-# ==============================================================================================
+# ==== Run helpers, not federated learning: flags, the run folder, the rounds' control, several processes ============
 RUN_FILES = ("config.json", "partition.json", "metrics.jsonl", "checkpoint.pt", "summary.json", "model.pt")
 
 
@@ -1081,14 +1072,8 @@ non_negative_float = flag_type(float, 0)  # weight decay, mu (0 = off)
 fraction = flag_type(float, 0, 1, open_low=True)  # (0, 1]: --frac, --lr-decay
 decay_rate = flag_type(float, 0, 1, open_high=True)  # [0, 1): momentum and moment decays, --val-frac
 inner_fraction = flag_type(float, 0, 1, open_low=True, open_high=True)  # (0, 1): --lr-decay-at
-
-
-def threads_flag(text):  # --threads: a count, or auto (the cores not running other threads as the run starts)
-    if text == "auto":
-        return text
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or auto, got '{text}'")
-    return int(text)
+threads_flag = lambda text: text if text == "auto" else positive_int(text)  # --threads N, or auto (finish_args)
+path_arg = os.path.expanduser  # path flags: ~ expanded, also in --data-dir=~/cifar10 (which no shell expands)
 
 
 def device_flag(text):
@@ -1097,10 +1082,44 @@ def device_flag(text):
     raise argparse.ArgumentTypeError(f"expected cpu, cuda, cuda:N or mps, got '{text}'")
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):  # no "(default: None)"; a help may name its own
+class Parser(argparse.ArgumentParser):  # the scripts': no abbreviations, every default in --help, errors in one line
+    def __init__(self, doc):
+        super().__init__(description=doc.split("\n\n")[0], formatter_class=HelpFormatter, allow_abbrev=False)
+
+    def error(self, message):  # fedfn.py: error: --lr: must be > 0, got -1; see --help (no usage block above it)
+        refuse(f"{message.removeprefix('argument ')}; see --help")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):  # every default, 0 too; a switch's help says what it does
     def _get_help_string(self, action):
-        own = action.default in (None, False) or "(default" in (action.help or "")
+        own = action.default is None or action.nargs == 0 or "(default" in (action.help or "")
         return action.help if own else super()._get_help_string(action)
+
+
+def one_of(group):  # a mutually exclusive group of OneOf flags: the flag given replaces the paper's default
+    x = group.add_mutually_exclusive_group()
+    x.add_argument = functools.partial(x.add_argument, action=OneOf)
+    return x
+
+
+class OneOf(argparse.Action):
+    """A flag of a one_of group (the partition; E or steps): given, it clears the group's default, so the parser's
+    defaults are the run's. A number's default is an object of its own, so argparse tells a given `--shards 2` from
+    the default 2 and refuses two flags of the group. Without a type, a switch."""
+
+    def __init__(self, option_strings, dest, default=None, **kw):
+        if kw.get("type") is None:
+            kw, default = {**kw, "nargs": 0, "const": True}, bool(default)
+        elif default is not None:
+            default = type("paper", (type(default),), {})(default)  # equal to 2, but not `is` a given 2
+        super().__init__(option_strings, dest, default=default, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        group = next(g for g in parser._mutually_exclusive_groups if self in g._group_actions)
+        for other in group._group_actions:
+            if getattr(namespace, other.dest, None) is other.default:  # not given (given_flags: not its default)
+                setattr(namespace, other.dest, False if other.nargs == 0 else None)
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
 
 
 def given_flags(parser):  # the dests of the flags written on the command line
@@ -1111,26 +1130,31 @@ def given_flags(parser):  # the dests of the flags written on the command line
     return {k for k, v in vars(namespace).items() if v is not unset}
 
 
-def finish_args(parser, args, script, paper):  # after argparse: what cannot run exits 2 naming its flag
-    """--resume; the paper's partition (and epochs) where none is written; --data-seed, the device, the run folder,
-    the threads. What only the data tells, load_data and make_partition refuse."""
-    args = resume_args(parser, args, script) if args.resume else new_run_args(parser, args, script, paper)
-    if args.device is None:  # cuda where there is one
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+def finish_args(parser, args, script):  # after argparse: what cannot run exits 2 naming its flag
+    """--resume's config.json; --clients-per-domain, --data-seed, the device, the threads. The data is refused by
+    load_data and make_partition, the run folder by Run (take_folder)."""
+    given, m = given_flags(parser), args.clients_per_domain
+    if args.resume:
+        args = resume_args(parser, args, script, given)
+    elif m and (args.natural or not given & set(PARTITIONS)):
+        parser.error("--clients-per-domain: give the partition within each domain (--iid, --shards, --alpha, ...)")
+    elif (args.natural or m) and "num_clients" not in given:
+        args.num_clients = None  # the data's: make_partition counts the folders
+    args.data_seed, args.script = args.seed if args.data_seed is None else args.data_seed, script
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     gpus, mps = torch.cuda.device_count(), args.device == "mps" and torch.backends.mps.is_available()
     if args.device.startswith("cuda") and int(args.device[5:] or 0) >= gpus or args.device == "mps" and not mps:
         parser.error(f"--device: {args.device} is not on this machine ({gpus} CUDA GPUs{', no MPS' * (not mps)})")
     if args.amp and args.device == "cpu":
         print("note: --amp on the CPU: bfloat16 autocast runs, but usually slower than float32 there", file=sys.stderr)
-    if getattr(args, "threads", 1) in (None, "auto"):  # the machine's cores per process, so one command, one result
+    if getattr(args, "threads", 1) in (None, "auto"):  # the machine's cores a process: one command, one set of numbers
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        per_process = lambda busy: max(1, (cores - busy) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-        default = lambda: int(os.environ.get("OMP_NUM_THREADS") or per_process(0))
-        args.threads = per_process(busy_threads()) if args.threads == "auto" else default()  # auto: looks 250 ms
-    return args  # (args.threads is in config.json: a resumed run computes as it began)
+        free = lambda busy: max(1, (cores - busy) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        args.threads = free(busy_threads()) if args.threads else int(os.environ.get("OMP_NUM_THREADS") or free(0))
+    return args  # (the threads are in config.json: a resumed run computes as it began)
 
 
-def busy_threads():  # threads running now besides this one: more threads than free cores stall each other
+def busy_threads():  # --threads auto: the threads running now besides this one, which more threads would stall
     looks = []  # /proc/loadavg's runnable count, median of 5 looks 50 ms apart (the 1-minute load average still counts
     for _ in range(5 * os.path.exists("/proc/loadavg")):  # a run that ended seconds ago; it is the fallback: macOS)
         with open("/proc/loadavg") as f:
@@ -1139,24 +1163,10 @@ def busy_threads():  # threads running now besides this one: more threads than f
     return sorted(looks)[2] if looks else round(os.getloadavg()[0])
 
 
-def new_run_args(parser, args, script, paper):
-    err, m, partitioned = parser.error, args.clients_per_domain, any(getattr(args, k) for k in PARTITIONS)
-    if m and (args.natural or not partitioned):
-        err("--clients-per-domain: give the partition within each domain (--iid, --shards, --alpha, ...), no --natural")
-    if not args.natural and not partitioned:
-        vars(args).update({k: v for k, v in paper.items() if k in PARTITIONS})
-    if getattr(args, "local_epochs", 0) is None and args.local_steps is None:
-        args.local_epochs = paper["local_epochs"]
-    if (args.natural or m) and "num_clients" not in given_flags(parser):
-        args.num_clients = None  # the data's: make_partition counts the folders
-    args.data_seed, args.script = args.seed if args.data_seed is None else args.data_seed, script
-    return args  # --out (default: a new runs/<script>__<dataset>__<seed>__<time>) is taken by Run: take_folder
-
-
-def resume_args(parser, args, script):
+def resume_args(parser, args, script, given):
     """--resume DIR: the run's config.json, and only --stop-after, --device, --data-dir (the same data elsewhere) and a
     larger --rounds (the run extended: lr schedules span the new total). A finished run stays as it is."""
-    err, folder, given = parser.error, args.resume, given_flags(parser)
+    err, folder = parser.error, args.resume
     try:
         saved = json.load(open(f"{folder}/config.json"))
     except (OSError, ValueError):
@@ -1186,25 +1196,28 @@ def resume_args(parser, args, script):
 
 def refuse(message):  # bad input found in the data or the partition: one line and exit 2, as parser.error does
     print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
+    _drop_empty_folders()  # the run folder, if this run made it, and nothing was written
     refusal = SystemExit(message)
     refusal.code = 2  # not the 1 of sys.exit(message); str() of it is the message
     raise refusal
 
 
 class Run:
-    """One run: torchrun's ranks, threads, seeds and client sampler; (start) its folder: config.json, partition.json,
-    metrics.jsonl (a row appended an evaluation), checkpoint.pt, summary.json, model.pt, written whole (rank 0); its
-    rounds under a bar, with checkpoints, --stop-after and Ctrl-C (once: a checkpoint after this round; twice: now)."""
+    """One run: its folder (taken first, take_folder), torchrun's ranks, threads, seeds and the client sampler; start:
+    config.json, partition.json, the start-up line; the rounds under a bar, with --stop-after and Ctrl-C (once: a
+    checkpoint after this round; twice: at once); metrics.jsonl rows, checkpoint.pt, summary.json and model.pt,
+    written whole by rank 0 (a write that fails ends the run in one line)."""
 
     def __init__(self, args):
         setup_distributed(args)
-        if rank_and_world()[0] == 0:
+        self.main = rank_and_world()[0] == 0
+        if self.main:
             take_folder(args)  # before any work: refused in one line if another run holds it
         if rank_and_world()[1] > 1:
             dist.broadcast_object_list(out := [args.out], src=0)  # the default run folder has a time stamp: rank 0's
             args.out = out[0]
         self.args, self.dir, self.script, self.started, self.in_rounds = args, args.out, args.script, False, False
-        path = f"{self.dir}/checkpoint.pt"  # a damaged one is refused before anything is written
+        path = f"{self.dir}/checkpoint.pt"  # read now: a damaged one is refused before anything is written
         self.checkpoint = safe_load(path, "--resume", args.device) if getattr(args, "resume", None) else None
         torch.set_num_threads(getattr(args, "threads", None) or torch.get_num_threads())
         random.seed(args.seed)
@@ -1213,15 +1226,15 @@ class Run:
         self.sampler = np.random.default_rng(args.seed)  # client sampling, its own generator
         cpu = f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()}"
         self.device = torch.cuda.get_device_name(args.device) if "cuda" in args.device else f"{cpu} torch threads)"
-        self.main, self.clock, self.elapsed_before = rank_and_world()[0] == 0, time.time(), 0.0
-        self.first_round, self.stop_requested, self.last_eval, self.best_val = 0, False, {}, {}
+        self.clock, self.elapsed_before, self.first_round, self.stop_requested = time.time(), 0.0, 0, False
+        self.last_eval, self.best_val = {}, {}
         if rank_and_world()[1] == 1:  # under torchrun, torchrun ends every rank
             signal.signal(signal.SIGINT, self._ctrl_c)
 
     elapsed = property(lambda self: self.elapsed_before + time.time() - self.clock)
 
     def start(self, model, partition, data, name=None):
-        """The run folder (an --overwrite'n run's files go first), config.json, partition.json, the start-up line."""
+        """--overwrite: the run's files go first; config.json, partition.json, the start-up line."""
         args, sizes = self.args, [len(p) for p in partition.train]
         counts = lambda y, parts: parts and [torch.bincount(y[p], minlength=data.num_classes).tolist() for p in parts]
         info = {"scheme": partition.scheme, "train": counts(data.y_train, partition.train),
@@ -1229,9 +1242,8 @@ class Run:
                 "val": counts(data.y_train, partition.val), "clients": partition.names}  # fmt: skip
         if self.main:
             for f in () if args.resume else RUN_FILES:  # --overwrite: the run's files go first
-                with self.writing(f):
-                    if os.path.exists(f"{self.dir}/{f}"):
-                        os.remove(f"{self.dir}/{f}")
+                with self.writing(f), contextlib.suppress(FileNotFoundError):
+                    os.remove(f"{self.dir}/{f}")
             if not args.resume:
                 self.save("", "metrics.jsonl")
             self.save({k: v for k, v in vars(args).items() if k not in ("resume", "stop_after", "overwrite")},
@@ -1260,37 +1272,44 @@ class Run:
             self.save("".join(json.dumps(row) + "\n" for row in rows), "metrics.jsonl")
         return ckpt
 
-    def rounds(self, state):
-        """The rounds, each followed by a checkpoint of state() where due, then the stop of --stop-after or Ctrl-C."""
-        args, first, every = self.args, self.first_round, self.args.checkpoint_every
-        self.in_rounds = True
-        bar = tqdm(range(first, args.rounds), self.script, args.rounds, initial=first, disable=not self.main)
+    def rounds(self):
+        """The rounds under a bar (the latest test accuracy), ended by a stop that checkpoint_due latched."""
+        args, self.in_rounds, self.stopping = self.args, True, False
+        bar = tqdm(range(self.first_round, args.rounds), self.script, args.rounds, initial=self.first_round,
+                   disable=not self.main)  # fmt: skip
         for rnd in bar:
             yield rnd
-            done, row = rnd + 1, self.last_eval
-            if row.get("round") == done:
+            if (row := self.last_eval).get("round") == rnd + 1:
                 bar.set_postfix(acc=f"{row['test_acc']:.4f}", loss=f"{row['train_loss']:.3f}")
-            stop = done < args.rounds and (self.stop_requested or done - first == args.stop_after)
-            if self.main and (stop or done == args.rounds or (done % every == 0 if every else self.evaluates(rnd))):
-                rng = {"torch": torch.get_rng_state(), "numpy_sampler": self.sampler.bit_generator.state}
-                rng.update({"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {})
-                self.save({"round": done, "elapsed_s": self.elapsed, "rng": rng, **state()}, "checkpoint.pt")
-            if stop:
+            if self.stopping:
                 bar.close()
-                print(f"stopped after round {done}; continue with: python {self.script}.py --resume {self.dir}")
+                print(f"stopped after round {rnd + 1}; continue with: python {self.script}.py --resume {self.dir}")
                 raise SystemExit(130 if self.stop_requested else 0)
         bar.close()
+
+    def checkpoint_due(self, rnd):
+        """Where round rnd ends with a checkpoint (rank 0 writes it: every --checkpoint-every rounds, default at each
+        evaluation, the last, and a stop of --stop-after or Ctrl-C, after which rounds() ends the run), what it holds
+        besides the server's state, so that --resume continues bit for bit: the round, the clock, the RNG states."""
+        args, done = self.args, rnd + 1
+        self.stopping = done < args.rounds and (self.stop_requested or done - self.first_round == args.stop_after)
+        every = done % args.checkpoint_every == 0 if args.checkpoint_every else self.evaluates(rnd)
+        if not (self.main and (self.stopping or done == args.rounds or every)):
+            return {}
+        rng = {"torch": torch.get_rng_state(), "numpy_sampler": self.sampler.bit_generator.state}
+        rng.update({"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {})
+        return {"round": done, "elapsed_s": self.elapsed, "rng": rng}
 
     def evaluates(self, rnd):  # whether round rnd (0-based) ends with an evaluation: every --eval-every and the last
         return (rnd + 1) % self.args.eval_every == 0 or rnd + 1 == self.args.rounds
 
-    def log(self, metrics):  # one row (with elapsed_s) appended to metrics.jsonl and flushed to the disk
+    def log(self, metrics):  # one row (with elapsed_s) appended to metrics.jsonl: synced whole, or cut back off
         metrics = {**metrics, "elapsed_s": round(self.elapsed, 3)}
-        if self.main:  # unbuffered and synced: the row reaches the disk whole, or a failed one is cut back off
+        if self.main:
             with self.writing("metrics.jsonl"), open(f"{self.dir}/metrics.jsonl", "ab", buffering=0) as f:
                 line, size = (json.dumps(_json_safe(metrics), allow_nan=False) + "\n").encode(), f.seek(0, os.SEEK_END)
                 try:
-                    if f.write(line) < len(line):  # a short write to a file: the disk is full
+                    if f.write(line) < len(line):  # unbuffered: a short write to a file is a full disk
                         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
                     os.fsync(f.fileno())
                 except OSError:
@@ -1324,7 +1343,7 @@ class Run:
             self.save(summary, "summary.json")
         return summary
 
-    def save(self, obj, name):  # a run file written whole (rank 0)
+    def save(self, obj, name):  # a run file written whole (rank 0 writes)
         with self.writing(name):
             _atomic_save(obj, f"{self.dir}/{name}")
 
@@ -1333,10 +1352,8 @@ class Run:
         try:
             yield
         except OSError as e:
-            sys.exit(
-                f"{self.script}.py: error: cannot write {self.dir}/{name}: {e.strerror or e}; the files written "
-                f"before are whole: once that is fixed, --resume {self.dir} continues from its last checkpoint"
-            )
+            whole = f"the files written before are whole: once that is fixed, --resume {self.dir} continues"
+            sys.exit(f"{self.script}.py: error: cannot write {self.dir}/{name}: {e.strerror or e}; {whole}")
 
     def _ctrl_c(self, *_):  # in the rounds: stop after this one; before them, or twice: at once, one line
         if self.in_rounds and not self.stop_requested:
@@ -1366,12 +1383,6 @@ def _atomic_save(obj, path):  # torch.save (JSON for *.json, text for a str) to 
             os.remove(tmp)
 
 
-_json_safe = lambda obj: _map_leaves(obj, lambda v: None if isinstance(v, float) and not math.isfinite(v) else v)
-rank_and_world = lambda: (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-progress = lambda items, desc, total=None: tqdm(items, desc, total, False, disable=rank_and_world()[0] > 0, delay=5)
-
-
-# --- `torchrun --nproc_per_node K script.py`: K ranks share a round's clients; bit for bit one process (same threads)
 def safe_load(path, flag, device="cpu"):  # torch.load that runs no code: tensors and plain types only, else one line
     try:
         return torch.load(path, map_location=device, weights_only=True)
@@ -1380,68 +1391,70 @@ def safe_load(path, flag, device="cpu"):  # torch.load that runs no code: tensor
         refuse(f"{flag}: cannot load {path}: {why} ({type(e).__name__}); nothing was run or changed")
 
 
-_HELD = {}  # run folders this process holds: its path -> the locked descriptor (a process may run runs one by one)
+_json_safe = lambda obj: _map_leaves(obj, lambda v: None if isinstance(v, float) and not math.isfinite(v) else v)
+rank_and_world = lambda: (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+progress = lambda items, desc, total=None: tqdm(items, desc, total, False, disable=rank_and_world()[0] > 0, delay=5)
+_HELD, _MADE = {}, []  # the run folders this process holds (path: the locked descriptor), and those it made
+
+
+def _drop_empty_folders():  # the folders take_folder made and no run wrote into
+    for out in _MADE:
+        with contextlib.suppress(OSError):
+            os.rmdir(out)  # only if empty
+            os.close(_HELD.pop(os.path.realpath(out)))
 
 
 def take_folder(args):
-    """The run folder, held for the run's life: made (the default name: runs/<script>__<dataset>__<seed>__<time>, or
-    the next free -2, -3, ..., made atomically) and locked, so a second run into it is refused in one line. The OS
-    drops the lock when the process ends, killed or not; a folder made here and left empty is removed at exit."""
-    flag, out = "--resume" if getattr(args, "resume", None) else "--out", args.out
-    try:
-        if out is None:
-            base = f"runs/{args.script}__{args.dataset}__{args.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
-            os.makedirs("runs", exist_ok=True)
-            for out in itertools.chain([base], (f"{base}-{n}" for n in itertools.count(2))):
-                with contextlib.suppress(FileExistsError):
-                    made = os.mkdir(out) or True
-                    break
-        else:
-            made = not os.path.isdir(out)
-            os.makedirs(out, exist_ok=True)
-        os.rmdir(tempfile.mkdtemp(prefix=".cleanfl-probe", dir=out))  # a folder this process can write in
-    except OSError as e:
-        path = os.path.abspath(out or "runs")
-        while not os.path.exists(path):
-            path = os.path.dirname(path)
-        why = "is a file, not a folder" if os.path.isfile(path) else f"cannot be written in: {e.strerror}"
-        refuse(f"{flag}: {path} {why}")
-    if made:
-        atexit.register(_remove_if_empty, out)  # a run refused before it wrote anything leaves no folder
-    args.out, key = out, os.path.realpath(out)
-    if key not in _HELD:
-        _HELD[key] = fd = os.open(out, os.O_RDONLY)
+    """The run folder, held for the run's life: made (the default, runs/<script>__<dataset>__<seed>__<time>, or the
+    next free -2, -3, ...: made atomically) and locked, so a second run into it is refused in one line. The OS drops
+    the lock when the process ends, killed or not; a folder made here and left empty is removed at exit."""
+    flag = "--resume" if getattr(args, "resume", None) else "--out"
+    for n in itertools.count(1):
+        stamp = f"{args.seed}__{time.strftime('%Y%m%d-%H%M%S')}{f'-{n}' if n > 1 else ''}"
+        out, made = args.out or f"runs/{args.script}__{args.dataset}__{stamp}", True
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+            try:
+                os.mkdir(out)  # atomic: of two runs, one makes it
+            except FileExistsError:
+                if not args.out:
+                    continue  # the default name is another run's: the next one
+                made = False
+            os.rmdir(tempfile.mkdtemp(prefix=".cleanfl-probe", dir=out))  # a folder this process can write in
+            break
+        except OSError as e:
+            at = os.path.abspath(out)  # the part of the path there is
+            while not os.path.exists(at):
+                at = os.path.dirname(at)
+            refuse(f"{flag}: {at} is a file, not a folder" if os.path.isfile(at) else f"{flag}: cannot make or write "
+                   f"in {out}: {e.strerror}")  # fmt: skip
+    if made:  # a run refused (or failed) before it wrote anything leaves no folder: refuse, and at exit
+        _MADE.append(out)
+        atexit.register(_drop_empty_folders)
+    if (key := os.path.realpath(out)) not in _HELD:  # a process may run runs in turn (tests/run_batch.py)
+        try:
+            fcntl.flock(fd := os.open(out, os.O_RDONLY), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            del _HELD[key]
             refuse(f"{flag}: another run is using {out} now; wait for it to end, or choose another --out")
-    if (
-        flag == "--out"
-        and not getattr(args, "overwrite", False)
-        and any(os.path.exists(f"{out}/{f}") for f in RUN_FILES)
-    ):
+        _HELD[key] = fd
+    if flag == "--out" and not getattr(args, "overwrite", 0) and any(os.path.exists(f"{out}/{f}") for f in RUN_FILES):
         refuse(f"--out: {out} holds a run; continue it with --resume {out}, or another --out or --overwrite")
+    args.out = out
 
 
-def _remove_if_empty(path):
-    with contextlib.suppress(OSError):
-        os.rmdir(path)
-
-
+# --- `torchrun --nproc_per_node K script.py`: K ranks share a round's clients; bit for bit one process (same threads)
 def setup_distributed(args):
-    """Under torchrun: join the process group (NCCL on GPUs, gloo on CPUs), each rank on its GPU."""
+    """Under torchrun: join the process group, each rank on its GPU (NCCL), or ranks sharing GPUs or CPUs (gloo)."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 or dist.is_initialized():
         return
-    if cuda := args.device.startswith("cuda"):
+    if cuda := args.device.startswith("cuda"):  # more ranks than GPUs (4 on one GPU): they share them, round-robin
         gpu, visible = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
-        if visible > 1 and gpu >= visible:
-            refuse(f"--device {args.device}: local rank {gpu} needs cuda:{gpu}, but {visible} GPUs show; start fewer")
-        args.device = f"cuda:{gpu if visible > 1 else 0}"  # one GPU a process: a scheduler's share
+        shared = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > visible  # and talk over gloo: NCCL needs a GPU each
+        args.device = f"cuda:{gpu % visible}"
         torch.cuda.set_device(args.device)
     # a long timeout: ranks wait for rank 0's first download or decoding, and for a wave's slowest client
     # (imported after this, torch.distributed.nn.functional would keep the group past destroy_process_group: SIGABRT)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=6))
+    dist.init_process_group("nccl" if cuda and not shared else "gloo", timeout=datetime.timedelta(hours=6))
     atexit.register(dist.destroy_process_group)
     if dist.get_rank() != 0:
         sys.stdout = open(os.devnull, "w")  # rank 0 prints; errors (stderr) still show from every rank

@@ -12,15 +12,13 @@ FedProx adds mu/2 ||w - w_t||^2 to each local loss. Every other script is this f
 Usage, logged metrics, choices the paper leaves open and results: docs/fedavg.md.
 """
 
-import argparse
-
 import torch
 import torch.nn.functional as F
 
-from common import (AUGMENTATIONS, DATASETS, MODELS, HelpFormatter, Run, accumulate, autocast, build_model,
-                    client_batches, client_weights, decay_rate, device_flag, each_client, eval_metrics, finish_args,
-                    fraction, inner_fraction, load_average, load_data, lr_at, make_partition, non_negative_float,
-                    positive_float, positive_int, prepare_batch, prox_term, sample_clients, seed_int,
+from common import (AUGMENTATIONS, DATASETS, MODELS, Parser, Run, accumulate, autocast, build_model, client_batches,
+                    client_weights, decay_rate, device_flag, each_client, eval_metrics, finish_args, fraction,
+                    inner_fraction, load_average, load_data, lr_at, make_partition, non_negative_float, one_of,
+                    path_arg, positive_float, positive_int, prepare_batch, prox_term, sample_clients, seed_int,
                     threads_flag)  # fmt: skip
 
 # The run's setting, the defaults of the flags below: McMahan et al.'s federation (Sec. 3: 100 clients, C = 0.1,
@@ -43,20 +41,20 @@ PAPER = dict(
 
 # fmt: off
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p = Parser(__doc__)
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default=PAPER["dataset"], choices=sorted(DATASETS), help="folder: --data-dir's images")
-    g.add_argument("--data-dir", default="./data", help="download folder, image folder DIR/{train,test}/<class>/*")
+    g.add_argument("--data-dir", type=path_arg, default="./data", help="download folder, or DIR/{train,test}/<class>/*")
     g.add_argument("--augment", default=PAPER["augment"], choices=AUGMENTATIONS, help="of training batches, on device")
     g = p.add_argument_group("partition: one of these (default: --shards 2, the paper's)")
-    x = g.add_mutually_exclusive_group()
-    x.add_argument("--iid", action="store_true", help="a uniform random split")
-    x.add_argument("--shards", type=positive_int, help="S: sort by label, cut N*S shards, deal S to each client")
+    x = one_of(g)
+    x.add_argument("--iid", help="a uniform random split")
+    x.add_argument("--shards", type=positive_int, default=PAPER["shards"], help="S: N*S sorted shards, S each")
     x.add_argument("--classes-per-client", type=positive_int, help="C classes a client, each split among its holders")
     x.add_argument("--alpha", type=positive_float, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
-    x.add_argument("--split2", action="store_true", help="CIFAR-10 split-2 (Qu et al. 2022): 5 clients, 4 classes each")
-    x.add_argument("--disjoint-classes", action="store_true", help="N disjoint class sets (FedLN T5: 2, 2, 3 of 7)")
-    x.add_argument("--natural", action="store_true", help="the clients are the folders DIR/train/<client>/<class>/*")
+    x.add_argument("--split2", help="CIFAR-10 split-2 (Qu et al. 2022): 5 clients, 4 classes each")
+    x.add_argument("--disjoint-classes", help="N disjoint class sets (FedLN T5: 2, 2, 3 of 7)")
+    x.add_argument("--natural", help="the clients are the folders DIR/train/<client>/<class>/*")
     g.add_argument("--clients-per-domain", type=positive_int, help="M: DIR/train/<domain>/<class>/*, split M ways each")
     g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes")
     g.add_argument("--client-test", action="store_true", help="also test each client on its own label distribution")
@@ -67,8 +65,8 @@ def parse_args():
     g.add_argument("--num-clients", type=positive_int, default=PAPER["num_clients"], help="K: number of clients")
     g.add_argument("--frac", type=fraction, default=PAPER["frac"], help="C: fraction of clients a round, in (0, 1]")
     g.add_argument("--rounds", type=positive_int, default=PAPER["rounds"], help="T: communication rounds")
-    x = g.add_mutually_exclusive_group()
-    x.add_argument("--local-epochs", type=positive_int, help=f"E: epochs a round (default: {PAPER['local_epochs']})")
+    x = one_of(g)
+    x.add_argument("--local-epochs", type=positive_int, default=PAPER["local_epochs"], help="E: epochs a round")
     x.add_argument("--local-steps", type=positive_int, help="local SGD steps a round, not epochs")
     g.add_argument("--batch-size", type=positive_int, default=PAPER["batch_size"], help="B: local batch size")
     g.add_argument("--weighting", default="samples", choices=["samples", "uniform"], help="weights n_k/n, or 1/m")
@@ -87,12 +85,12 @@ def parse_args():
     g.add_argument("--threads", type=threads_flag, help="CPU threads, or auto: the free cores (default: the cores)")
     g.add_argument("--eval-every", type=positive_int, default=1, help="evaluate every this many rounds and the last")
     g.add_argument("--checkpoint-every", type=positive_int, help="checkpoint period (default: at each evaluation)")
-    g.add_argument("--out", help="run folder (default: runs/fedavg__<dataset>__<seed>__<time>)")
+    g.add_argument("--out", type=path_arg, help="run folder (default: runs/fedavg__<dataset>__<seed>__<time>)")
     g.add_argument("--overwrite", action="store_true", help="replace the run in --out (else such an --out is refused)")
     g.add_argument("--save-model", action="store_true", help="write the final global model to OUT/model.pt")
-    g.add_argument("--resume", metavar="DIR", help="continue the run in DIR; a larger --rounds extends it")
+    g.add_argument("--resume", type=path_arg, metavar="DIR", help="continue the run in DIR (a larger --rounds: extend)")
     g.add_argument("--stop-after", type=positive_int, help="checkpoint and stop after this many rounds")
-    return finish_args(p, p.parse_args(), "fedavg", PAPER)
+    return finish_args(p, p.parse_args(), "fedavg")
 # fmt: on
 
 
@@ -128,7 +126,7 @@ if __name__ == "__main__":
     if args.resume:
         model.load_state_dict(run.resume()["model"])  # checkpoint.pt; the rounds go on after its round
 
-    for rnd in run.rounds(lambda: {"model": model.state_dict()}):  # a checkpoint holds what the server keeps
+    for rnd in run.rounds():  # under a bar; a --stop-after or Ctrl-C ends them after this round's checkpoint
         lr = lr_at(rnd, args)
         clients = sample_clients(run.sampler, args.num_clients, args.frac)
         weights = client_weights([sizes[k] for k in clients], args.weighting)
@@ -137,11 +135,12 @@ if __name__ == "__main__":
 
         def train_client(k):  # what client k does this round; returns what the server sums
             client.load_state_dict(model.state_dict())
-            loss = local_train(client, partition.train[k], data, args, lr, [p.detach() for p in model.parameters()])
+            anchor = [p.detach() for p in model.parameters()]  # w_t, for FedProx
+            loss = local_train(client, partition.train[k], data, args, lr=lr, global_params=anchor)
             return {"loss": loss, "state": client.state_dict()}
 
         # own seed per client; torchrun: split over ranks, summed in order
-        for k, w, out in each_client(clients, weights, train_client, args.seed, rnd):
+        for k, w, out in each_client(clients, weights, train_client, seed=args.seed, rnd=rnd):
             train_loss += w * out["loss"]
             accumulate(total, out["state"], w)  # batch-norm running statistics are averaged like weights
         load_average(model, total)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (McMahan et al. 2017, Alg. 1)
@@ -150,6 +149,8 @@ if __name__ == "__main__":
         if run.evaluates(rnd):  # every --eval-every rounds and the last
             model.eval()
             # test_acc, test_loss; per-client mean, std, worst 10%; --balanced-acc: the same of balanced accuracy
-            tests = eval_metrics(model, data, partition.test, args.balanced_acc, args.amp, val=partition.val)
+            tests = eval_metrics(model, data, partition.test, args.balanced_acc, amp=args.amp, val=partition.val)
             run.log({"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr})
+        if snapshot := run.checkpoint_due(rnd):  # at each evaluation (or --checkpoint-every), the last round, a stop
+            run.save({"model": model.state_dict(), **snapshot}, "checkpoint.pt")  # + the round, RNG states, clock
     run.finish(model)  # summary.json: the final round's metrics

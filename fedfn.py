@@ -13,21 +13,19 @@ Usage, logged metrics, implementation details (VGG11 without batch norm, the hea
 FedEXP) and results: docs/fedfn.md.
 """
 
-import argparse
 import math
 
 import torch
 import torch.nn as nn  # FedFN: VGG11
 import torch.nn.functional as F
 
-from common import (AUGMENTATIONS, DATASETS, MODELS, HelpFormatter, Run, accumulate, autocast, build_model,
-                    client_batches, client_weights, decay_rate, device_flag, each_client, eval_metrics, finish_args,
-                    fraction, inner_fraction, load_average, load_data, lr_at, make_partition, non_negative_float,
-                    non_negative_int, positive_float, positive_int, prepare_batch, prox_term, sample_clients, seed_int,
-                    threads_flag,
+from common import (AUGMENTATIONS, DATASETS, MODELS, Parser, Run, accumulate, autocast, build_model, client_batches,
+                    client_weights, decay_rate, device_flag, each_client, eval_metrics, finish_args, fraction,
+                    inner_fraction, load_average, load_data, lr_at, make_partition, non_negative_float,
+                    non_negative_int, one_of, path_arg, positive_float, positive_int, prepare_batch, prox_term,
+                    sample_clients, seed_int, threads_flag,
                     Classifier, flat_dim, register_model,  # FedFN: VGG11
                     local_step_sum, scaffold_control, scaffold_correction, scaffold_server,  # FedFN: SCAFFOLD
-                    scale_norm,  # FedFN: s f / ||f||_2
                     FineTuning, personalize)  # FedFN: FedFN-FT (Appendix D.3)  # fmt: skip
 
 # The paper's setting, the defaults of the flags below: Table 1's CIFAR-10 column with VGG11 (App. B.2); Table 1 also
@@ -77,20 +75,20 @@ register_model("vgg11-narrow")(lambda cin, k, size, **_: vgg(cin, k, size, width
 
 # fmt: off
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p = Parser(__doc__)
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default=PAPER["dataset"], choices=sorted(DATASETS), help="folder: --data-dir's images")
-    g.add_argument("--data-dir", default="./data", help="download folder, image folder DIR/{train,test}/<class>/*")
+    g.add_argument("--data-dir", type=path_arg, default="./data", help="download folder, or DIR/{train,test}/<class>/*")
     g.add_argument("--augment", default=PAPER["augment"], choices=AUGMENTATIONS, help="of training batches, on device")
     g = p.add_argument_group("partition: one of these (default: --shards 10, the paper's)")
-    x = g.add_mutually_exclusive_group()
-    x.add_argument("--iid", action="store_true", help="a uniform random split")
-    x.add_argument("--shards", type=positive_int, help="s: sort by label, cut N*s shards, deal s to each client")
+    x = one_of(g)
+    x.add_argument("--iid", help="a uniform random split")
+    x.add_argument("--shards", type=positive_int, default=PAPER["shards"], help="s: N*s sorted shards, s each")
     x.add_argument("--classes-per-client", type=positive_int, help="C classes a client, each split among its holders")
     x.add_argument("--alpha", type=positive_float, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
-    x.add_argument("--split2", action="store_true", help="CIFAR-10 split-2 (Qu et al. 2022): 5 clients, 4 classes each")
-    x.add_argument("--disjoint-classes", action="store_true", help="N disjoint class sets (FedLN T5: 2, 2, 3 of 7)")
-    x.add_argument("--natural", action="store_true", help="the clients are the folders DIR/train/<client>/<class>/*")
+    x.add_argument("--split2", help="CIFAR-10 split-2 (Qu et al. 2022): 5 clients, 4 classes each")
+    x.add_argument("--disjoint-classes", help="N disjoint class sets (FedLN T5: 2, 2, 3 of 7)")
+    x.add_argument("--natural", help="the clients are the folders DIR/train/<client>/<class>/*")
     g.add_argument("--clients-per-domain", type=positive_int, help="M: DIR/train/<domain>/<class>/*, split M ways each")
     g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes")
     g.add_argument("--client-test", action="store_true", help="also test each client on its own label distribution")
@@ -101,8 +99,8 @@ def parse_args():
     g.add_argument("--num-clients", type=positive_int, default=PAPER["num_clients"], help="N: number of clients")
     g.add_argument("--frac", type=fraction, default=PAPER["frac"], help="r: fraction of clients a round, in (0, 1]")
     g.add_argument("--rounds", type=positive_int, default=PAPER["rounds"], help="R: communication rounds")
-    x = g.add_mutually_exclusive_group()
-    x.add_argument("--local-epochs", type=positive_int, help=f"E: epochs a round (default: {PAPER['local_epochs']})")
+    x = one_of(g)
+    x.add_argument("--local-epochs", type=positive_int, default=PAPER["local_epochs"], help="E: epochs a round")
     x.add_argument("--local-steps", type=positive_int, help="local SGD steps a round, not epochs")
     g.add_argument("--batch-size", type=positive_int, default=PAPER["batch_size"], help="B: local batch size")
     g.add_argument("--weighting", default="samples", choices=["samples", "uniform"], help="weights n_k/n, or 1/m")
@@ -140,29 +138,19 @@ def parse_args():
     g.add_argument("--threads", type=threads_flag, help="CPU threads, or auto: the free cores (default: the cores)")
     g.add_argument("--eval-every", type=positive_int, default=1, help="evaluate every this many rounds and the last")
     g.add_argument("--checkpoint-every", type=positive_int, help="checkpoint period (default: at each evaluation)")
-    g.add_argument("--out", help="run folder (default: runs/fedfn__<dataset>__<seed>__<time>)")
+    g.add_argument("--out", type=path_arg, help="run folder (default: runs/fedfn__<dataset>__<seed>__<time>)")
     g.add_argument("--overwrite", action="store_true", help="replace the run in --out (else such an --out is refused)")
     g.add_argument("--save-model", action="store_true", help="write the final global model to OUT/model.pt")
-    g.add_argument("--resume", metavar="DIR", help="continue the run in DIR; a larger --rounds extends it")
+    g.add_argument("--resume", type=path_arg, metavar="DIR", help="continue the run in DIR (a larger --rounds: extend)")
     g.add_argument("--stop-after", type=positive_int, help="checkpoint and stop after this many rounds")
     args = p.parse_args()  # FedFN: check the method's flags first
     if args.ft_epochs > 0 and not args.client_test and not args.resume:
         p.error("--ft-epochs: FedFN-FT needs --client-test (per-client test sets)")  # FedFN
-    return finish_args(p, args, "fedfn", PAPER)
+    return finish_args(p, args, "fedfn")
 # fmt: on
 
 
-def fn_scale(value):  # FedFN: --fn-scale
-    """A positive number, or "sqrt-d" (resolved per feature in scale_norm)."""
-    if value == "sqrt-d":
-        return value
-    try:
-        scale = float(value)
-    except ValueError:
-        scale = -1.0
-    if not 0 < scale < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a positive number or sqrt-d, got '{value}'")
-    return scale
+fn_scale = lambda text: text if text == "sqrt-d" else positive_float(text)  # FedFN: --fn-scale: s > 0, or sqrt-d
 
 
 def fn_forward(model, x, fn=True, scale=1.0):  # FedFN: Section 4.1, z = theta_cls f / ||f||_2
@@ -172,7 +160,8 @@ def fn_forward(model, x, fn=True, scale=1.0):  # FedFN: Section 4.1, z = theta_c
     f = model.body(x)
     if not fn:
         return model.head(f), f
-    return model.head(scale_norm(f, scale, eps=1e-12)), f  # eps: F.normalize's
+    s = math.sqrt(f.shape[1]) if scale == "sqrt-d" else scale  # sqrt-d: ||s f / ||f|| || = sqrt(d), FedLN's scale
+    return model.head(s * (f / f.norm(dim=1, keepdim=True).clamp_min(1e-12))), f  # eps: F.normalize's
 
 
 def local_train(model, indices, data, args, lr, global_params, correction=None):  # FedFN: + SCAFFOLD correction
@@ -278,7 +267,7 @@ def analyze(model, data, args, batch_size=2000):  # FedFN: the four factors of t
             for i in range(0, len(data.x_test), batch_size)
         ]
     )
-    return four_factors(model.head.weight, feats, data.y_test, data.num_classes, args.fn)
+    return four_factors(model.head.weight, feats, data.y_test, data.num_classes, fn=args.fn)
 
 
 def client_traces(traces, global_layer_norm):  # FedFN: what local training and averaging do to ||f||
@@ -320,7 +309,7 @@ if __name__ == "__main__":
         return {"model": model.state_dict(), **extra}
 
     eval_model = model  # FedFN: the model evaluated (FedEXP: averaged iterates)
-    for rnd in run.rounds(state):
+    for rnd in run.rounds():  # under a bar; a --stop-after or Ctrl-C ends them after this round's checkpoint
         lr = lr_at(rnd, args)
         clients = sample_clients(run.sampler, args.num_clients, args.frac)
         weights = client_weights([sizes[k] for k in clients], args.weighting)
@@ -335,19 +324,20 @@ if __name__ == "__main__":
             client.load_state_dict(model.state_dict())
             correction = scaffold_correction(c_global, c_of(k)) if scaffold else None  # FedFN: c - c_i
             # FedFN: x_old = detached w_t
-            loss, steps, norms = local_train(client, partition.train[k], data, args, lr, x_old, correction)
+            loss, steps, norms = local_train(client, partition.train[k], data, args, lr=lr, global_params=x_old,
+                                             correction=correction)  # fmt: skip
             out = {"loss": loss, "state": client.state_dict(), "steps": steps}  # FedFN: + steps
             if args.analyze:  # FedFN: ||f|| at the first and last local step, the invariant layer's norm after them
                 out["traces"] = torch.stack([*norms, param_norm(invariant_layer(client))])
             return out
 
         # own seed per client; torchrun: split over ranks, summed in order
-        for k, w, out in each_client(clients, weights, train_client, args.seed, rnd):
+        for k, w, out in each_client(clients, weights, train_client, seed=args.seed, rnd=rnd):
             train_loss += w * out["loss"]
             y = {n: out["state"][n] for n in param_names}  # FedFN: y_i
             if scaffold:  # FedFN: c_i+ (option II, K -> K' with momentum) and the server's sum of c_i+ - c_i
                 c_i, step_sum = c_of(k), local_step_sum(out["steps"], lr, args.momentum)
-                c_local[k] = scaffold_control(c_i, c_global, dict(zip(param_names, x_old)), y, step_sum)
+                c_local[k] = scaffold_control(c_i, c_global, dict(zip(param_names, x_old)), y, step_sum=step_sum)
                 delta_c_sum = {n: delta_c_sum[n] + (c_local[k][n] - c_i[n]) for n in param_names}
             if fedexp:  # FedFN: ||Delta_i||^2 = ||w_t - y_i||^2
                 sq_norm_mean += w * sq_dist(x_old, y.values())
@@ -371,7 +361,7 @@ if __name__ == "__main__":
             eval_model.eval()  # FedFN
             forward = lambda x: fn_forward(eval_model, x, args.fn, args.fn_scale)[0]  # FedFN: FN at evaluation, too
             # test_acc, test_loss; per-client mean, std, worst 10%; --balanced-acc: the same of balanced accuracy
-            tests = eval_metrics(forward, data, partition.test, args.balanced_acc, args.amp, val=partition.val)
+            tests = eval_metrics(forward, data, partition.test, args.balanced_acc, amp=args.amp, val=partition.val)
             metrics = {"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr}
             if fedexp:  # FedFN
                 metrics["server_lr"] = eta_g
@@ -379,13 +369,17 @@ if __name__ == "__main__":
                 metrics.update(analyze(eval_model, data, args))
                 metrics.update(client_traces(torch.stack(traces), param_norm(invariant_layer(eval_model))))
             run.log(metrics)
+        if snapshot := run.checkpoint_due(rnd):  # at each evaluation (or --checkpoint-every), the last round, a stop
+            run.save({**state(), **snapshot}, "checkpoint.pt")  # + the round, RNG states, clock
     model.load_state_dict(eval_model.state_dict())  # FedFN: the evaluated final model (FedEXP: averaged)
     final = {}  # FedFN: FedFN-FT's results, added to summary.json
     if args.ft_epochs > 0:  # FedFN: FedFN-FT (App. D.3): fine-tune the final model on each client, FN kept
         ft_lr = args.ft_lr if args.ft_lr is not None else 0.1 * args.lr
-        ft = FineTuning(args.ft_epochs, ft_lr, "full", args.batch_size, args.augment, [0], args.momentum, args.amp)
+        ft = FineTuning(epochs=args.ft_epochs, lr=ft_lr, part="full", batch_size=args.batch_size, augment=args.augment,
+                        eval_epochs=[0], momentum=args.momentum, amp=args.amp)  # fmt: skip
         forward = lambda m, x: fn_forward(m, x, args.fn, args.fn_scale)[0]  # FN kept
-        res = personalize(client, model.state_dict(), data, partition.train, partition.test, ft, forward)
+        res = personalize(client, model.state_dict(), data, partition.train, test_parts=partition.test, ft=ft,
+                          forward=forward)  # fmt: skip
         final.update(
             ft_acc_mean=res["acc_mean"][args.ft_epochs],
             ft_acc_std=res["acc_std"][args.ft_epochs],

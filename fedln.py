@@ -14,17 +14,18 @@ CNN, FN's sqrt(d) scale, SCAFFOLD, FedYogi, Figure 3's measurements) and results
 """
 
 import argparse
+import math  # FedLN: sqrt(d)
 
 import torch
 import torch.nn as nn  # FedLN: the CNN, nn.Sequential to append ScaleNorm
 import torch.nn.functional as F
 
-from common import (AUGMENTATIONS, DATASETS, MODELS, HelpFormatter, Run, accumulate, autocast, build_model,
-                    client_batches, client_weights, decay_rate, device_flag, each_client, eval_metrics, finish_args,
-                    fraction, inner_fraction, load_average, load_data, lr_at, make_partition, non_negative_float,
-                    non_negative_int, positive_float, positive_int, prepare_batch, prox_term, sample_clients, seed_int,
-                    threads_flag,
-                    Classifier, make_norm, register_model, scale_norm,  # FedLN: the CNN, n
+from common import (AUGMENTATIONS, DATASETS, MODELS, Parser, Run, accumulate, autocast, build_model, client_batches,
+                    client_weights, decay_rate, device_flag, each_client, eval_metrics, finish_args, fraction,
+                    inner_fraction, load_average, load_data, lr_at, make_partition, non_negative_float,
+                    non_negative_int, one_of, path_arg, positive_float, positive_int, prepare_batch, prox_term,
+                    sample_clients, seed_int, threads_flag,
+                    Classifier, make_norm, register_model,  # FedLN: the CNN
                     local_step_sum, scaffold_control, scaffold_correction,  # FedLN: SCAFFOLD
                     scaffold_server)  # fmt: skip
 
@@ -71,33 +72,37 @@ def normcnn(in_channels, num_classes, image_size, norm="none", ln_affine=True, n
     return Classifier(body, 384, num_classes, head_bias=False)
 
 
-class ScaleNorm(nn.Module):  # FedLN: n(z) = sqrt(d) z / max(eps, ||z||) as a layer (Eqs. 6-7; common.scale_norm)
+class ScaleNorm(nn.Module):  # FedLN: scale normalization as a layer, each sample over all its entries (Eqs. 6-7)
+    """n(z) = s z / max(eps, ||z||_2), s = sqrt(d) (scale="sqrt-d"): ||n(z)|| = sqrt(d), as an n_MV output has."""
+
     def __init__(self, scale="sqrt-d", eps=1e-5):
         super().__init__()
         self.scale, self.eps = scale, eps
 
-    def forward(self, x):
-        return scale_norm(x, self.scale, self.eps)
+    def forward(self, z):
+        flat = z.flatten(1)
+        s = math.sqrt(flat.shape[1]) if self.scale == "sqrt-d" else self.scale
+        return s * (z / flat.norm(dim=1).clamp_min(self.eps).view(-1, *[1] * (z.dim() - 1)))
 
 
 # fmt: off
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p = Parser(__doc__)
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default=PAPER["dataset"], choices=sorted(DATASETS), help="folder: --data-dir's images")
-    g.add_argument("--data-dir", default="./data", help="download folder, image folder DIR/{train,test}/<class>/*")
+    g.add_argument("--data-dir", type=path_arg, default="./data", help="download folder, or DIR/{train,test}/<class>/*")
     g.add_argument("--augment", default="crop-flip", choices=AUGMENTATIONS, help="of training batches, on device")
     g = p.add_argument_group("partition: one of these (default: --classes-per-client 1, the paper's)")
-    x = g.add_mutually_exclusive_group()
-    x.add_argument("--iid", action="store_true", help="a uniform random split")
-    x.add_argument("--shards", type=positive_int, help="S: sort by label, cut N*S shards, deal S to each client")
-    x.add_argument("--classes-per-client", type=positive_int,
+    x = one_of(g)
+    x.add_argument("--iid", help="a uniform random split")
+    x.add_argument("--shards", type=positive_int, help="S: N*S sorted shards, S each")
+    x.add_argument("--classes-per-client", type=positive_int, default=PAPER["classes_per_client"],
         help="n classes a client, each split among its holders")  # FedLN: the paper's symbol
     x.add_argument("--alpha", type=positive_float,
         help="beta: Dirichlet label skew Dir(beta) (Hsu et al. 2019; the paper's 0.1)")  # FedLN: the paper's symbol
-    x.add_argument("--split2", action="store_true", help="CIFAR-10 split-2 (Qu et al. 2022): 5 clients, 4 classes each")
-    x.add_argument("--disjoint-classes", action="store_true", help="N disjoint class sets (FedLN T5: 2, 2, 3 of 7)")
-    x.add_argument("--natural", action="store_true", help="the clients are the folders DIR/train/<client>/<class>/*")
+    x.add_argument("--split2", help="CIFAR-10 split-2 (Qu et al. 2022): 5 clients, 4 classes each")
+    x.add_argument("--disjoint-classes", help="N disjoint class sets (FedLN T5: 2, 2, 3 of 7)")
+    x.add_argument("--natural", help="the clients are the folders DIR/train/<client>/<class>/*")
     g.add_argument("--clients-per-domain", type=positive_int, help="M: DIR/train/<domain>/<class>/*, split M ways each")
     g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes")
     g.add_argument("--client-test", action="store_true", help="also test each client on its own label distribution")
@@ -153,12 +158,12 @@ def parse_args():
     g.add_argument("--threads", type=threads_flag, help="CPU threads, or auto: the free cores (default: the cores)")
     g.add_argument("--eval-every", type=positive_int, default=PAPER["eval_every"], help="evaluation period (and last)")
     g.add_argument("--checkpoint-every", type=positive_int, help="checkpoint period (default: at each evaluation)")
-    g.add_argument("--out", help="run folder (default: runs/fedln__<dataset>__<seed>__<time>)")
+    g.add_argument("--out", type=path_arg, help="run folder (default: runs/fedln__<dataset>__<seed>__<time>)")
     g.add_argument("--overwrite", action="store_true", help="replace the run in --out (else such an --out is refused)")
     g.add_argument("--save-model", action="store_true", help="write the final global model to OUT/model.pt")
-    g.add_argument("--resume", metavar="DIR", help="continue the run in DIR; a larger --rounds extends it")
+    g.add_argument("--resume", type=path_arg, metavar="DIR", help="continue the run in DIR (a larger --rounds: extend)")
     g.add_argument("--stop-after", type=positive_int, help="checkpoint and stop after this many rounds")
-    return check_args(p, finish_args(p, p.parse_args(), "fedln", PAPER))  # FedLN: + this script's flags together
+    return check_args(p, finish_args(p, p.parse_args(), "fedln"))  # FedLN: + this script's flags together
 
 
 def check_args(p, args):  # FedLN: this script's flags together
@@ -251,7 +256,7 @@ def yogi_update(x, delta, m, v, lr, beta1, beta2, tau):
 def fedyogi_step(x, avg, m, v, lr, beta1, beta2, tau):
     """FedLN: one FedYogi server round (Reddi et al. 2021, Alg. 2): pseudo-gradient D = avg - x, the
     n_k/n-weighted mean client model minus the global x (a step towards the clients), then yogi_update."""
-    return yogi_update(x, {n: avg[n] - x[n] for n in x}, m, v, lr, beta1, beta2, tau)
+    return yogi_update(x, {n: avg[n] - x[n] for n in x}, m, v, lr=lr, beta1=beta1, beta2=beta2, tau=tau)
 
 
 def figure3_images(labels, n, seed):
@@ -315,7 +320,7 @@ if __name__ == "__main__":
         server = ckpt["server"]  # FedLN: control variates / moments
 
     # a checkpoint holds what the server keeps; FedLN: + the server state
-    for rnd in run.rounds(lambda: {"model": model.state_dict(), "server": server}):
+    for rnd in run.rounds():  # under a bar; a --stop-after or Ctrl-C ends them after this round's checkpoint
         lr = lr_at(rnd, args)
         clients = sample_clients(run.sampler, args.num_clients, args.frac)
         # FedLN: client K alone (Figure 3 left, Appendix D); weight 1: the model is its own
@@ -330,18 +335,19 @@ if __name__ == "__main__":
             client.load_state_dict(model.state_dict())
             # FedLN: c - c_k
             correction = scaffold_correction(server["c"], server["c_k"][k]) if args.agg == "scaffold" else None
-            loss = local_train(
-                client, partition.train[k], data, args, lr, [p.detach() for p in model.parameters()], correction
-            )  # FedLN: + correction
+            anchor = [p.detach() for p in model.parameters()]  # w_t, for FedProx
+            loss = local_train(client, partition.train[k], data, args, lr=lr, global_params=anchor,
+                               correction=correction)  # fmt: skip
             return {"loss": loss, "state": client.state_dict()}
 
         # own seed per client; torchrun: split over ranks, summed in order
-        for k, w, out in each_client(clients, weights, train_client, args.seed, rnd):
+        for k, w, out in each_client(clients, weights, train_client, seed=args.seed, rnd=rnd):
             train_loss += w * out["loss"]
             accumulate(total, out["state"], w)  # batch-norm running statistics are averaged like weights
             if args.agg == "scaffold":  # FedLN: Option II update of c_k (Alg. 1), K = --local-steps
                 step_sum = local_step_sum(args.local_steps, lr)
-                new_c[k] = scaffold_control(server["c_k"][k], server["c"], model.state_dict(), out["state"], step_sum)
+                c_k, c = server["c_k"][k], server["c"]
+                new_c[k] = scaffold_control(c_k, c, model.state_dict(), out["state"], step_sum=step_sum)
         if args.agg == "scaffold":  # FedLN: c <- c + 1/N sum_{k in S} (c_k+ - c_k), then c_k <- c_k+
             delta_sum = {n: sum(new_c[k][n] - server["c_k"][k][n] for k in new_c) for n in names}
             server["c"] = scaffold_server(server["c"], delta_sum, args.num_clients)
@@ -350,9 +356,8 @@ if __name__ == "__main__":
         if args.agg == "fedyogi":  # FedLN: x <- Yogi(x, D = sum_k n_k/n y_k - x); buffers keep the average
             current = model.state_dict()
             x = {n: current[n].float() for n in names}
-            x, server["m"], server["v"] = fedyogi_step(
-                x, total, server["m"], server["v"], args.server_lr, args.yogi_beta1, args.yogi_beta2, args.yogi_tau
-            )
+            hyper = dict(lr=args.server_lr, beta1=args.yogi_beta1, beta2=args.yogi_beta2, tau=args.yogi_tau)  # FedLN
+            x, server["m"], server["v"] = fedyogi_step(x, total, server["m"], server["v"], **hyper)
             total.update(x)
         load_average(model, total)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (each entry cast back to its dtype)
         train_loss = run.diverged(train_loss, rnd)  # NaN or inf: summary.json says diverged, exit 1
@@ -360,11 +365,13 @@ if __name__ == "__main__":
         if run.evaluates(rnd):  # every --eval-every rounds and the last
             model.eval()
             # test_acc, test_loss; per-client mean, std, worst 10%; --balanced-acc: the same of balanced accuracy
-            tests = eval_metrics(model, data, partition.test, args.balanced_acc, args.amp, val=partition.val)
+            tests = eval_metrics(model, data, partition.test, args.balanced_acc, amp=args.amp, val=partition.val)
             metrics = {"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr}
             if sv_x is not None:  # FedLN: feature collapse (Figure 3)
                 metrics["feature_sv"], metrics["feature_sv_unit"] = singular_values(model, sv_x)
             if own_x is not None:  # FedLN: Figure 3 left and middle left
                 metrics["client_feature_norms"], metrics["class_norms"] = feature_norms(model, own_x)
             run.log(metrics)
+        if snapshot := run.checkpoint_due(rnd):  # at each evaluation (or --checkpoint-every), the last round, a stop
+            run.save({"model": model.state_dict(), "server": server, **snapshot}, "checkpoint.pt")  # FedLN: + server
     run.finish(model)  # summary.json: the final round's metrics

@@ -6,15 +6,17 @@ Three workloads, each run four ways:
   fedbabu-small  fedbabu.py at benchmarks/reproduce/fedbabu.sh small (convnet4-tiny, s=10, tau=10)
   fedfn-small    fedfn.py at benchmarks/reproduce/fedfn.sh small (convnet4-tiny, s=2, E=5, lr 0.03)
 ways:
-  default        python SCRIPT ...               no --threads, no OMP_NUM_THREADS: the scripts' own choice
+  default        python SCRIPT ...               no --threads, no OMP_NUM_THREADS: the scripts' own choice, the cores
+  auto           python SCRIPT ... --threads auto   the cores other work leaves free as the run starts
   1 thread       python SCRIPT ... --threads 1
   2 threads      python SCRIPT ... --threads 2
   torchrun 2x1   torchrun --nproc_per_node 2 SCRIPT ...   (torchrun sets OMP_NUM_THREADS=1 a rank)
-and two conditions: idle, and loaded (--load busy processes, `while True: pass`, started first). The default counts
-the threads running as it starts (common.py: busy_threads) and takes the cores left free. Each run evaluates after
+and two conditions: idle, and loaded (--load busy processes, `while True: pass`, started first). The default takes
+the machine's cores (a function of the machine alone: one command, one set of numbers); auto counts the threads
+running as it starts (common.py: busy_threads) and takes the cores left free. Each run evaluates after
 rounds R and 2R; its time per round is the difference of the two rows' elapsed_s over R (start-up, data loading and
 the first rounds' warm-up left out; one test-set evaluation in). The table gives the
-median over --cycles interleaved cycles and, for the default, the threads it picked (config.json).
+median over --cycles interleaved cycles and, for the default and auto, the threads they picked (config.json).
 
     python benchmarks/threads.py --data-dir /path/to/cifar10                      # idle and loaded, 2 cycles
     python benchmarks/threads.py --data-dir D --conditions idle --workloads fedavg-cnn --cycles 1 --rounds 1
@@ -38,7 +40,7 @@ WORKLOADS = {
     "--ft-epochs 0 --ft-eval-epochs",
     "fedfn-small": "fedfn.py --model convnet4-tiny --num-clients 100 --frac 0.1 --local-epochs 5 --shards 2 --lr 0.03",
 }
-WAYS = ["default", "1 thread", "2 threads", "torchrun 2x1"]
+WAYS = ["default", "auto", "1 thread", "2 threads", "torchrun 2x1"]
 
 
 def parse_args():
@@ -76,7 +78,7 @@ def run_once(args, workload, way, out):
     ]
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     launcher = [sys.executable]
-    if way.endswith("thread") or way.endswith("threads"):
+    if way == "auto" or way.endswith("thread") or way.endswith("threads"):
         flags += ["--threads", way.split()[0]]
     elif way.startswith("torchrun"):
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -96,22 +98,24 @@ def run_once(args, workload, way, out):
 
 def table(runs, args):
     workloads, conditions = args.workloads, args.conditions
-    head = " | default picked | default / best one process | default / torchrun |"
-    lines = ["| workload | condition | " + " | ".join(WAYS) + head, "|---|---|" + "---|" * (len(WAYS) + 3)]
+    ways = [way for way in WAYS if any(r["way"] == way for r in runs)]  # an older JSON has no auto
+    picks = [way for way in ("default", "auto") if way in ways]
+    head = "".join(f" | {way} picked" for way in picks) + " | default / best one process | default / torchrun |"
+    lines = ["| workload | condition | " + " | ".join(ways) + head, "|---|---|" + "---|" * (len(ways) + len(picks) + 2)]
     for w in workloads:
         for c in conditions:
             sel = {
-                way: [r for r in runs if r["workload"] == w and r["condition"] == c and r["way"] == way] for way in WAYS
+                way: [r for r in runs if r["workload"] == w and r["condition"] == c and r["way"] == way] for way in ways
             }
             if not all(sel.values()):
                 continue
             inf = float("inf")  # a timed-out run
             med = {way: statistics.median(r["s_per_round"] or inf for r in rs) for way, rs in sel.items()}
-            picked = sorted({r["threads"] for r in sel["default"] if r["threads"]})
-            cells = [f"{med[w_]:.2f}" if med[w_] < inf else f"timed out ({args.run_timeout:.0f} s)" for w_ in WAYS]
-            one_process = min(med[way] for way in WAYS[:3])  # what a thread count can reach; torchrun is 2 processes
+            picked = "".join(f" | {sorted({r['threads'] for r in sel[way] if r['threads']})} threads" for way in picks)
+            cells = [f"{med[w_]:.2f}" if med[w_] < inf else f"timed out ({args.run_timeout:.0f} s)" for w_ in ways]
+            one_process = min(med[way] for way in ways if not way.startswith("torchrun"))  # torchrun: 2 processes
             ratios = f"{med['default'] / one_process:.2f} | {med['default'] / med['torchrun 2x1']:.2f}"
-            lines.append(f"| {w} | {c} | " + " | ".join(cells) + f" | {picked} threads | {ratios} |")
+            lines.append(f"| {w} | {c} | " + " | ".join(cells) + f"{picked} | {ratios} |")
     return "\n".join(lines)
 
 

@@ -665,6 +665,7 @@ def runs(tmp_path_factory):
         anfr_cmd(tmp, "agg_fedprox", "--agg", "fedprox", "--eval-every", "3"),
         anfr_cmd(tmp, "agg_fedadam", "--agg", "fedadam", "--server-lr", "0.1", "--eval-every", "3"),
         *[anfr_cmd(tmp, f"{g}_a", *GROUPS[g], "--save-model") for g in ("scaffold", "fedper")],
+        anfr_cmd(tmp, "channels_last", "--arch", "anfr", "--eval-every", "3", "--channels-last", "--tf32"),
     ]
     with ThreadPoolExecutor(1) as pool:  # one process for the others, while this one (torch imported) does the rest
         pending = pool.submit(run_batches, others)
@@ -909,3 +910,18 @@ def test_client_state_reset_keeps_nothing_per_client_and_schedules_by_round(tmp_
     steps = 5  # TINY's --local-steps
     assert reset[1]["lr"] == pytest.approx(anfr.cosine_lr(0.03, 2 * steps, 2 * steps))  # after round 2 of 2: 0
     assert reset[0]["lr"] == pytest.approx(anfr.cosine_lr(0.03, steps, 2 * steps))
+
+
+def test_channels_last_and_tf32_compute_the_same_run(runs):
+    """issue 53, lever b: --channels-last (NHWC weights and batches) and --tf32 (CUDA matmuls; nothing on the CPU)
+    change the memory layout, not the math: on the CPU the run matches arch_anfr's to float rounding."""
+    plain, nhwc = metrics(runs / "arch_anfr"), metrics(runs / "channels_last")
+    assert [r["round"] for r in plain] == [r["round"] for r in nhwc]
+    for a, b in zip(plain, nhwc):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-4)
+        assert abs(b["test_acc"] - a["test_acc"]) <= 0.01
+    assert json.load(open(runs / "channels_last" / "config.json"))["channels_last"] is True
+    x = torch.arange(2 * 3 * 4 * 4, dtype=torch.float).view(2, 3, 4, 4)
+    nhwc_x = anfr.resize(x, None, channels_last=True)
+    assert nhwc_x.is_contiguous(memory_format=torch.channels_last) and torch.equal(nhwc_x, x)
+    assert anfr.resize(x, 8).shape == (2, 3, 8, 8) and anfr.resize(x, 4) is x

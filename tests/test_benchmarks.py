@@ -447,9 +447,8 @@ def test_plot_partition_reads_what_run_writes(tmp_path, capsys):
     )
     data = types.SimpleNamespace(y_train=labels, y_test=labels, num_classes=3, classes=None)
     run_dir = tmp_path / "run"
-    args = argparse.Namespace(resume=None, model="mlp", out=str(run_dir))
-    run = types.SimpleNamespace(args=args, dir=str(run_dir), main=True, script="fedavg", device="cpu", started=False)
-    common.Run.start(run, torch.nn.Linear(2, 3), part, data)  # the run folder, config.json, partition.json
+    args = argparse.Namespace(resume=None, model="mlp", out=str(run_dir), seed=0, script="fedavg", device="cpu")
+    common.Run(args).start(torch.nn.Linear(2, 3), part, data)  # the run folder, config.json, partition.json
     capsys.readouterr()  # the start-up line
     counts, scheme, names, _ = plot.load_partition(str(run_dir))
     assert counts.tolist() == [[2, 1, 0], [1, 1, 3]] and scheme == "shards=2" and names == ["0", "1", "2"]
@@ -870,7 +869,13 @@ def test_fn_growth_replays_the_round_and_fn_only_lengthens_the_invariant_layer(t
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "way,launcher,threads_flag",
-    [("default", [], None), ("1 thread", [], "1"), ("2 threads", [], "2"), ("torchrun 2x1", ["-m"], None)],
+    [
+        ("default", [], None),
+        ("auto", [], "auto"),
+        ("1 thread", [], "1"),
+        ("2 threads", [], "2"),
+        ("torchrun 2x1", ["-m"], None),
+    ],
 )
 def test_threads_ways_launch_as_named_and_time_between_evaluations(way, launcher, threads_flag, tmp_path, monkeypatch):
     """The default gets neither --threads nor OMP_NUM_THREADS (the scripts choose); s/round is the last two

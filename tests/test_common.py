@@ -2,7 +2,6 @@
 
 import argparse
 import json
-import math
 import os
 
 import numpy as np
@@ -229,23 +228,6 @@ def test_resnet_builds_one_kind_of_block(depth):
         common.resnet(3, 10, 16, depth=depth, width=4, norm="nf", norm_after_act=True)
 
 
-def test_scale_norm_by_hand_on_non_square_inputs():
-    """n(x) = s x / ||x|| per sample: B = 4 features of d = 4 (norms 5, 2, 2, 0.03), and 2 conv maps of (C, H, W) =
-    (2, 1, 3), each normalized over its 6 entries; s = sqrt(d) by default, or a number (FedFN's s = 1)."""
-    z = torch.tensor([[3.0, 4.0, 0.0, 0.0], [0.0, 0.0, 0.0, 2.0], [1.0, 1.0, 1.0, 1.0], [0.0, -0.03, 0.0, 0.0]])
-    unit = torch.tensor([[0.6, 0.8, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5], [0.0, -1.0, 0.0, 0.0]])
-    assert torch.allclose(common.scale_norm(z, 1.0), unit)
-    assert torch.allclose(common.scale_norm(z), 2 * unit)  # sqrt(4) of d, whatever the batch size
-    import fedln  # its ScaleNorm layer
-
-    assert torch.allclose(fedln.ScaleNorm(scale=0.5)(z), 0.5 * unit)
-    maps = torch.stack([torch.arange(1.0, 7.0), torch.full((6,), -2.0)]).view(2, 2, 1, 3)  # norms sqrt(91), sqrt(24)
-    want = torch.stack([torch.arange(1.0, 7.0) / math.sqrt(91), torch.full((6,), -2.0 / math.sqrt(24))])
-    assert torch.allclose(common.scale_norm(maps), math.sqrt(6) * want.view(2, 2, 1, 3))
-    tiny = torch.tensor([[1e-7, 0.0, 0.0, 0.0]])  # ||x|| below eps: divided by eps, no blow-up
-    assert torch.allclose(common.scale_norm(tiny, 1.0, eps=1e-5), torch.tensor([[1e-2, 0.0, 0.0, 0.0]]))
-
-
 # ------------------------------------------------------------------ batches
 def test_client_batches_epochs_cover_each_sample_once_per_epoch():
     torch.manual_seed(0)
@@ -373,8 +355,10 @@ def test_summary_reports_the_test_accuracy_at_the_first_best_validation_round(tm
     os.makedirs(args.out)
     run = common.Run(args)
     rows = [(1, 0.5, 0.6), (2, 0.7, 0.4), (3, 0.7, 0.9), (4, 0.6, 0.8)]
-    for rnd in run.rounds(lambda: {}):  # checkpoints after rounds 1-4 (each evaluates)
+    for rnd in run.rounds():  # checkpoints after rounds 1-4 (each evaluates)
         run.log({"round": rnd + 1, "test_acc": rows[rnd][2], "val_acc": rows[rnd][1], "train_loss": 1.0})
+        if snapshot := run.checkpoint_due(rnd):
+            run.save(snapshot, "checkpoint.pt")
     got = run.finish()
     assert (got["test_acc"], got["test_acc_at_best_val"], got["best_val_round"], got["best_val_acc"]) == (
         0.8,
@@ -394,10 +378,12 @@ def test_metrics_are_appended_and_a_resume_cuts_them_back_to_its_checkpoint(tmp_
     run = common.Run(args)
     path = tmp_path / "r" / "metrics.jsonl"
     sizes = []
-    for rnd in run.rounds(lambda: {}):
+    for rnd in run.rounds():
         if rnd < 3:
             run.log({"round": rnd + 1, "test_acc": 0.1 * rnd, "train_loss": 1.0})
             sizes.append(path.stat().st_size)
+        if snapshot := run.checkpoint_due(rnd):  # after rounds 2 and 4, and the last
+            run.save(snapshot, "checkpoint.pt")
     assert [len(line) for line in path.read_text().splitlines()] == [sizes[0] - 1, sizes[1] - sizes[0] - 1,
                                                                     sizes[2] - sizes[1] - 1]  # fmt: skip
     first = path.read_bytes()[: sizes[0]]
@@ -936,3 +922,30 @@ def test_result_layout_survives_mapping_its_leaves():
     assert torch.equal(back["state"]["w"], torch.ones(2, 2)) and back["state"]["n"].item() == 4
     assert back["opt"]["state"][0]["step"].item() == 2.0 and back["loss"].item() == 1.5
     assert common._json_safe({"a": [1.0, float("nan"), (float("inf"), 2)]}) == {"a": [1.0, None, (None, 2)]}
+
+
+@pytest.mark.parametrize(
+    "visible, local_world, rank, device, backend",
+    [
+        (4, 4, 2, "cuda:2", "nccl"),  # a GPU a rank: NCCL
+        (1, 4, 3, "cuda:0", "gloo"),  # 4 ranks on one GPU (issue 53, lever a): they share it, over gloo
+        (2, 4, 3, "cuda:1", "gloo"),  # 4 ranks on 2 GPUs: rank i on GPU i mod 2
+        (1, 1, 0, "cuda:0", "nccl"),  # one process per task (a scheduler's share of one GPU): NCCL
+    ],
+)
+def test_torchrun_ranks_share_the_gpus_there_are_over_gloo(visible, local_world, rank, device, backend, monkeypatch):
+    """setup_distributed with fewer visible GPUs than local ranks puts rank i on GPU i mod visible and joins gloo,
+    which (unlike NCCL) lets ranks share a device; with a GPU each it keeps NCCL."""
+    joined = {}
+    env = {"WORLD_SIZE": str(max(local_world, 2)), "LOCAL_WORLD_SIZE": str(local_world), "LOCAL_RANK": str(rank)}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: joined.update(set_device=d))
+    monkeypatch.setattr(common.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(common.dist, "init_process_group", lambda backend, **k: joined.update(backend=backend))
+    monkeypatch.setattr(common.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(common.atexit, "register", lambda *a: None)
+    args = argparse.Namespace(device="cuda")
+    common.setup_distributed(args)
+    assert (args.device, joined["set_device"], joined["backend"]) == (device, device, backend)

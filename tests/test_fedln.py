@@ -150,6 +150,21 @@ def test_normcnn_own_fn_slot_matches_fedln_build():
 
 
 # --- Table 3: last-layer normalization (Props. 1 and 2) --------------------------------------------
+def test_scale_norm_by_hand_on_non_square_inputs():
+    """n(z) = s z / ||z|| per sample: B = 4 features of d = 4 (norms 5, 2, 2, 0.03), and 2 conv maps of (C, H, W) =
+    (2, 1, 3), each normalized over its 6 entries; s = sqrt(d) by default, or a number."""
+    z = torch.tensor([[3.0, 4.0, 0.0, 0.0], [0.0, 0.0, 0.0, 2.0], [1.0, 1.0, 1.0, 1.0], [0.0, -0.03, 0.0, 0.0]])
+    unit = torch.tensor([[0.6, 0.8, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5], [0.0, -1.0, 0.0, 0.0]])
+    assert torch.allclose(ScaleNorm(scale=1.0)(z), unit)
+    assert torch.allclose(ScaleNorm()(z), 2 * unit)  # sqrt(4) of d, whatever the batch size
+    assert torch.allclose(ScaleNorm(scale=0.5)(z), 0.5 * unit)
+    maps = torch.stack([torch.arange(1.0, 7.0), torch.full((6,), -2.0)]).view(2, 2, 1, 3)  # norms sqrt(91), sqrt(24)
+    want = torch.stack([torch.arange(1.0, 7.0) / math.sqrt(91), torch.full((6,), -2.0 / math.sqrt(24))])
+    assert torch.allclose(ScaleNorm()(maps), math.sqrt(6) * want.view(2, 2, 1, 3))
+    tiny = torch.tensor([[1e-7, 0.0, 0.0, 0.0]])  # ||z|| below eps: divided by eps, no blow-up
+    assert torch.allclose(ScaleNorm(scale=1.0, eps=1e-5)(tiny), torch.tensor([[1e-2, 0.0, 0.0, 0.0]]))
+
+
 def test_scale_norm_and_mean_shift_by_hand():
     x = torch.tensor([1.0, 2.0, 2.0, 4.0]).view(1, 2, 1, 2)  # one sample, d = C*H*W = 4, ||x|| = 5
     assert torch.allclose(ScaleNorm()(x), x * 2 / 5)  # sqrt(4) x / ||x||, over all of (C, H, W)

@@ -258,7 +258,11 @@ def test_regressions_are_refused(name, flags, flag, tmp_path, monkeypatch, capsy
 def test_an_out_that_cannot_be_made_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
     """--out below a file, a file, or where nothing can be written: one line from Run (it takes the folder first)."""
     (tmp_path / "file").write_text("x")
-    cases = [(tmp_path / "file" / "run", "is a file"), (tmp_path / "file", "is a file"), ("/proc/cleanfl-x", "cannot")]
+    cases = [
+        (tmp_path / "file" / "run", "is a file, not a folder"),
+        (tmp_path / "file", "is a file, not a folder"),
+        ("/proc/x", "cannot"),
+    ]
     for out, why in cases:
         monkeypatch.setattr(sys, "argv", ["fedavg.py", "--dataset", "synthetic", "--device", "cpu", "--out", str(out)])
         with pytest.raises(SystemExit) as e:
