@@ -438,7 +438,9 @@ def eval_seconds(work, data, args, a):
     size = image_size(work["name"], args, data)
     batch = 2000 if size <= 64 else 200
     batch = min(batch, 256) if a.tiny else batch
-    model = builder(work["name"], args, data)().to(args.device).eval()
+    if "model" not in work:  # one build per configuration (ResNet-50's init takes a second)
+        work["model"] = builder(work["name"], args, data)().to(args.device).eval()
+    model = copy.deepcopy(work["model"])
     x = torch.randn(batch, data.in_channels, size, size, device=args.device)
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     if args.channels_last:
@@ -538,10 +540,10 @@ def project(item, work, slices):
 
 
 def measure(a):
-    import common
-
     if a.report:
         return report(a)
+    import common
+
     signal.signal(signal.SIGTERM, _on_signal)
     items = plan_items(a)
     papers = {}
@@ -655,7 +657,7 @@ def measure(a):
 
 
 def save(a, works, results, t0):
-    public = {c: {k: v for k, v in w.items() if k not in ("args", "partition")} for c, w in works.items()}
+    public = {c: {k: v for k, v in w.items() if k not in ("args", "partition", "model")} for c, w in works.items()}
     with open(os.path.join(a.out, "levers.json.tmp"), "w") as f:
         json.dump({"results": results, "works": public, "seconds": time.time() - t0}, f, indent=1)
     os.replace(os.path.join(a.out, "levers.json.tmp"), os.path.join(a.out, "levers.json"))

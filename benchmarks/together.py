@@ -256,7 +256,7 @@ def time_round(way, script, model, clients, weights, partition, data, args, rnd=
     return time.perf_counter() - t
 
 
-def main():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description="CPU (or GPU) time of one round: together vs one at a time")
     p.add_argument("--script", default="fedavg", choices=sorted(ROUNDS))
     p.add_argument("--model", default="cnn")
@@ -266,7 +266,11 @@ def main():
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds of each way (after one warm-up each)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: as the scripts: OMP_NUM_THREADS)")
-    a = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main():
+    a = parse_args()
     flags = ["--dataset", "synthetic", "--device", a.device, "--model", a.model, "--num-clients", a.clients * 2,
              "--frac", 0.5, "--shards", 2, "--local-steps", a.steps, "--batch-size", a.batch_size]  # fmt: skip
     if a.threads:
