@@ -111,7 +111,7 @@ TINY_PLAN = [
     (1, "fedfn", "today (in-process)", "inprocess", 1, []),
     (1, "anfr", "amp + channels-last + tf32", "script", 1, ANFR_FLAGS),
 ]
-TINY_STEPS = 2  # anfr's slice in --tiny
+TINY_STEPS, TINY_STEP_POINTS = 2, (1, 3)  # anfr's slices in --tiny
 PAIR_VARIANTS = ["fedavg", "fedfn"]  # Table 1's columns at s=2, as reproduce/fedfn.sh paper names them
 ALONE_FALLBACK = 6.63  # s/round of fedfn.py's paper round alone on the H200 (benchmarks/results-h200/times.md)
 ITEM_CAP = 90  # seconds: one measurement at most
@@ -514,8 +514,8 @@ def item_runs(item, flags, paper, a, out):
     claim = item["claim"]
     script, base = base_flags(claim, a)
     points = [None]
-    if CONFIGS[claim]["slice"] and CONFIGS[claim]["slice"][0] == "steps" and item["procs"] > 1 and not a.tiny:
-        points = list(STEP_POINTS)
+    if CONFIGS[claim]["slice"] and CONFIGS[claim]["slice"][0] == "steps" and item["procs"] > 1:
+        points = list(TINY_STEP_POINTS if a.tiny else STEP_POINTS)
     runs = []
     for p in points:
         sliced, what = slice_flags(claim, base + list(flags), paper, a, p)
