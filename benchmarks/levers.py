@@ -574,15 +574,8 @@ def measure(a):
     os.makedirs(a.out, exist_ok=True)
     t0 = time.time()
     say = lambda *m: print(*m, file=sys.stderr, flush=True)
-    script0, flags0 = base_flags(a.claims[0], a)
-    data = common.load_data(parse(script0, flags0, a.device, synthetic=False))
     works, results, evals = {}, [], {}
-    for claim in a.claims:
-        try:
-            works[claim] = paper_work(claim, a, data)
-        except Exception as e:  # said here; the other configurations still run
-            say(f"{claim}: the paper's work not counted, not timed: {type(e).__name__}: {e}")
-    queue = [it for it in items if it["claim"] in works]
+    queue = items
     started, serial = {}, [0]  # index -> [(proc, gate, (slice, script, flags, out))]: started ahead, at its gate
 
     def prestart(i):  # queue[i]'s processes: imports and the data cache while the one before is timed
@@ -597,7 +590,7 @@ def measure(a):
         serial[0] += 1
         out = os.path.join(a.out, run_name(serial[0], it))
         started[i] = []
-        for j, run in enumerate(item_runs(it, flags, works[it["claim"]]["args"], a, out)):
+        for j, run in enumerate(item_runs(it, flags, papers[it["claim"]], a, out)):
             gate = os.path.join(a.out, f".gate-{serial[0]}-{j}")
             log = open(run[3] + ".log", "w")  # beside the run folder, which the script alone makes
             log.write(f"{shown(it['procs'], run[1], run[2])}\n")
@@ -607,10 +600,25 @@ def measure(a):
     def next_script(i):
         return next((j for j in range(i + 1, len(queue)) if queue[j]["kind"] == "script"), None)
 
+    first = next_script(-1)
+    if first is not None:
+        prestart(first)  # its start-up while this process reads the data and counts the FLOPs
+    script0, flags0 = base_flags(a.claims[0], a)
+    data = common.load_data(parse(script0, flags0, a.device, synthetic=False))
+    for claim in a.claims:
+        try:
+            works[claim] = paper_work(claim, a, data)
+        except Exception as e:  # said here; its levers get a row saying so
+            say(f"{claim}: the paper's work not counted, not timed: {type(e).__name__}: {e}")
     for i, it in enumerate(queue):
-        claim, work = it["claim"], works[it["claim"]]
+        claim, work = it["claim"], works.get(it["claim"])
         row = dict(claim=claim, lever=it["lever"], kind=it["kind"], procs=it["procs"], priority=it["priority"])
         row["flags"] = list(it["flags"]) if it["flags"] != "best" else []
+        if work is None:
+            for proc, _, _ in started.pop(i, []):
+                stop(proc)
+            results.append({**row, "status": "failed: the paper's work could not be counted (see the log)"})
+            continue
         left = a.budget - (time.time() - t0)
         if left < 15:
             results.append({**row, "status": "skipped (budget)"})
@@ -688,12 +696,12 @@ def table(works, results, a):
     print("| configuration | lever | s / round | projected min | speed-up over today | measured / floor |")
     print("| --- | --- | --- | --- | --- | --- |")
     label = lambda claim: CONFIGS[claim]["label"] + (" [--tiny: toy model]" if a.tiny else "")
-    for claim in [c for c in CONFIGS if c in works]:
-        work = works[claim]
+    for claim in [c for c in CONFIGS if c in works or any(r["claim"] == c for r in results)]:
+        work = works.get(claim)
         rows = [r for r in results if r["claim"] == claim]
         today = next((r["s_round"] for r in rows if r["lever"] == "today" and r.get("s_round")), None)
         for r in rows:
-            if not r.get("s_round"):
+            if not r.get("s_round") or work is None:
                 print(f"| {label(claim)} | {r['lever']} | {r['status']} | - | - | - |")
                 continue
             floor = work["floors"]["bf16" if "--amp" in r["flags"] else "tf32"]
