@@ -253,7 +253,10 @@ def gated(gate, script, flags):
         grouped = lambda args: getattr(args, "natural", 0) or getattr(args, "clients_per_domain", 0)
         same = lambda args: args.data_dir == folder and not grouped(args)
         common.DATASETS["folder"] = lambda args: cached if same(args) else reader(args)
+    parent = os.getppid()
     while not os.path.exists(gate):
+        if os.getppid() != parent:  # whoever started it is gone: never its turn
+            sys.exit(1)
         time.sleep(0.005)
     here = os.path.join(ROOT, "benchmarks")  # the script sees the repository's modules only, as when run itself
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
@@ -272,18 +275,26 @@ def start(procs, script, flags, gate, log):
     return proc
 
 
-def stop(proc):
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+def stop(*procs, grace=5.0):
+    """End processes started here: SIGTERM to each one's process group (torchrun's agent then ends its ranks,
+    which run in sessions of their own), SIGKILL to what is left after `grace` seconds."""
+    live = [p for p in procs if p.poll() is None]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in live:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+        end = time.time() + grace
+        while any(p.poll() is None for p in live) and time.time() < end:
+            time.sleep(0.05)
+        live = [p for p in live if p.poll() is None]
+    for p in procs:
+        p.wait()
 
 
 def _on_signal(signum, _):
-    for proc in CHILDREN:
-        stop(proc)
+    stop(*CHILDREN)
     sys.exit(128 + signum)
 
 
@@ -658,6 +669,7 @@ def measure(a):
             + (f"{row['s_round']:.3f} s/round" if row.get("s_round") else row["status"])
         )
         results.append(row)
+        save(a, works, results, t0)  # after every lever: a stage stopped at its cap keeps what it measured
     for runs in started.values():
         for proc, _, _ in runs:
             stop(proc)
@@ -798,8 +810,7 @@ def pair(a):
         end = time.time() + limit
         while any(p.poll() is None for p in running.values()) and time.time() < end:
             time.sleep(0.2)
-        for p in running.values():
-            stop(p)
+        stop(*running.values())
         return {v: p.returncode for v, p in running.items()}
 
     budget = lambda: a.seconds - (time.time() - t0)
