@@ -110,7 +110,8 @@ TINY_PLAN = [
     (1, "fedfn", "torchrun 2", "script", 2, []),
     (1, "fedfn", "together", "together", 1, []),
     (1, "fedfn", "today (in-process)", "inprocess", 1, []),
-    (1, "anfr", "amp + channels-last + tf32", "script", 1, ANFR_FLAGS),
+    # not --amp: on the CPU, bfloat16 autocast with the paper's recipe at toy size gave NaN in some runs
+    (1, "anfr", "channels-last + tf32", "script", 1, ["--channels-last", "--tf32"]),
 ]
 TINY_STEPS, TINY_STEP_POINTS = 2, (1, 3)  # anfr's slices in --tiny
 PAIR_VARIANTS = ["fedavg", "fedfn"]  # Table 1's columns at s=2, as reproduce/fedfn.sh paper names them
@@ -594,9 +595,14 @@ def measure(a):
         if i in started or it["kind"] != "script":
             return
         flags = lever_flags(it, results)
-        it["resolved"] = list(flags)
-        if missing_flags(f"{it['claim']}.py", flags):
-            started[i] = []
+        it["resolved"], script = list(flags), f"{it['claim']}.py"
+        missing = missing_flags(script, flags)
+        if missing:
+            it["why_not"], started[i] = f"{script} has no {' '.join(missing)}", []
+            return
+        refused = parse(script, base_flags(it["claim"], a)[1] + list(flags), a.device, synthetic=False)
+        if isinstance(refused, SystemExit):  # e.g. a flag for CUDA alone, on the CPU
+            it["why_not"], started[i] = f"{script} refuses {' '.join(map(str, flags))} on {a.device}", []
             return
         serial[0] += 1
         out = os.path.join(a.out, run_name(serial[0], it))
@@ -639,8 +645,7 @@ def measure(a):
                 prestart(i)
                 row["flags"] = it["resolved"]
                 if not started[i]:
-                    missing = " ".join(missing_flags(f"{claim}.py", row["flags"]))
-                    results.append({**row, "status": f"not run: {claim}.py has no {missing}"})
+                    results.append({**row, "status": f"not run: {it['why_not']}"})
                     continue
                 slices, said = {}, []
                 for j, (proc, gate, (what, script, flags, out)) in enumerate(started.pop(i)):
