@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Everything one call on a lent GPU machine runs (about 9 minutes; benchmarks/gpu_call.md).
 #
-#   bash benchmarks/gpu.sh                         # MODE=full: the GPU call
+#   bash benchmarks/gpu.sh                         # MODE=full: the GPU call (stages env data levers pair)
 #   MODE=dry bash benchmarks/gpu.sh                # print every command, run none
-#   MODE=tiny DEVICE=cpu bash benchmarks/gpu.sh    # CI: every stage at toy size on the CPU (about a minute)
-#   bash benchmarks/gpu.sh smoke times             # only these stages (then the collect step)
+#   MODE=tiny DEVICE=cpu bash benchmarks/gpu.sh    # CI: every default stage at toy size on the CPU
+#   bash benchmarks/gpu.sh env data smoke times fedbabu   # only these stages (then the collect step)
 #
 # Stages, in this order; each is independent: a failing or timed-out stage is reported and the next one
 # still runs. The exit status is 0 only if every stage passed. Stage timings are printed and kept.
+# Without stage names: env data levers pair (issue 53's call); smoke, times and fedbabu run by name.
 #   env      card, driver, torch, CUDA and cuDNN versions, CPUs (OUT/env.txt)
 #   data     unpack DATA_ARCHIVE into DATA_DIR if DATA_DIR/train is missing, decode it once into its
 #            cache (DATA_DIR/.cleanfl-cache.pt) so the parallel runs below only read the cache
@@ -18,8 +19,13 @@
 #            (benchmarks/gpu_times.py, with benchmarks/round_time.py for fedavg.py; OUT/times.md)
 #   fedbabu  FedBABU Table 13 at paper scale: benchmarks/reproduce/fedbabu.sh paper (variants fedavg,
 #            fedbabu; SEEDS), JOBS runs at a time on the one GPU; resumable (lib.sh)
+#   levers   s/round of the five paper configurations under today's loop and each lever alone and combined
+#            (torchrun K on the one GPU, --amp, anfr's --channels-last --tf32, benchmarks/together.py), the
+#            FLOPs and floors: benchmarks/levers.py measure, by priority within the stage's cap (OUT/speed.md)
+#   pair     FedFN's Table 1 pair at s=2 (FedFN, FedAvg; seed 0) at once with measure's fastest fp32 lever,
+#            --stop-after sized to end inside the stage's cap: benchmarks/levers.py pair (OUT/speed.md)
 # Then, always: collect (OUT/fedbabu.md from benchmarks/collect.py, OUT/summary.md, OUT/runs.tar.gz).
-# OUT ends with at most 8 files: log.txt env.txt smoke.md times.md fedbabu.md summary.md runs.tar.gz.
+# OUT ends with at most 8 files: log.txt env.txt smoke.md times.md fedbabu.md speed.md summary.md runs.tar.gz.
 #
 # Environment (defaults in brackets):
 #   MODE          full | dry | tiny [full]
@@ -36,10 +42,12 @@
 #   SMOKE_BATCH   1: the smoke runs share SMOKE_JOBS python processes (tests/run_batch.py's trick, no
 #                 torch import per run) [tiny 1, else 0: a fresh process per run, as on the GPU]
 #   TIMES_FLAGS   extra flags of benchmarks/gpu_times.py, e.g. "--variants all --fedavg-precisions fp32 amp"
-#   DEADLINE      seconds for all stages; each stage's cap is cut to what is left [full 500; tiny 900]
-#   CAP_ENV CAP_DATA CAP_SMOKE CAP_TIMES CAP_FEDBABU   per-stage caps in seconds [60 90 90 200 (tiny: smoke and
-#                 times 300); fedbabu: the rest of DEADLINE]. A stage over its cap is stopped (timeout, whole
-#                 process group).
+#   LEVERS_FLAGS  extra flags of benchmarks/levers.py measure, e.g. "--claims fedfn anfr"
+#   DEADLINE      seconds for all stages; each stage's cap is cut to what is left [full 540; tiny 900]
+#   CAP_ENV CAP_DATA CAP_SMOKE CAP_TIMES CAP_FEDBABU CAP_LEVERS CAP_PAIR   per-stage caps in seconds [60 90 90
+#                 200 (tiny: smoke and times 300); fedbabu: the rest of DEADLINE; levers 250; pair: the rest].
+#                 A stage over its cap is stopped (timeout, whole process group); levers and pair read their
+#                 cap (STAGE_CAP) and end inside it.
 #   PYTHON        [python3, else python]
 set -euo pipefail
 
@@ -71,13 +79,15 @@ if [ "$MODE" = tiny ]; then
   SEEDS=${SEEDS:-0}; JOBS=${JOBS:-2}; SMOKE_JOBS=${SMOKE_JOBS:-2}; SMOKE_BATCH=${SMOKE_BATCH:-1}; DEADLINE=${DEADLINE:-900}
   CAP_SMOKE=${CAP_SMOKE:-300}; CAP_TIMES=${CAP_TIMES:-300}  # a busy CI machine: the caps only catch a hang
 else
-  SEEDS=${SEEDS:-"0 1 2"}; JOBS=${JOBS:-6}; SMOKE_JOBS=${SMOKE_JOBS:-6}; SMOKE_BATCH=${SMOKE_BATCH:-0}; DEADLINE=${DEADLINE:-500}
+  SEEDS=${SEEDS:-"0 1 2"}; JOBS=${JOBS:-6}; SMOKE_JOBS=${SMOKE_JOBS:-6}; SMOKE_BATCH=${SMOKE_BATCH:-0}; DEADLINE=${DEADLINE:-540}
 fi
-TIMES_FLAGS=${TIMES_FLAGS:-}
+TIMES_FLAGS=${TIMES_FLAGS:-}; LEVERS_FLAGS=${LEVERS_FLAGS:-}
 CAP_ENV=${CAP_ENV:-60}; CAP_DATA=${CAP_DATA:-90}; CAP_SMOKE=${CAP_SMOKE:-90}; CAP_TIMES=${CAP_TIMES:-200}; CAP_FEDBABU=${CAP_FEDBABU:-0}
-export MODE DEVICE WORK OUT DATA_DIR DATA_ARCHIVE FEDBABU_RUNS SEEDS JOBS SMOKE_JOBS SMOKE_BATCH TIMES_FLAGS PYTHON
+CAP_LEVERS=${CAP_LEVERS:-250}; CAP_PAIR=${CAP_PAIR:-0}
+export MODE DEVICE WORK OUT DATA_DIR DATA_ARCHIVE FEDBABU_RUNS SEEDS JOBS SMOKE_JOBS SMOKE_BATCH TIMES_FLAGS LEVERS_FLAGS PYTHON
 export PYTHONUNBUFFERED=1
-STAGES_ALL="env data smoke times fedbabu"
+STAGES_ALL="env data smoke times fedbabu levers pair"
+STAGES_DEFAULT="env data levers pair"  # issue 53's call; smoke, times and fedbabu by name
 SCRIPTS=(fedavg fedbabu fedfn fedln fednnnn anfr)
 
 # show CMD...: the command, shell-quoted, on one line (what MODE=dry prints for every command).
@@ -340,6 +350,44 @@ stage_fedbabu() {
 }
 
 # ------------------------------------------------------------------------------------------------
+# levers and pair: issue 53's speed call (benchmarks/levers.py)
+# ------------------------------------------------------------------------------------------------
+# levers_cmd measure|pair: the command line of a levers.py stage (its seconds: the stage's cap less 10)
+levers_cmd() {
+  local seconds=$(( ${STAGE_CAP:-250} - 10 ))
+  LCMD=("$PYTHON" benchmarks/levers.py "$1" --data-dir "$DATA_DIR" --device "$DEVICE" --out "$WORK/$2")
+  [ "$MODE" = tiny ] && LCMD+=(--tiny)
+  if [ "$1" = measure ]; then
+    LCMD+=(--budget "$seconds")
+    # shellcheck disable=SC2206
+    LCMD+=($LEVERS_FLAGS)
+  else
+    LCMD+=(--seconds "$seconds" --levers "$WORK/levers/levers.json")
+  fi
+}
+
+stage_levers() {
+  levers_cmd measure levers
+  if [ "$MODE" = dry ]; then
+    show "${LCMD[@]}"
+    "${LCMD[@]}" --dry
+    return 0
+  fi
+  "${LCMD[@]}" | tee "$OUT/speed.md"
+}
+
+stage_pair() {
+  [ "$MODE" = dry ] && STAGE_CAP=$((DEADLINE - 5 - 30 - CAP_LEVERS))  # what the stages before it leave, about
+  levers_cmd pair pair
+  if [ "$MODE" = dry ]; then
+    show "${LCMD[@]}"
+    "${LCMD[@]}" --dry
+    return 0
+  fi
+  "${LCMD[@]}" | tee -a "$OUT/speed.md"
+}
+
+# ------------------------------------------------------------------------------------------------
 # collect (always, after the stages)
 # ------------------------------------------------------------------------------------------------
 collect() {
@@ -354,10 +402,20 @@ collect() {
   fi
   # smoke and times run folders without their checkpoints (up to 8 MB each, of no further use); the
   # fedbabu runs with theirs (0.5 MB each), so that a cut-off stage can be resumed by a later call
-  for p in smoke times; do [ -d "$WORK/$p" ] && parts+=(-C "$WORK" "$p"); done
+  # speed.md again from levers.json and the pair's folders: a stage stopped at its cap has not printed its table
+  if [ -d "$WORK/levers" ] || [ -d "$WORK/pair" ]; then
+    : > "$OUT/speed.md"
+    if [ -d "$WORK/levers" ]; then levers_cmd measure levers; "${LCMD[@]}" --report >> "$OUT/speed.md" 2>&1 || rc=1; fi
+    if [ -d "$WORK/pair" ]; then levers_cmd pair pair; "${LCMD[@]}" --report >> "$OUT/speed.md" 2>&1 || rc=1; fi
+  fi
+  # smoke, times, levers and pair run folders without their checkpoints (up to 8 MB each for smoke and times,
+  # 37 MB for the pair's VGG11: over what comes back); the fedbabu runs with theirs (0.5 MB each), so that a
+  # cut-off stage can be resumed by a later call
+  for p in smoke times levers pair; do [ -d "$WORK/$p" ] && parts+=(-C "$WORK" "$p"); done
   [ -d "$FEDBABU_RUNS" ] && parts+=(-C "$(dirname "$FEDBABU_RUNS")" "$(basename "$FEDBABU_RUNS")")
   if [ "${#parts[@]}" -gt 0 ]; then
-    tar -czf "$OUT/runs.tar.gz" --exclude='smoke/*/checkpoint.pt' --exclude='times/*/checkpoint.pt' "${parts[@]}" || rc=1
+    tar -czf "$OUT/runs.tar.gz" --exclude='smoke/*/checkpoint.pt' --exclude='times/*/checkpoint.pt' \
+      --exclude='levers/*/*.pt' --exclude='pair/*/*.pt' --exclude='.gate*' "${parts[@]}" || rc=1
   fi
   {
     echo "# benchmarks/gpu.sh, MODE=$MODE, DEVICE=$DEVICE, $(date -u +%FT%TZ)"
@@ -365,7 +423,7 @@ collect() {
     echo "| stage | result | seconds |"
     echo "|---|---|---|"
     cat "$WORK/.stages"
-    for f in env.txt smoke.md times.md fedbabu.md; do
+    for f in env.txt smoke.md times.md fedbabu.md speed.md; do
       echo
       echo "## $f"
       echo
@@ -385,7 +443,7 @@ if [ "${1:-}" = --stage ]; then  # one stage, in its own process (run below unde
   exit $?
 fi
 
-STAGES=${*:-$STAGES_ALL}
+STAGES=${*:-$STAGES_DEFAULT}
 for s in $STAGES; do
   case " $STAGES_ALL " in *" $s "*) ;; *) echo "unknown stage '$s' (stages: $STAGES_ALL)" >&2; exit 2 ;; esac
 done
@@ -415,6 +473,7 @@ FAILED=0
 for s in $STAGES; do
   case $s in
     env) cap=$CAP_ENV ;; data) cap=$CAP_DATA ;; smoke) cap=$CAP_SMOKE ;; times) cap=$CAP_TIMES ;; fedbabu) cap=$CAP_FEDBABU ;;
+    levers) cap=$CAP_LEVERS ;; pair) cap=$CAP_PAIR ;;
   esac
   left=$((DEADLINE - (SECONDS - START)))
   if [ "$cap" -le 0 ] || [ "$cap" -gt "$left" ]; then cap=$left; fi
@@ -428,7 +487,7 @@ for s in $STAGES; do
   echo "##### stage $s (at most ${cap}s) $(date -u +%T)"
   t0=$SECONDS
   rc=0
-  timeout -k 10 "$cap" bash "$SELF" --stage "$s" || rc=$?
+  STAGE_CAP=$cap timeout -k 10 "$cap" bash "$SELF" --stage "$s" || rc=$?
   dt=$((SECONDS - t0))
   if [ "$rc" = 0 ]; then
     result=ok

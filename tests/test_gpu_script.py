@@ -1,22 +1,33 @@
-"""benchmarks/gpu.sh (issue 24), the one script a lent GPU machine runs: MODE=dry prints commands that each
-script's own parser accepts; MODE=tiny runs every stage end to end on the CPU at toy size (about 1.5 min
-on one thread) and leaves the files the GPU call brings back; a failing stage is reported and the next
-one still runs."""
+"""benchmarks/gpu.sh (issues 24 and 53), the one script a lent GPU machine runs: MODE=dry prints commands that
+each script's own parser accepts; MODE=tiny runs every stage end to end on the CPU at toy size (the stages of
+issue 24's call about 1.5 min on one thread, issue 53's default ones, levers and pair, about 30 s) and leaves
+the files the GPU call brings back; a failing stage is reported and the next one still runs. Also
+benchmarks/levers.py's arithmetic: FLOPs and floors of the five paper configurations (the issue's table), the
+projection of a timed slice to the paper's round, the pair's choice of lever."""
 
+import argparse
+import json
 import os
 import re
 import shlex
 import subprocess
+import sys
 import tarfile
 
 import pytest
+import torch
 
+import common
 from test_docs import parse, places  # noqa: F401  (places: a pytest fixture, used by name)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import levers  # noqa: E402
+
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu.sh")
 METHODS = ["fedavg", "fedbabu", "fedfn", "fedln", "fednnnn", "anfr"]
 FILES = {"log.txt", "env.txt", "smoke.md", "times.md", "fedbabu.md", "summary.md", "runs.tar.gz"}
+ISSUE24 = ["env", "data", "smoke", "times", "fedbabu"]  # the stages of the first call, by name
 
 
 SETTINGS = {
@@ -32,6 +43,7 @@ SETTINGS = {
     "SMOKE_JOBS",
     "SMOKE_BATCH",
     "TIMES_FLAGS",
+    "LEVERS_FLAGS",
     "DEADLINE",
     "PYTHON",
     "CAP_ENV",
@@ -39,6 +51,9 @@ SETTINGS = {
     "CAP_SMOKE",
     "CAP_TIMES",
     "CAP_FEDBABU",
+    "CAP_LEVERS",
+    "CAP_PAIR",
+    "STAGE_CAP",
 }
 
 
@@ -50,7 +65,8 @@ def gpu_sh(tmp_path, *stages, timeout=600, **env):
 
 
 def dry_commands(stdout):
-    """(line, argv) of every `python <something>.py ...` line of MODE=dry's output."""
+    """(line, argv) of every `python <something>.py ...` line of MODE=dry's output; a `torchrun --standalone
+    --nproc_per_node K script.py ...` line as `python script.py ...` (with K in the line)."""
     out = []
     for line in stdout.splitlines():
         if not line.strip() or line.startswith("#"):
@@ -58,6 +74,8 @@ def dry_commands(stdout):
         argv = shlex.split(line)
         while argv and re.fullmatch(r"\w+=.*", argv[0]):  # VAR=value command
             argv = argv[1:]
+        if argv[:3] == ["torchrun", "--standalone", "--nproc_per_node"]:
+            argv = ["python", *argv[4:]]
         if argv and os.path.basename(argv[0]).startswith("python") and len(argv) > 1 and argv[1].endswith(".py"):
             out.append((line, argv))
     return out
@@ -65,7 +83,7 @@ def dry_commands(stdout):
 
 @pytest.mark.slow  # every command of gpu.sh through its parser
 def test_dry_run_prints_commands_each_parser_accepts(tmp_path, places, monkeypatch, capsys):  # noqa: F811
-    res = gpu_sh(tmp_path, MODE="dry", timeout=120)
+    res = gpu_sh(tmp_path, *ISSUE24, "levers", "pair", MODE="dry", timeout=120)
     assert res.returncode == 0, res.stderr
     assert not (tmp_path / "work").exists() and not (tmp_path / "out").exists()  # nothing ran, nothing written
     commands = dry_commands(res.stdout)
@@ -78,7 +96,9 @@ def test_dry_run_prints_commands_each_parser_accepts(tmp_path, places, monkeypat
         except SystemExit as e:
             pytest.fail(f"`{line}` rejected (exit {e.code}): {capsys.readouterr().err.strip()}")
     by_script = {m: [a for _, a in commands if a[1] == f"{m}.py"] for m in METHODS}
+    smoke = lambda a: "/smoke/" in (a + ["--out", ""])[(a + ["--out"]).index("--out") + 1] or "/smoke/" in str(a)
     for m, runs in by_script.items():  # smoke: fp32, --amp, --stop-after 1 then --resume, on cuda
+        runs = [a for a in runs if smoke(a)]
         assert any("--amp" in a and a[a.index("--device") + 1] == "cuda" for a in runs), m
         stopped = [a[a.index("--out") + 1] for a in runs if "--stop-after" in a]
         assert stopped and [stopped[0]] == [a[a.index("--resume") + 1] for a in runs if "--resume" in a], m
@@ -96,6 +116,7 @@ def test_dry_run_prints_commands_each_parser_accepts(tmp_path, places, monkeypat
         and a[a.index("--model") + 1] == "convnet4"
         and "--rounds" in a
         and a[a.index("--rounds") + 1] == "32"
+        and "/levers/" not in " ".join(a)
     ]
     assert sorted((("--train-head" in a), a[a.index("--seed") + 1]) for a in table13) == [
         (False, "0"),
@@ -106,11 +127,31 @@ def test_dry_run_prints_commands_each_parser_accepts(tmp_path, places, monkeypat
         (True, "2"),
     ]
     assert "JOBS=6" in res.stdout and "bash benchmarks/reproduce/fedbabu.sh paper" in res.stdout
+    # levers: every configuration today and under torchrun 4 (the issue's K = 2 and 4), the slices' timing flags
+    lines = res.stdout.splitlines()
+    for m in ["fedfn", "fedbabu", "fedln", "fednnnn", "anfr"]:
+        timed = [a for a in by_script[m] if "/levers/" in " ".join(a) and "--stop-after" in a]
+        assert timed and all("--eval-every" in a and a[a.index("--eval-every") + 1] == "1000000" for a in timed), m
+    for k in (2, 4):
+        assert any(line.startswith(f"torchrun --standalone --nproc_per_node {k} fedfn.py") for line in lines), k
+    assert any("fedfn together: in this process" in line for line in lines)
+    anfr_flags = [line for line in lines if "anfr" in line and ("--channels-last" in line or "has no" in line)]
+    assert anfr_flags, "anfr.py's --channels-last / --tf32: a command or a line saying the flag is missing"
+    # pair: FedFN and FedAvg of Table 1 at s=2, seed 0, checkpointed every round, then resumed
+    pair = [a for a in by_script["fedfn"] if "/pair/" in " ".join(a)]
+    firsts = [a for a in pair if "--shards" in a]
+    assert sorted(("--no-fn" in a, a[a.index("--lr") + 1]) for a in firsts) == [(False, "0.03"), (True, "0.01")]
+    for a in firsts:
+        assert a[a.index("--shards") + 1] == "2" and a[a.index("--seed") + 1] == "0" and "--stop-after" in a
+        assert a[a.index("--checkpoint-every") + 1] == "1" and a[a.index("--rounds") + 1] == "320"
+    assert sorted(a[a.index("--resume") + 1] for a in pair if "--resume" in a) == sorted(
+        a[a.index("--out") + 1] for a in firsts
+    )
 
 
 @pytest.mark.slow  # every stage of gpu.sh, each script several times
 def test_tiny_mode_runs_every_stage_end_to_end(tmp_path):
-    res = gpu_sh(tmp_path, MODE="tiny", DEVICE="cpu", timeout=600)
+    res = gpu_sh(tmp_path, *ISSUE24, MODE="tiny", DEVICE="cpu", timeout=600)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     out = tmp_path / "out"
     assert set(os.listdir(out)) == FILES and len(FILES) <= 8  # what the GPU call brings back
@@ -160,3 +201,96 @@ def test_a_failing_stage_is_reported_and_the_next_still_runs(tmp_path):
     assert again.returncode == 2 and "already holds runs" in again.stderr
     bad = gpu_sh(tmp_path, "nope", MODE="full", timeout=60)
     assert bad.returncode == 2 and "unknown stage" in bad.stderr
+
+
+@pytest.mark.slow  # torchrun and six script processes (about 30 s)
+def test_tiny_levers_and_pair_end_to_end(tmp_path):
+    """The default stages (issue 53's call) at toy size: the levers table with today, torchrun 2 and together
+    timed, the FLOP table of all five configurations, the pair run side by side, stopped and resumed."""
+    res = gpu_sh(tmp_path, MODE="tiny", DEVICE="cpu", timeout=300)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    out = tmp_path / "out"
+    assert set(os.listdir(out)) == {"log.txt", "env.txt", "fedbabu.md", "speed.md", "summary.md", "runs.tar.gz"}
+    summary = (out / "summary.md").read_text()
+    for stage in ["env", "data", "levers", "pair"]:
+        assert re.search(rf"^\| {stage} \| ok \| \d+ \|$", summary, re.M), summary
+    speed = (out / "speed.md").read_text()
+    for lever in ["today", "torchrun 2", "together", "today (in-process)"]:
+        row = next(line for line in speed.splitlines() if line.startswith("| fedfn.py") and f"| {lever} |" in line)
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert float(cells[2]) > 0 and float(cells[3]) > 0 and cells[5].endswith("x"), row
+    assert re.search(r"^\| anfr\.py .*\| channels-last \+ tf32 \| (\d|not run: anfr\.py has no)", speed, re.M)
+    flops = [line for line in speed.splitlines() if re.match(r"^\| \w+\.py .* \| \d+ \| [\d.]+, [\d.]+ \|", line)]
+    assert len(flops) == 5, speed
+    for variant in ["fedavg", "fedfn"]:
+        row = next(line for line in speed.splitlines() if f"(`{variant}`)" in line)
+        assert re.search(r"\| 4 \| 0\.\d+ \| [\d.]+ \| partial", row), row  # 2 rounds, then 2 more resumed
+    with tarfile.open(out / "runs.tar.gz") as tar:
+        names = tar.getnames()
+    assert "levers/levers.json" in names and "pair/pair.json" in names
+    assert "pair/fedfn/metrics.jsonl" in names and "pair/fedavg/config.json" in names
+    assert not any(n.endswith(".pt") for n in names)  # checkpoints stay behind (37 MB each for VGG11)
+
+
+# ---------------------------------------------------------------------------------------------
+# benchmarks/levers.py's arithmetic, in this process
+# ---------------------------------------------------------------------------------------------
+def cifar_shaped():
+    """A stand-in for CIFAR-10 as the scripts see it: 50,000 + 10,000 images of 3x32x32, 10 balanced classes (no
+    pixels: the FLOP count runs on the meta device, the partitions read labels only)."""
+    images = lambda n: torch.zeros(1, 3, 32, 32, dtype=torch.uint8).expand(n, 3, 32, 32)
+    labels = lambda n: torch.arange(n) % 10
+    half = torch.full((1, 3, 1, 1), 0.5)
+    return common.Data(images(50000), labels(50000), images(10000), labels(10000), 10, half, half)
+
+
+def test_flops_and_floors_match_the_issue():
+    """FLOPs (torch.utils.flop_counter) times the paper runs' sample passes, at 40% of 989 TFLOP/s: issue 53's
+    floors (58 s / 116 s, under 1 s, 7 s / 14 s, 38 s / 75 s, 5 min / 10 min), and its 46 GFLOP a VGG11 step."""
+    a = argparse.Namespace(tiny=False, data_dir="data/cifar10", device="cpu")
+    data = cifar_shaped()
+    works = {claim: levers.paper_work(claim, a, data) for claim in levers.CONFIGS}
+    fedfn = works["fedfn"]
+    assert fedfn["clients"] == 10 and fedfn["steps"] == 150 and fedfn["passes"] == 75000
+    assert fedfn["train_fps"] * 50 / 1e9 == pytest.approx(46, rel=0.01)  # a VGG11 SGD step at B=50
+    assert works["anfr"]["steps"] == 282 and works["anfr"]["train_fps"] / 1e9 == pytest.approx(24.3, rel=0.01)
+    floors = {claim: {k: v * w["rounds"] for k, v in w["floors"].items()} for claim, w in works.items()}
+    issue = {"fedfn": 58, "fedln": 7, "fednnnn": 38, "anfr": 300}  # seconds at bf16; TF32: twice
+    for claim, seconds in issue.items():
+        assert floors[claim]["bf16"] == pytest.approx(seconds, rel=0.08), (claim, floors[claim])
+        assert floors[claim]["tf32"] == pytest.approx(2 * floors[claim]["bf16"])
+    assert floors["fedbabu"]["bf16"] < 1
+    assert works["anfr"]["eval_passes"] == 15000  # test set and the 10% held out (NF-ResNet: no batch norm)
+
+
+def test_a_slice_is_projected_by_waves_and_steps():
+    work = {"clients": 10, "steps": 150}
+    item = lambda k: {"procs": k}
+    assert levers.project(item(1), work, {("clients", 4): 1.0}) == pytest.approx(2.5)  # 10 clients from 4
+    assert levers.project(item(4), work, {("clients", 4): 1.0}) == pytest.approx(3.0)  # 3 waves of 4 from 1
+    assert levers.project(item(2), work, {("clients", 4): 1.0}) == pytest.approx(2.5)  # 5 waves from 2
+    assert levers.project(item(1), work, {("steps", 12): 1.2}) == pytest.approx(15.0)  # 150 steps from 12
+    # two slices: a + b steps, so the per-client part is counted once (0.5 s + 0.1 s a step here)
+    assert levers.project(item(2), work, {("steps", 6): 1.1, ("steps", 18): 2.3}) == pytest.approx(15.5)
+    assert levers.project(item(1), work, {(None, None): 0.3}) == 0.3
+
+
+def test_the_pair_takes_the_fastest_fp32_lever(tmp_path):
+    rows = [
+        {"claim": "fedfn", "kind": "script", "lever": "today", "procs": 1, "flags": [], "s_round": 6.0},
+        {"claim": "fedfn", "kind": "script", "lever": "torchrun 4", "procs": 4, "flags": [], "s_round": 2.0},
+        {"claim": "fedfn", "kind": "script", "lever": "amp", "procs": 1, "flags": ["--amp"], "s_round": 1.0},
+        {"claim": "fedfn", "kind": "together", "lever": "together", "procs": 1, "flags": [], "s_round": 0.5},
+        {"claim": "fedfn", "kind": "script", "lever": "torchrun 2", "procs": 2, "flags": [], "status": "failed"},
+        {"claim": "fedln", "kind": "script", "lever": "torchrun 4", "procs": 4, "flags": [], "s_round": 0.1},
+    ]
+    path = tmp_path / "levers.json"
+    path.write_text(json.dumps({"results": rows}))
+    procs, alone, why = levers.pair_choice(str(path))
+    assert (procs, alone) == (4, 2.0) and "torchrun 4" in why
+    assert levers.pair_choice(str(tmp_path / "none.json"))[:2] == (1, levers.ALONE_FALLBACK)
+
+
+def test_a_lever_the_script_lacks_is_named():
+    assert levers.missing_flags("anfr.py", ["--amp", "--no-such-lever"]) == ["--no-such-lever"]
+    assert levers.missing_flags("fedfn.py", ["--amp"]) == []
