@@ -1,14 +1,18 @@
-"""The docs say what runs: every `python <script>.py ...` command in README.md and docs/*.md (code blocks
-and inline code) is accepted by that script's own parser, called in-process without running anything;
-every `bash X.sh` / `pip install -r X` names an existing file; every relative link and image resolves
-(with its #anchor, for markdown targets); every table row has its header's number of cells; each
-method page has the fixed sections in order; every code pointer `<script>.py: <name>` names a definition
-of that script, and each bullet of a method page's "Implementation details and deviations" holds one;
-the README stays short; every figure the README repeats (Results from the runs in benchmarks/results and the
-docs pages, mutation counts from tests/README.md, the overhead bound from docs/speed.md) agrees with its source.
-Parsers only: about a second."""
+"""The docs say what runs: every `python <script>.py ...` command in README.md, docs/*.md and docs/evidence/*.md
+(code blocks and inline code) is accepted by that script's own parser, called in-process without running anything;
+every `bash X.sh` / `pip install -r X` names an existing file; every relative link, reference link and image
+resolves (with its #anchor, for markdown targets); every table row has its header's number of cells; each method
+page has the fixed sections in order, its bottom line, `--help` and a one-minute run on the first screen, and a
+Results that opens with a summary table and a figure; every code pointer `<script>.py: <name>` names a definition
+of that script, and each bullet of a method page's "Implementation details and deviations" holds one; the README
+reads at a glance (1,500 words, 120 characters a line, one Results row per claim, cells of 100 characters) and no
+page exceeds 3,000 words; every number of the README's Results, of each page's summary table and of the moved
+figures in the pages' text agrees with its source (the runs in benchmarks/results as collect.py reads them, the
+paper's numbers as collect.py tables them), the mutation counts with tests/README.md, the overhead bound and the
+speed figures with docs/speed.md. Parsers only: about a second."""
 
 import argparse
+import functools
 import glob
 import importlib
 import itertools
@@ -25,16 +29,18 @@ from helpers import stand_in_folder, stand_in_groups, stand_in_tinyimagenet
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
 sys.path.insert(0, BENCH)
-DOCS = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+DOCS = ["README.md"] + sorted(
+    os.path.relpath(p, ROOT)
+    for p in glob.glob(os.path.join(ROOT, "docs", "*.md")) + glob.glob(os.path.join(ROOT, "docs", "evidence", "*.md"))
+)
 METHODS = ["fedavg", "fedbabu", "fedfn", "fedln", "fednnnn", "anfr"]
-SECTIONS = [
+SECTIONS = [  # run command, flags and verdict first: the page's bottom line stands above "Paper and idea"
     "Paper and idea",
     "Usage",
+    "Results",
     "Flags beyond fedavg.py's",
     "What is logged",
     "Implementation details and deviations",
-    "Results",
-    "Paper's numbers beside ours",
 ]
 FENCE = re.compile(r"^```.*?^```[ \t]*$", re.S | re.M)
 SEPARATORS = {"&&", "||", ";", "|", "&"}
@@ -376,7 +382,7 @@ def test_dataset_commands_use_the_papers_settings(where, argv, dataset, places, 
 
 def test_every_dataset_has_its_command_and_its_source():
     """docs/datasets.md has a training command for each dataset and names the paper and table next to it; the
-    README's quick commands cover the four most used."""
+    README links it."""
     text = read("docs/datasets.md")
     found = {d for w, _, d in DATASET_COMMANDS if w.startswith("docs/datasets.md")}
     assert found == set(PAPER_SETTINGS), sorted(set(PAPER_SETTINGS) - found)
@@ -385,12 +391,7 @@ def test_every_dataset_has_its_command_and_its_source():
             line = int(where.split(":")[1])
             before = "\n".join(text.splitlines()[max(0, line - 16) : line])
             assert PAPER_SETTINGS[dataset][2] in before, f"{where}: the text above does not cite the paper's setting"
-    assert {d for w, _, d in DATASET_COMMANDS if w.startswith("README.md")} >= {
-        "isic",
-        "pacs",
-        "tinyimagenet",
-        "femnist",
-    }
+    assert "(docs/datasets.md)" in read("README.md")  # the README points to them
 
 
 # ---------------------------------------------------------------------------------------------
@@ -411,8 +412,10 @@ def anchors(doc):
 
 
 def links(doc):
+    """Inline links and images, and the targets of reference definitions (`[label]: target`)."""
     prose = re.sub(r"`[^`\n]*`", "", FENCE.sub("", read(doc)))
-    return re.findall(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", prose)
+    inline = re.findall(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", prose)
+    return inline + re.findall(r"^\[[^\]]+\]:\s*(\S+)", prose, re.M)
 
 
 @pytest.mark.parametrize("doc", DOCS)
@@ -458,6 +461,20 @@ def test_method_page_has_the_fixed_sections(method):
     assert re.match(r"# .*`%s\.py`" % method, text), f"{doc}: the title names {method}.py"
     assert re.findall(r"^## (.+)$", text, re.M) == SECTIONS
     assert f"(docs/{method}.md)" in read("README.md"), f"the README's scripts table links {doc}"
+    # the first screen: the bottom line (a verdict), then Usage: --help, a one-minute run, the script's flags
+    top = text.split("\n## Paper and idea", 1)[0]
+    assert "**Bottom line**" in top and "(#results)" in top, f"{doc}: a bottom line linking Results above the idea"
+    usage = read(doc).split("\n## Usage\n", 1)[1].split("\n## ", 1)[0]
+    first = FENCE.search(usage).group(0).splitlines()[1:3]
+    assert first[0] == f"python {method}.py --help", f"{doc}: Usage starts with `python {method}.py --help`"
+    assert first[1].startswith(f"python {method}.py --dataset folder --data-dir ~/cifar10 "), f"{doc}: a short run"
+    assert read(doc).splitlines().index(first[1]) < 40, f"{doc}: the first run is on the first screen"
+    assert "(#flags-beyond-fedavgpys)" in usage or "(flags.md)" in usage, f"{doc}: Usage points to the flags"
+    # Results: one summary table, then one figure, then the experiments (### each) and the evidence pages
+    results = read(doc).split("\n## Results\n", 1)[1].split("\n## ", 1)[0]
+    blocks = [b for b in results.split("\n\n") if b.strip()]
+    kinds = ["table" if b.startswith("|") else "figure" if b.startswith("![") else "text" for b in blocks]
+    assert kinds[:3] == ["text", "table", "figure"], f"{doc}: Results opens with its summary table and a figure"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -509,8 +526,26 @@ def test_code_pointers_name_definitions():
             )
 
 
-def test_readme_is_short():
-    assert len(read("README.md").splitlines()) <= 200
+def prose_lines(doc):
+    return FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), read(doc)).splitlines()
+
+
+def test_readme_and_pages_read_at_a_glance():
+    """Issue 55's counts: the README at most 1,500 words, no line of it over 120 characters outside code blocks
+    (tables included), its Results one row per claim with cells of at most 100 characters, each linking its
+    claim's page; every docs page, evidence pages included, at most 3,000 words."""
+    readme = read("README.md")
+    assert len(readme.split()) <= 1500, f"README: {len(readme.split())} words"
+    wide = [(n, len(line)) for n, line in enumerate(prose_lines("README.md"), 1) if len(line) > 120]
+    assert not wide, f"README lines over 120 characters (line, length): {wide}"
+    table, targets = table_after("README.md", "Results"), reference_links("README.md")
+    pages = [targets.get(row, "").split("#")[0] for row in table]
+    assert sorted(pages) == sorted(f"docs/{m}.md" for m in CLAIM_PAGES), f"one row per claim, each its page: {pages}"
+    for row, cells in table.items():
+        for column, cell in cells.items():
+            assert len(cell) <= 100, f"README Results {row}, {column}: {len(cell)} characters"
+    for doc in DOCS[1:]:
+        assert len(read(doc).split()) <= 3000, f"{doc}: {len(read(doc).split())} words"
 
 
 def test_ci_runs_the_readme_test_command():
@@ -528,122 +563,375 @@ def test_ci_runs_the_readme_test_command():
 # benchmarks/collect.py reads them, and the docs pages' tables; tests/README.md's mutation runs)
 # ---------------------------------------------------------------------------------------------
 NUMBER = re.compile(r"\d+\.\d+")
+FINAL, PERS, INIT, FT1 = "final test acc", "personalized (5 ft epochs)", "initial (0 ft epochs)", "after 1 ft epoch"
+BEST_VAL, LAST5, QUARTER = (
+    "test acc at best val (the paper's)",
+    "mean of the last 5 evaluations",
+    "test acc at 1/4 of the rounds",
+)
+GAIN = "mean |last gain|"
 
 
-def runs(claim, scale, *variants, metric="final test acc", kind="runs"):  # kind runs-h200: benchmarks/results-h200
-    return [(kind, claim, scale, v, metric) for v in variants]
+# Where a shown number comes from. Each helper returns one source; a cell lists one per decimal number, in order.
+def mean(claim, scale, variant, metric=FINAL, kind="runs"):  # kind runs-h200: benchmarks/results-h200
+    """The mean over the seeds (%) of the runs in benchmarks/results/<claim>-<scale>/<variant>/, as collect.py reads
+    them for the docs tables."""
+    return ("mean", kind, claim, scale, variant, metric)
 
 
-def paper(claim, *variants, metric="final test acc"):
-    return [("paper", claim, None, v, metric) for v in variants]
+def std(claim, scale, variant, metric=FINAL, kind="runs"):
+    return ("std", kind, claim, scale, variant, metric)
 
 
-def text(path, count):
-    return [("text", path, None, None, None)] * count
+def diff(a, b):
+    return ("diff", a, b)
 
 
-# README "Results": row (its first word) -> column -> where each decimal number of that cell comes from, in order
-PERS, INIT, FT1 = "personalized (5 ft epochs)", "initial (0 ft epochs)", "after 1 ft epoch"
-BEST_VAL, LAST5 = "test acc at best val (the paper's)", "mean of the last 5 evaluations"
+def low(claim, scale, variants, metric=GAIN):  # the smallest per-run value (as logged, not in %) over the variants
+    return ("min", "runs", claim, scale, tuple(variants), metric)
+
+
+def high(claim, scale, variants, metric=GAIN):
+    return ("max", "runs", claim, scale, tuple(variants), metric)
+
+
+def paper(claim, variant, metric=FINAL):  # the paper's number as collect.py tables it beside the variant
+    return ("paper", claim, variant, metric)
+
+
+def quoted(page):  # a number quoted from the paper that collect.py does not table: it stands in that page
+    return ("text", page)
+
+
+def note(claim):  # a number of collect.py's note for the claim (the paper's, quoted there)
+    return ("note", claim)
+
+
+ARCHS = ("anfr", "bn", "gn", "se", "nf")  # the pages' order: ANFR first, then the baselines
+
+
+def each(source, *variants):
+    """The same source for several variants, in order: each(lambda v: mean("fedln", "small", v), "ln", "fn")."""
+    return [source(v) for v in variants]
+
+
+@functools.lru_cache(maxsize=None)
+def found_runs(kind):
+    import collect
+
+    return collect.gather(os.path.join(ROOT, "benchmarks", {"runs": "results", "runs-h200": "results-h200"}[kind]))
+
+
+def run_values(kind, claim, scale, variant, metric):
+    import collect
+
+    _, how, _ = next(m for m in collect.CLAIMS[claim]["metrics"] if m[0] == metric)
+    runs = [r for r in found_runs(kind)[(claim, scale)][variant]["runs"] if not r["summary"].get("diverged")]
+    assert runs, f"no finished run of {claim}-{scale}/{variant}"
+    return [collect.value(r, how) for r in runs]
+
+
+def source_value(source):
+    """The value a source gives, in the unit the docs show it (% for accuracies); None for a quoted number."""
+    import collect
+
+    kind = source[0]
+    if kind == "diff":
+        return source_value(source[1]) - source_value(source[2])
+    if kind in ("mean", "std"):
+        m, s, _ = collect.mean_std(run_values(*source[1:]))
+        return 100 * (m if kind == "mean" else s)
+    if kind in ("min", "max"):
+        _, root, claim, scale, variants, metric = source
+        values = [v for variant in variants for v in run_values(root, claim, scale, variant, metric)]
+        return min(values) if kind == "min" else max(values)
+    return None
+
+
+def check_number(where, shown, source):
+    """shown (a string as the docs print it) is what its source gives, to the digits shown."""
+    import collect
+
+    kind = source[0]
+    if kind == "paper":
+        _, claim, variant, metric = source
+        papers = next(m for m in collect.CLAIMS[claim]["metrics"] if m[0] == metric)[2]
+        assert shown in NUMBER.findall(papers[variant]), f"{where}: the paper's {variant} is {papers[variant]}"
+    elif kind == "text":
+        assert shown in read(source[1]), f"{where}: {shown} is not in {source[1]}"
+    elif kind == "note":
+        assert shown in NUMBER.findall(collect.CLAIMS[source[1]]["note"]), f"{where}: not in collect.py's note"
+    else:
+        value, digits = source_value(source), len(shown.split(".")[1])
+        assert abs(float(shown) - value) <= 0.5 * 10**-digits + 1e-9, f"{where}: the runs give {value:.4f}"
+
+
+def check_cells(where, cells, sources):
+    """Every decimal number of each cell (the row's label aside) against its sources, in order; returns how many
+    were results of ours (runs, not the paper's)."""
+    checked = 0
+    for column, cell in list(cells.items())[1:]:
+        numbers, want = NUMBER.findall(cell), sources.get(column, [])
+        assert len(numbers) == len(want), f"{where}, {column}: {numbers} but sources {want}"
+        for shown, source in zip(numbers, want):
+            check_number(f"{where}, {column}: {shown}", shown, source)
+            checked += source[0] not in ("paper", "text", "note")
+    return checked
+
+
+def table_after(doc, heading):
+    """The first table under `## heading` of doc: {row label: {column: cell}}, split at unescaped pipes; a label
+    that is a link keeps its text only."""
+    section = read(doc).split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    rows = ("|" + section.split("\n\n|", 1)[1].split("\n\n", 1)[0]).splitlines()
+    lines = [line for line in rows if not re.match(r"\|\s*-", line)]
+    cells = [[c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]] for line in lines]
+    label = lambda c: re.sub(r"^\[([^\]]+)\](\[[^\]]*\]|\([^)]*\))?$", r"\1", c)
+    return {label(row[0]): dict(zip(cells[0], row)) for row in cells[1:]}
+
+
+def reference_links(doc):
+    return dict(re.findall(r"^\[([^\]]+)\]:\s*(\S+)", FENCE.sub("", read(doc)), re.M))
+
+
+# README "Results": one row per claim (its label) -> column -> where each decimal number of the cell comes from
+SMALL, PROXY, PAPER_SCALE = "small (CPU)", "proxy (CPU)", "paper scale"
 RESULTS_SOURCES = {
-    "1.": {
-        "paper": paper("fedfn-s2", "fedfn", "fedavg") + paper("fedfn-s10", "fedfn", "fedavg"),
-        "ours, small scale": runs("fedfn-s2", "small", "fedfn", "fedavg")
-        + runs("fedfn-s10", "small", "fedfn", "fedavg"),
-        "verdict": runs("fedfn-s2", "proxy", "fedfn", "fedavg")
-        + runs("fedfn-s10", "proxy", "fedfn", "fedavg")
-        + text("docs/fedfn.md", 1)  # alpha 0.1
-        + runs("fedfn-a0.1", "proxy", "fedfn", "fedavg")
-        + runs("fedfn-a0.1", "proxy", "fedfn-e5", "fedavg-e5")  # E=5, seeds 0 and 1
-        + runs("fedfn-a0.1", "proxy", "fedfn-e5", "fedavg-e5", metric=LAST5)
-        + text("docs/fedfn.md", 1)  # alpha 0.5
-        + runs("fedfn-a0.5", "proxy", "fedfn", "fedavg"),
+    "FedFN > FedAvg, s=2": {
+        "paper": each(lambda v: paper("fedfn-s2", v), "fedfn", "fedavg"),
+        SMALL: each(lambda v: mean("fedfn-s2", "small", v), "fedfn", "fedavg"),
+        PROXY: each(lambda v: mean("fedfn-s2", "proxy", v), "fedfn", "fedavg"),
     },
-    "1b.": {"ours, small scale": runs("fedfn-s2", "small", "fedfn-sqrtd") + runs("fedfn-s10", "small", "fedfn-sqrtd")},
-    "2.": {
-        "claim": text("docs/fedbabu.md", 2),  # Table 6's CIFAR-100 numbers, quoted on the page
-        "paper": paper("fedbabu", "fedbabu", "fedavg", metric=PERS),
-        "ours, small scale": runs("fedbabu", "small", "fedbabu", "fedavg", metric=PERS)
-        + runs("fedbabu", "small", "fedbabu", "fedavg", metric=FT1),
-        "ours, paper scale": runs("fedbabu", "paper", "fedbabu", "fedavg", metric=PERS)
-        + runs("fedbabu", "paper", "fedbabu", "fedavg", metric=INIT)
-        + runs("fedbabu", "paper", "fedbabu", "fedavg", metric=FT1)
-        + runs("fedbabu", "paper", "fedbabu", "fedavg", metric=PERS, kind="runs-h200"),
-        "verdict": runs("fedbabu", "proxy", "fedbabu", "fedavg", metric=PERS),
+    "FedBABU > FedAvg": {
+        "paper": each(lambda v: paper("fedbabu", v, PERS), "fedbabu", "fedavg"),
+        SMALL: each(lambda v: mean("fedbabu", "small", v, PERS), "fedbabu", "fedavg"),
+        PROXY: each(lambda v: mean("fedbabu", "proxy", v, PERS), "fedbabu", "fedavg"),
+        PAPER_SCALE: each(lambda v: mean("fedbabu", "paper", v, PERS, kind="runs-h200"), "fedbabu", "fedavg"),
     },
-    "3.": {
-        "paper": paper("fedln", "ln", "fn", "vanilla", "bn"),
-        "ours, small scale": runs("fedln", "small", "ln", "fn", "vanilla", "bn"),
+    "LN / FN > FedAvg": {
+        "paper": each(lambda v: paper("fedln", v), "ln", "fn", "vanilla"),
+        SMALL: each(lambda v: mean("fedln", "small", v), "ln", "fn", "vanilla"),
     },
-    "4.": {
-        "paper": paper("fednnnn", "fednnnn", "fedavg"),
-        "ours, small scale": runs("fednnnn", "small", "fednnnn", "fedavg"),
-        "verdict": runs("fednnnn", "small", "fednnnn", "fedavg", metric=LAST5),
+    "FedNNNN > FedAvg": {
+        "paper": each(lambda v: paper("fednnnn", v), "fednnnn", "fedavg"),
+        SMALL: each(lambda v: mean("fednnnn", "small", v), "fednnnn", "fedavg"),
     },
-    "5.": {
-        "paper": paper("anfr", "anfr", "bn", "gn", "se", "nf"),
-        "ours, small scale": runs("anfr-cropflip", "small", "anfr", "bn", "gn", "se", "nf", metric=BEST_VAL)
-        + runs("anfr-cropflip", "small", *(f"{a}-central" for a in ("anfr", "bn", "gn", "se", "nf")), metric=BEST_VAL)
-        + runs("anfr", "small", "anfr", "bn", "gn", "se", "nf"),
-        "verdict": text("docs/anfr.md", 6)  # the central gap to BN (and at 5x the steps), federation's cost
-        + runs("anfr-cropflip", "proxy", "anfr", "bn", "gn", "se", "nf", metric=BEST_VAL)
-        + text("docs/anfr.md", 3)  # ANFR's gap to BN, mean |g|
-        + text("docs/anfr.md", 1)  # centrally: ANFR's gap to BN (3-seed means)
-        + runs("anfr-cropflip", "proxy", "anfr-central-total", "bn-central-total", metric=BEST_VAL)  # 5x, seed 0
-        + text("docs/anfr.md", 2)  # federation's cost to ANFR and BN (3-seed means)
-        + runs("anfr-rrc", "proxy", "anfr", "bn", metric=BEST_VAL)  # the paper's recipe (3 seeds)
-        + text("docs/anfr.md", 2)  # ANFR's gap to BN under it and with pad-crop and flip (means)
-        + runs("anfr", "proxy", "anfr", "bn", "gn", "se", "nf"),
+    "ANFR > BN-ResNet": {
+        "paper": each(lambda v: paper("anfr-cropflip", v, BEST_VAL), "anfr", "bn"),
+        SMALL: each(lambda v: mean("anfr-cropflip", "small", v, BEST_VAL), "anfr", "bn"),
+        PROXY: each(lambda v: mean("anfr-cropflip", "proxy", v, BEST_VAL), "anfr", "bn"),
+    },
+}
+CLAIM_PAGES = {"fedfn", "fedbabu", "fedln", "fednnnn", "anfr"}
+
+# Each method page's Results summary table (the first table under "## Results"): row label -> column -> sources
+H200, CPU2 = "paper scale, H200 (3 seeds)", "paper scale, CPU (2 seeds)"
+CROP, RRC = "anfr-cropflip", "anfr-rrc"
+SUMMARY_SOURCES = {
+    "fedfn": {
+        **{
+            f"s={s} shards (T1)": {
+                "paper": each(lambda v: paper(f"fedfn-s{s}", v), "fedfn", "fedavg"),
+                SMALL: each(lambda v: mean(f"fedfn-s{s}", "small", v), "fedfn", "fedavg"),
+                PROXY: each(lambda v: mean(f"fedfn-s{s}", "proxy", v), "fedfn", "fedavg"),
+            }
+            for s in (2, 10)
+        },
+        "Dirichlet alpha 0.1, E=2 (T8, E=15)": {
+            "paper": each(lambda v: paper("fedfn-a0.1", v), "fedfn", "fedavg"),
+            PROXY: each(lambda v: mean("fedfn-a0.1", "proxy", v), "fedfn", "fedavg"),
+        },
+        "Dirichlet alpha 0.1, E=5": {
+            "paper": each(lambda v: paper("fedfn-a0.1", v), "fedfn", "fedavg"),
+            PROXY: each(lambda v: mean("fedfn-a0.1", "proxy", v), "fedfn-e5", "fedavg-e5"),
+        },
+        "Dirichlet alpha 0.5, E=2 (T8, E=15)": {
+            "paper": each(lambda v: paper("fedfn-a0.5", v), "fedfn", "fedavg"),
+            PROXY: each(lambda v: mean("fedfn-a0.5", "proxy", v), "fedfn", "fedavg"),
+        },
+        "control: FN scaled to sqrt(d), lr 0.01": {
+            SMALL: [mean("fedfn-s2", "small", "fedfn-sqrtd"), mean("fedfn-s10", "small", "fedfn-sqrtd")],
+        },
+    },
+    "fedbabu": {
+        f"{name} (T{table})": {
+            "paper": each(lambda v: paper("fedbabu", v, metric), "fedbabu", "fedavg"),
+            SMALL: each(lambda v: mean("fedbabu", "small", v, metric), "fedbabu", "fedavg"),
+            PROXY: each(lambda v: mean("fedbabu", "proxy", v, metric), "fedbabu", "fedavg"),
+            H200: each(lambda v: mean("fedbabu", "paper", v, metric, kind="runs-h200"), "fedbabu", "fedavg"),
+            CPU2: each(lambda v: mean("fedbabu", "paper", v, metric), "fedbabu", "fedavg"),
+        }
+        for name, table, metric in (("personalized, 5 ft epochs", 13, PERS), ("initial, 0 ft epochs", 12, INIT))
+    }
+    | {
+        "after 1 ft epoch (T6: CIFAR-100 only)": {
+            SMALL: each(lambda v: mean("fedbabu", "small", v, FT1), "fedbabu", "fedavg"),
+            PROXY: each(lambda v: mean("fedbabu", "proxy", v, FT1), "fedbabu", "fedavg"),
+            H200: each(lambda v: mean("fedbabu", "paper", v, FT1, kind="runs-h200"), "fedbabu", "fedavg"),
+            CPU2: each(lambda v: mean("fedbabu", "paper", v, FT1), "fedbabu", "fedavg"),
+        }
+    },
+    "fedln": {
+        label: {"paper": [paper("fedln", v)] * papers, SMALL: [mean("fedln", "small", v), std("fedln", "small", v)]}
+        for label, v, papers in (
+            ("ln (layer norm after each activation)", "ln", 2),
+            ("fn (the last feature scaled to sqrt(d))", "fn", 2),
+            ("vanilla (`--norm none`)", "vanilla", 2),
+            ("bn (batch norm, statistics averaged)", "bn", 1),
+        )
+    },
+    "fednnnn": {
+        label: {
+            "paper": [paper("fednnnn", v)],
+            "small (CPU), final round": [mean("fednnnn", "small", v), std("fednnnn", "small", v)],
+            "mean of the last 5 evaluations": [mean("fednnnn", "small", v, LAST5), std("fednnnn", "small", v, LAST5)],
+            "at 1/4 of the rounds": [mean("fednnnn", "small", v, QUARTER), std("fednnnn", "small", v, QUARTER)],
+        }
+        for label, v in (
+            ("fedavg", "fedavg"),
+            ("normnorm (`--beta 0.6 --gamma 0`)", "normnorm"),
+            ("momentum (`--no-normalize --beta 1 --gamma 0.9`)", "momentum"),
+            ("fednnnn", "fednnnn"),
+        )
+    },
+    "anfr": {
+        "FedAvg": {
+            "paper": each(lambda v: paper(CROP, v, BEST_VAL), *ARCHS),
+            SMALL: each(lambda v: mean(CROP, "small", v, BEST_VAL), *ARCHS),
+            PROXY: each(lambda v: mean(CROP, "proxy", v, BEST_VAL), *ARCHS),
+        },
+        "FedAvg, the recipe's random-resized crops (ANFR / BN)": {
+            "paper": each(lambda v: paper(RRC, v, BEST_VAL), "anfr", "bn"),
+            PROXY: each(lambda v: mean(RRC, "proxy", v, BEST_VAL), "anfr", "bn"),
+        },
+        "central: one client, the same steps (Table 9's second column)": {
+            "paper": [quoted("docs/evidence/anfr.md")] * 5,
+            SMALL: each(lambda v: mean(CROP, "small", f"{v}-central", BEST_VAL), *ARCHS),
+            PROXY: each(lambda v: mean(CROP, "proxy", f"{v}-central", BEST_VAL), *ARCHS),
+        },
+        "federation's cost, central - FedAvg (ANFR / BN)": {
+            "paper": [quoted("docs/evidence/anfr.md")] * 2,
+            **{
+                column: each(
+                    lambda v: diff(mean(CROP, scale, f"{v}-central", BEST_VAL), mean(CROP, scale, v, BEST_VAL)),
+                    "anfr",
+                    "bn",
+                )
+                for column, scale in ((SMALL, "small"), (PROXY, "proxy"))
+            },
+        },
+        "earlier comparison: PyTorch's init, final round": {
+            "paper": each(lambda v: paper("anfr", v), *ARCHS),
+            SMALL: each(lambda v: mean("anfr", "small", v), *ARCHS),
+            PROXY: each(lambda v: mean("anfr", "proxy", v), *ARCHS),
+        },
+    },
+    "fedavg": {  # FedAvg as each claim's baseline
+        "FedFN, s=2 shards (T1)": {
+            "paper's FedAvg": [paper("fedfn-s2", "fedavg")],
+            SMALL: [mean("fedfn-s2", "small", "fedavg")],
+            PROXY: [mean("fedfn-s2", "proxy", "fedavg")],
+        },
+        "FedBABU, personalized (T13)": {
+            "paper's FedAvg": [paper("fedbabu", "fedavg", PERS)],
+            SMALL: [mean("fedbabu", "small", "fedavg", PERS)],
+            PROXY: [mean("fedbabu", "proxy", "fedavg", PERS)],
+            PAPER_SCALE: [mean("fedbabu", "paper", "fedavg", PERS, kind="runs-h200")],
+        },
+        "FedLN, one class per client (T10)": {
+            "paper's FedAvg": [paper("fedln", "vanilla")],
+            SMALL: [mean("fedln", "small", "vanilla")],
+        },
+        "FedNNNN, non-IID-B (T2)": {
+            "paper's FedAvg": [paper("fednnnn", "fedavg")],
+            SMALL: [mean("fednnnn", "small", "fedavg")],
+        },
+        "ANFR, split-2, BN-ResNet (T9)": {
+            "paper's FedAvg": [paper(CROP, "bn", BEST_VAL)],
+            SMALL: [mean(CROP, "small", "bn", BEST_VAL)],
+            PROXY: [mean(CROP, "proxy", "bn", BEST_VAL)],
+        },
     },
 }
 
-
-def readme_table(heading):
-    """The README table under `## heading`: {first word of a row: {column: cell}}, split at unescaped pipes."""
-    section = read("README.md").split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
-    lines = [line for line in section.splitlines() if line.startswith("|") and not line.startswith("| ---")]
-    cells = [[c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]] for line in lines]
-    return {row[0].split()[0]: dict(zip(cells[0], row)) for row in cells[1:]}
+# Numbers that stand in prose or in an experiment's table (many of them once in the README's Results cells): the
+# page shows the number, and its source gives it
+TIES = [
+    ("README.md", "9.63", paper("fedln", "bn")),
+    ("README.md", "9.2", mean("fedln", "small", "bn")),
+    ("docs/fedbabu.md", "63.29", note("fedbabu")),  # Table 6, CIFAR-100: after 1 ft epoch
+    ("docs/fedbabu.md", "27.43", note("fedbabu")),
+    # FedFN at alpha 0.1, E=5: the gap on the final round and on the last five evaluations
+    ("docs/fedfn.md", "60.09", mean("fedfn-a0.1", "proxy", "fedfn-e5", LAST5)),
+    ("docs/fedfn.md", "60.62", mean("fedfn-a0.1", "proxy", "fedavg-e5", LAST5)),
+    ("docs/fedfn.md", "1.70", diff(mean("fedfn-a0.1", "proxy", "fedavg-e5"), mean("fedfn-a0.1", "proxy", "fedfn-e5"))),
+    ("docs/fedfn.md", "0.54", diff(*(mean("fedfn-a0.1", "proxy", v, LAST5) for v in ("fedavg-e5", "fedfn-e5")))),
+    *[
+        ("docs/fedfn.md", shown, mean(f"fedfn-a{a}", "proxy", v, LAST5))
+        for shown, a, v in (("41.25", 0.1, "fedfn"), ("47.49", 0.1, "fedavg"), ("64.76", 0.5, "fedfn"))
+    ],
+    ("docs/fedfn.md", "62.29", mean("fedfn-a0.5", "proxy", "fedavg", LAST5)),
+    # ANFR: gaps to BN under FedAvg and centrally, federation's cost, the gains' opening
+    ("docs/anfr.md", "14.8", diff(mean(CROP, "small", "bn", BEST_VAL), mean(CROP, "small", "anfr", BEST_VAL))),
+    ("docs/anfr.md", "10.73", diff(mean(CROP, "proxy", "bn", BEST_VAL), mean(CROP, "proxy", "anfr", BEST_VAL))),
+    ("docs/anfr.md", "0.81", diff(mean(CROP, "proxy", "anfr", BEST_VAL), mean(CROP, "proxy", "nf", BEST_VAL))),
+    ("docs/anfr.md", "8.26", diff(mean(RRC, "proxy", "bn", BEST_VAL), mean(RRC, "proxy", "anfr", BEST_VAL))),
+    *[
+        ("docs/anfr.md", shown, diff(*(mean(CROP, scale, f"{v}-{kind}", BEST_VAL) for v in ("bn", "anfr"))))
+        for shown, scale, kind in (("10.67", "small", "central"), ("8.96", "proxy", "central"))
+        + (("9.42", "small", "central-total"), ("7.46", "proxy", "central-total"))
+    ],
+    ("docs/anfr.md", "23.0", diff(mean("anfr", "small", "bn"), mean("anfr", "small", "anfr"))),
+    ("docs/anfr.md", "0.04", low(CROP, "small", ("nf", "anfr"))),
+    ("docs/anfr.md", "0.05", high(CROP, "small", ("nf", "anfr"))),
+    ("docs/anfr.md", "0.19", low(CROP, "small", ("bn",))),
+    ("docs/anfr.md", "0.20", high(CROP, "small", ("bn",))),
+    ("docs/anfr.md", "0.09", low(CROP, "proxy", ("nf", "anfr"))),
+    ("docs/anfr.md", "0.12", high(CROP, "proxy", ("nf", "anfr"))),
+    ("docs/anfr.md", "0.26", low(CROP, "proxy", ("bn", "gn", "se"))),
+    ("docs/anfr.md", "0.35", high(CROP, "proxy", ("bn", "gn", "se"))),
+    ("docs/evidence/anfr-proxy.md", "72.05", mean(CROP, "proxy", "anfr-central-total", BEST_VAL)),
+    ("docs/evidence/anfr-proxy.md", "79.51", mean(CROP, "proxy", "bn-central-total", BEST_VAL)),
+]  # fmt: skip
 
 
 def test_readme_results_are_the_runs_and_the_docs_tables():
     """Every decimal number of the README's Results table, cell by cell: a result of ours is the mean over the
     seeds of the runs in benchmarks/results (benchmarks/collect.py's reading, the docs tables' source) to the
-    README's digits, and its docs page (the row's details link) shows the same mean to two decimals; a paper's
-    number is the one collect.py tables beside it; a quoted one stands in the linked page."""
-    import collect
-
-    found = {kind: collect.gather(os.path.join(ROOT, "benchmarks", root))
-             for kind, root in (("runs", "results"), ("runs-h200", "results-h200"))}  # fmt: skip
-    table = readme_table("Results")
+    README's digits, and its page (the row's link) shows the same mean to two decimals; a paper's number is the one
+    collect.py tables beside it."""
+    table, targets = table_after("README.md", "Results"), reference_links("README.md")
     assert set(table) == set(RESULTS_SOURCES), "a row was added or renamed: say where its numbers come from"
     checked = 0
     for row, cells in table.items():
-        page = read(re.search(r"\(([\w/.-]+\.md)#results\)", cells["details"]).group(1))
-        for column, cell in cells.items():
-            numbers = NUMBER.findall(cell) if column != "details" else []
-            sources = RESULTS_SOURCES.get(row, {}).get(column, [])
-            assert len(numbers) == len(sources), f"README Results {row} {column}: {numbers} but sources {sources}"
-            for shown, (kind, source, scale, variant, metric) in zip(numbers, sources):
-                where = f"README Results {row} {column}: {shown}"
-                if kind == "text":  # source: a page
-                    assert shown in read(source), f"{where} is not in {source}"
-                    continue
-                # source: a claim of collect.py, with its variants' metrics and the paper's numbers beside them
-                _, how, papers = next(m for m in collect.CLAIMS[source]["metrics"] if m[0] == metric)
-                if kind == "paper":
-                    assert shown in NUMBER.findall(papers[variant]), (
-                        f"{where}, the paper's {variant}: {papers[variant]}"
-                    )
-                    continue
-                ok = [r for r in found[kind][(source, scale)][variant]["runs"] if not r["summary"].get("diverged")]
-                mean = 100 * collect.mean_std([collect.value(r, how) for r in ok])[0]
-                digits = len(shown.split(".")[1])
-                assert abs(float(shown) - mean) <= 0.5 * 10**-digits + 1e-9, f"{where}, the runs: {mean:.3f}"
-                two = {f"{mean + d:.2f}" for d in (-1e-6, 0, 1e-6)}  # either way at a tie (x.xx5)
-                assert any(t in page for t in two), f"{where}: its page does not show {mean:.2f}"
-                checked += 1
-    assert checked == 69  # every result of ours in the table
+        checked += check_cells(f"README Results {row}", cells, RESULTS_SOURCES[row])
+        page = read(targets[row].split("#")[0])
+        for column, cell in list(cells.items())[1:]:
+            for shown, source in zip(NUMBER.findall(cell), RESULTS_SOURCES[row].get(column, [])):
+                if source[0] == "mean":
+                    value = source_value(source)
+                    two = {f"{value + d:.2f}" for d in (-1e-6, 0, 1e-6)}  # either way at a tie (x.xx5)
+                    assert any(t in page for t in two), f"README {row}: {targets[row]} does not show {value:.2f}"
+    assert checked == 19  # every result of ours in the table
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_results_summary_tables_are_the_runs(method):
+    """Each method page's Results opens with one summary table; every decimal number in it is its runs' (or the
+    paper's, as collect.py tables it)."""
+    table = table_after(f"docs/{method}.md", "Results")
+    assert set(table) == set(SUMMARY_SOURCES[method]), f"docs/{method}.md: a summary row was added or renamed"
+    checked = sum(
+        check_cells(f"docs/{method}.md Results {row}", cells, SUMMARY_SOURCES[method][row])
+        for row, cells in table.items()
+    )
+    assert checked >= len(table)
+
+
+@pytest.mark.parametrize("doc, shown, source", TIES, ids=[f"{d}:{s}" for d, s, _ in TIES])
+def test_numbers_in_the_text_are_their_runs(doc, shown, source):
+    assert re.search(r"(?<![\d.])%s(?![\d])" % re.escape(shown), read(doc)), f"{doc} does not show {shown}"
+    check_number(f"{doc}: {shown}", shown, source)
 
 
 def test_readme_mutation_figures_are_tests_readmes():
