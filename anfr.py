@@ -263,11 +263,12 @@ def check_args(p, args):  # ANFR: this script's flags together
 # fmt: on
 
 
-def build(args, data):  # ANFR: the architecture of --arch from the one ResNet in common.py
+def build(args, data):  # ANFR: --arch from the one ResNet in common.py; --channels-last: NHWC weights
     norm, attention = ARCHS[args.arch]
-    init = getattr(args, "init", "torch")  # a run folder's config from before --init: PyTorch's
-    return build_model("resnet", data, depth=args.depth, width=args.width, norm=norm, stem=args.stem, init=init,
-                       attention=args.attention if attention else None, last_gain_init=args.last_gain_init)  # fmt: skip
+    init, attention = getattr(args, "init", "torch"), args.attention if attention else None  # old configs: torch
+    model = build_model("resnet", data, depth=args.depth, width=args.width, norm=norm, stem=args.stem, init=init,
+                        attention=attention, last_gain_init=args.last_gain_init)  # fmt: skip
+    return model.to(memory_format=torch.channels_last) if getattr(args, "channels_last", False) else model  # NHWC
 
 
 def resize(x, size, channels_last=False):  # ANFR: --image-size, and --channels-last's batches
@@ -621,8 +622,6 @@ if __name__ == "__main__":
     partition = make_partition(args, data)  # its own generator, seeded by --data-seed
     model = build(args, data).to(args.device)  # the global model w_t; ANFR: build() from --arch
     client = build(args, data).to(args.device)  # one client model, reloaded for every client
-    if args.channels_last:  # ANFR: NHWC weights (and batches: resize), which GPU convolutions run faster
-        model, client = (m.to(memory_format=torch.channels_last) for m in (model, client))
     torch.backends.cuda.matmul.allow_tf32 = args.tf32 or torch.backends.cuda.matmul.allow_tf32  # ANFR: --tf32
     if args.init_from and not args.resume:  # ANFR: before the run folder exists, so a refused file leaves none
         try:

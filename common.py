@@ -1217,8 +1217,8 @@ class Run:
             dist.broadcast_object_list(out := [args.out], src=0)  # the default run folder has a time stamp: rank 0's
             args.out = out[0]
         self.args, self.dir, self.script, self.started, self.in_rounds = args, args.out, args.script, False, False
-        path = f"{self.dir}/checkpoint.pt"  # read now: a damaged one is refused before anything is written
-        self.checkpoint = safe_load(path, "--resume", args.device) if getattr(args, "resume", None) else None
+        # --resume: the checkpoint is read now, so a damaged one is refused before anything is written
+        self.checkpoint = safe_load(f"{self.dir}/checkpoint.pt", "--resume", args.device) if args.resume else None
         torch.set_num_threads(getattr(args, "threads", None) or torch.get_num_threads())
         random.seed(args.seed)
         np.random.seed(args.seed)
@@ -1404,10 +1404,12 @@ def _drop_empty_folders():  # the folders take_folder made and no run wrote into
             os.close(_HELD.pop(os.path.realpath(out)))
 
 
+atexit.register(_drop_empty_folders)
+
+
 def take_folder(args):
-    """The run folder, held for the run's life: made (the default, runs/<script>__<dataset>__<seed>__<time>, or the
-    next free -2, -3, ...: made atomically) and locked, so a second run into it is refused in one line. The OS drops
-    the lock when the process ends, killed or not; a folder made here and left empty is removed at exit."""
+    """The run folder, made atomically (the default, runs/<script>__<dataset>__<seed>__<time>, or the next free -2, -3,
+    ...) and locked for the run's life, so a second run into it is refused; the OS drops the lock when it ends."""
     flag = "--resume" if getattr(args, "resume", None) else "--out"
     for n in itertools.count(1):
         stamp = f"{args.seed}__{time.strftime('%Y%m%d-%H%M%S')}{f'-{n}' if n > 1 else ''}"
@@ -1422,15 +1424,10 @@ def take_folder(args):
                 made = False
             os.rmdir(tempfile.mkdtemp(prefix=".cleanfl-probe", dir=out))  # a folder this process can write in
             break
-        except OSError as e:
-            at = os.path.abspath(out)  # the part of the path there is
-            while not os.path.exists(at):
-                at = os.path.dirname(at)
-            refuse(f"{flag}: {at} is a file, not a folder" if os.path.isfile(at) else f"{flag}: cannot make or write "
-                   f"in {out}: {e.strerror}")  # fmt: skip
-    if made:  # a run refused (or failed) before it wrote anything leaves no folder: refuse, and at exit
+        except OSError as e:  # a file in the way, a read-only or full disk
+            refuse(f"{flag}: cannot make or write in {out}: {e.strerror}")
+    if made:  # a run refused (or failed) before it wrote anything leaves no folder (refuse, and at exit)
         _MADE.append(out)
-        atexit.register(_drop_empty_folders)
     if (key := os.path.realpath(out)) not in _HELD:  # a process may run runs in turn (tests/run_batch.py)
         try:
             fcntl.flock(fd := os.open(out, os.O_RDONLY), fcntl.LOCK_EX | fcntl.LOCK_NB)

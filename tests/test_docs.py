@@ -969,7 +969,7 @@ def test_readme_speed_figure_is_speed_mds():
 
 
 def test_speed_tables_are_their_runs():
-    """docs/speed.md's threads tables (the six cases; the loaded CNN's again over 3 cycles) and Flower table are
+    """docs/speed.md's threads table (the six cases) and Flower table are
     what benchmarks/threads.py and vs_flower.py print from the JSON they wrote (benchmarks/results-cpu/), cell for
     cell; the README's torchrun figure is the threads table's."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -977,7 +977,7 @@ def test_speed_tables_are_their_runs():
     import vs_flower
 
     speed = read("docs/speed.md")
-    for name, module in (("threads", threads), ("threads-cnn-loaded", threads), ("vs_flower", vs_flower)):
+    for name, module in (("threads", threads), ("vs_flower", vs_flower)):
         with open(os.path.join(ROOT, "benchmarks", "results-cpu", f"{name}.json")) as f:
             saved = json.load(f)
         shown = speed.split(f"<!-- {name}:start -->\n", 1)[1].split(f"\n<!-- {name}:end -->", 1)[0]

