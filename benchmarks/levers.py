@@ -886,7 +886,18 @@ def parse_args(argv=None):
     g.add_argument("gate")
     g.add_argument("script")
     g.add_argument("flags", nargs=argparse.REMAINDER)
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.command == "gated":
+        return a
+    for flag in ("budget", "seconds"):  # bad input: one line, before any work
+        if not getattr(a, flag, 1) > 0:
+            p.error(f"--{flag}: must be > 0, got {getattr(a, flag)}")
+    work = not (a.dry or a.report)
+    if work and not all(os.path.isdir(os.path.join(a.data_dir, split)) for split in ("train", "test")):
+        p.error(f"--data-dir: {a.data_dir} is not an image folder with train/ and test/")
+    if work and os.path.exists(os.path.join(a.out, f"{a.command}.json" if a.command == "pair" else "levers.json")):
+        p.error(f"--out: {a.out} holds a {a.command} already (its table: --report); choose another --out")
+    return a
 
 
 def main(argv=None):

@@ -294,3 +294,23 @@ def test_the_pair_takes_the_fastest_fp32_lever(tmp_path):
 def test_a_lever_the_script_lacks_is_named():
     assert levers.missing_flags("anfr.py", ["--amp", "--no-such-lever"]) == ["--no-such-lever"]
     assert levers.missing_flags("fedfn.py", ["--amp"]) == []
+
+
+def test_levers_refuses_bad_input_before_any_work(tmp_path, capsys):
+    """levers.py: a budget that is not positive, a --data-dir that is no image folder and an --out that already holds
+    a measurement are refused (exit 2, the flag named), nothing written."""
+    from helpers import stand_in_folder
+
+    data = stand_in_folder(tmp_path / "data")
+    (tmp_path / "done").mkdir()
+    (tmp_path / "done" / "levers.json").write_text("{}")
+    for argv, flag in [
+        (["measure", "--budget", "0", "--data-dir", data], "--budget"),
+        (["pair", "--seconds", "-1", "--data-dir", data], "--seconds"),
+        (["measure", "--data-dir", str(tmp_path / "none")], "--data-dir"),
+        (["measure", "--data-dir", data, "--out", str(tmp_path / "done")], "--out"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            levers.parse_args([*argv, *([] if "--out" in argv else ["--out", str(tmp_path / "new")])])
+        assert e.value.code == 2 and flag in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "new").exists() and os.listdir(tmp_path / "done") == ["levers.json"]
