@@ -99,6 +99,19 @@ show() {
   echo "${out[*]}"
 }
 
+# run_or_show TEE_ARGS... -- CMD...: MODE=dry prints CMD and runs it with --dry; else runs it into tee TEE_ARGS
+run_or_show() {
+  local tee_args=()
+  while [ "$1" != -- ]; do tee_args+=("$1"); shift; done
+  shift
+  if [ "$MODE" = dry ]; then
+    show "$@"
+    "$@" --dry
+    return 0
+  fi
+  "$@" | tee "${tee_args[@]}"
+}
+
 # ------------------------------------------------------------------------------------------------
 # env
 # ------------------------------------------------------------------------------------------------
@@ -306,12 +319,7 @@ stage_times() {
   [ "$MODE" = tiny ] && cmd+=(--tiny)
   # shellcheck disable=SC2206
   cmd+=($TIMES_FLAGS)
-  if [ "$MODE" = dry ]; then
-    show "${cmd[@]}"
-    "${cmd[@]}" --dry
-    return 0
-  fi
-  "${cmd[@]}" | tee "$OUT/times.md"
+  run_or_show "$OUT/times.md" -- "${cmd[@]}"
 }
 
 # ------------------------------------------------------------------------------------------------
@@ -368,23 +376,13 @@ levers_cmd() {
 
 stage_levers() {
   levers_cmd measure levers
-  if [ "$MODE" = dry ]; then
-    show "${LCMD[@]}"
-    "${LCMD[@]}" --dry
-    return 0
-  fi
-  "${LCMD[@]}" | tee "$OUT/speed.md"
+  run_or_show "$OUT/speed.md" -- "${LCMD[@]}"
 }
 
 stage_pair() {
   [ "$MODE" = dry ] && STAGE_CAP=$((DEADLINE - 5 - 30 - CAP_LEVERS))  # what the stages before it leave, about
   levers_cmd pair pair
-  if [ "$MODE" = dry ]; then
-    show "${LCMD[@]}"
-    "${LCMD[@]}" --dry
-    return 0
-  fi
-  "${LCMD[@]}" | tee -a "$OUT/speed.md"
+  run_or_show -a "$OUT/speed.md" -- "${LCMD[@]}"
 }
 
 # ------------------------------------------------------------------------------------------------
