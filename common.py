@@ -1410,7 +1410,7 @@ atexit.register(_drop_empty_folders)
 def take_folder(args):
     """The run folder, made atomically (the default, runs/<script>__<dataset>__<seed>__<time>, or the next free -2, -3,
     ...) and locked for the run's life, so a second run into it is refused; the OS drops the lock when it ends."""
-    flag = "--resume" if getattr(args, "resume", None) else "--out"
+    flag = "--resume" if args.resume else "--out"
     for n in itertools.count(1):
         stamp = f"{args.seed}__{time.strftime('%Y%m%d-%H%M%S')}{f'-{n}' if n > 1 else ''}"
         out, made = args.out or f"runs/{args.script}__{args.dataset}__{stamp}", True
@@ -1426,14 +1426,14 @@ def take_folder(args):
             break
         except OSError as e:  # a file in the way, a read-only or full disk
             refuse(f"{flag}: cannot make or write in {out}: {e.strerror}")
-    if made:  # a run refused (or failed) before it wrote anything leaves no folder (refuse, and at exit)
-        _MADE.append(out)
     if (key := os.path.realpath(out)) not in _HELD:  # a process may run runs in turn (tests/run_batch.py)
         try:
             fcntl.flock(fd := os.open(out, os.O_RDONLY), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except BlockingIOError:  # (a folder made here but locked first by another run is that run's: kept)
             refuse(f"{flag}: another run is using {out} now; wait for it to end, or choose another --out")
         _HELD[key] = fd
+    if made:  # held: a run refused (or failed) before it wrote anything leaves no folder (refuse, and at exit)
+        _MADE.append(out)
     if flag == "--out" and not getattr(args, "overwrite", 0) and any(os.path.exists(f"{out}/{f}") for f in RUN_FILES):
         refuse(f"--out: {out} holds a run; continue it with --resume {out}, or another --out or --overwrite")
     args.out = out

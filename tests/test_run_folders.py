@@ -333,3 +333,21 @@ def test_a_bad_threads_value_is_one_line(value, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         parse_threads(["--threads", value], monkeypatch)
     assert e.value.code == 2 and "--threads" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_a_folder_made_here_but_locked_first_by_another_run_is_kept(tmp_path, monkeypatch, capsys):
+    """Two runs into a new --out: this one makes the folder, the other locks it first. This one is refused and must
+    not remove the folder the other now holds (only a folder this process made and holds goes, when left empty)."""
+
+    def locked_by_another(fd, how):
+        raise BlockingIOError
+
+    monkeypatch.setattr(common, "_HELD", {})
+    monkeypatch.setattr(common, "_MADE", [])
+    monkeypatch.setattr(common.fcntl, "flock", locked_by_another)
+    args = argparse.Namespace(out=str(tmp_path / "run"), script="fedavg", dataset="synthetic", seed=0, resume=None)
+    with pytest.raises(SystemExit) as e:
+        common.take_folder(args)
+    assert e.value.code == 2 and "another run is using" in capsys.readouterr().err
+    common._drop_empty_folders()  # what exit does
+    assert (tmp_path / "run").is_dir()
