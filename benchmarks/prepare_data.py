@@ -1,9 +1,10 @@
-"""Lay out datasets the scripts read as image folders in groups (--natural, --clients-per-domain):
+"""Lay out datasets the scripts read as image folders in groups (--natural, --clients-per-domain), or resize one:
 
     python benchmarks/prepare_data.py isic --csv FLAMBY/.../train_test_split --images DIR --out ~/isic
     python benchmarks/prepare_data.py pacs --src ~/PACS --out ~/pacs
     python benchmarks/prepare_data.py femnist --train LEAF/data/femnist/data/train --test .../test --out ~/femnist
     python benchmarks/prepare_data.py celeba --train .../train --test .../test --images .../img_align_celeba --out DIR
+    python benchmarks/prepare_data.py resize --src DIR --size N --out NEW
 
 isic: FLamby's Fed-ISIC2019 (its train_test_split CSV, columns image, ..., target, center, fold, and its preprocessed
 JPEGs) -> OUT/{train,test}/center<k>/class<y>/<image>.png, each image center-cropped to a square and resized to --size
@@ -19,6 +20,12 @@ upper case, lower case). CelebA: x names an image of --images (LEAF's data/raw/i
 and resized to --size; y is 1 for smiling. Class folders are named <label>_<name> (FEMNIST: 00_0 ... 10_A ... 36_a
 ... 61_z, so A and a differ on a case-insensitive file system) and OUT/classes.txt lists them in label order: the
 scripts read it (common.py: folder_layout), so every class keeps its LEAF label, even one without images.
+resize: an image folder the scripts read (SRC/{train,test}/<class>/* or SRC/train/<group>/<class>/* with test/ per
+group or shared) -> the same folders and file names under OUT, every image resized to --size x --size as pacs does
+(stretched, not cropped) and made RGB as isic, pacs and celeba do (grayscale too); each keeps its name and is saved in
+the format of its extension (JPEG and WebP re-encoded, GIF as a palette), every folder is kept (an empty test class
+folder too) and SRC/classes.txt is copied unchanged; anything else at SRC's top (a .cleanfl-cache.pt) is a stray.
+SRC is only read.
 
 Every dataset: the input is checked before anything is written (exit 2 with a line naming the flag and the first
 bad items; CSV and JSON files are read as UTF-8); --out must be new or empty, or with --overwrite an earlier
@@ -82,6 +89,10 @@ def parse_args(argv=None):
         help="share of each domain's class held out for test, in (0, 1) (default: %(default)s)")  # fmt: skip
     pacs.add_argument("--seed", type=seed_int, default=0, help="seed of the held-out choice (default: %(default)s)")
     common_flags(pacs, None, "resize to this square side (default: keep)")
+    resize = sub.add_parser("resize", help="an image folder the scripts read, every image resized to one size")
+    resize.add_argument("--src", required=True, help="SRC/train/..., SRC/test/... (flat or in groups)")
+    resize.add_argument("--size", type=side, required=True, help="side of the square images written")
+    common_flags(resize, None, None)
     for name, what in (("femnist", "FEMNIST: a client per writer, 62 classes, 28x28 grayscale"),
                        ("celeba", "CelebA: a client per celebrity, smiling or not")):  # fmt: skip
         s = sub.add_parser(name, help=f"LEAF's {what}")
@@ -276,6 +287,42 @@ def pacs_plan(a):
     return Plan(items, len(chosen), None, strays)
 
 
+def resize_plan(a):
+    """Every image under SRC/train/ and SRC/test/ at its own path, every folder kept, classes.txt copied."""
+    src = os.path.expanduser(a.src)
+    absent = [s + "/" for s in ("train", "test") if not os.path.isdir(os.path.join(src, s))]
+    if absent:
+        refuse(f"--src: {src} has no {' or '.join(absent)} folder; give an image folder the scripts read "
+               "(SRC/train/<class>/* or SRC/train/<group>/<class>/*, and SRC/test/)")  # fmt: skip
+    keep = ("train", "test", CLASSES_FILE)
+    strays = sorted(f for f in os.listdir(src) if f not in keep)
+    folders, chosen = [], []  # paths under src
+    for split in ("train", "test"):
+        before = len(chosen)
+        for d, dirs, files in os.walk(os.path.join(src, split), followlinks=True):
+            rel = os.path.relpath(d, src)
+            strays += [os.path.join(rel, x) for x in sorted(dirs) if hidden(x)]
+            dirs[:] = sorted(x for x in dirs if not hidden(x))
+            folders.append(rel)
+            for f in sorted(files):
+                (chosen if is_image(f) else strays).append(os.path.join(rel, f))
+        if len(chosen) == before:
+            refuse(f"--src: no images under {os.path.join(src, split)} (extensions {', '.join(IMAGE_EXTENSIONS)})")
+    classes = os.path.join(src, CLASSES_FILE)
+
+    def items():
+        for rel in chosen:
+            yield rel, lambda path=os.path.join(src, rel): open_rgb(path, a.size, crop=False)
+
+    def finish(tmp, notes):
+        for rel in folders:  # a folder whose images were all unreadable, an empty test class folder: kept
+            os.makedirs(os.path.join(tmp, rel), exist_ok=True)
+        if os.path.isfile(classes):
+            shutil.copyfile(classes, os.path.join(tmp, CLASSES_FILE))
+
+    return Plan(items, len(chosen), None, strays, finish=finish)
+
+
 def leaf_files(flag, value):
     path = os.path.expanduser(value)
     if os.path.isfile(path):
@@ -408,7 +455,7 @@ def leaf_plan(a):
     return Plan(items, total, classes, notes=notes, finish=finish)
 
 
-PLANS = {"isic": isic_plan, "pacs": pacs_plan, "femnist": leaf_plan, "celeba": leaf_plan}
+PLANS = {"isic": isic_plan, "pacs": pacs_plan, "femnist": leaf_plan, "celeba": leaf_plan, "resize": resize_plan}
 
 
 # ------------------------------------------------------------------------------------------------ writing

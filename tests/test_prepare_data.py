@@ -531,7 +531,7 @@ def test_prepare_data_celeba_from_leaf_json(tmp_path, monkeypatch, capsys):
         assert im.size == (16, 16) and abs(im.getpixel((8, 8))[1] - 100) <= 2
     args, data, part = load("anfr", ["--dataset", "folder", "--data-dir", out, "--natural", "--depth", "18"],
                             monkeypatch)  # fmt: skip
-    assert part.names == ["2880", "7"] and data.num_classes == 2 and args.num_clients == 2
+    assert part.names == ["2880", "7"] and data.num_classes == 2 and len(part.train) == 2
     assert counts(data.y_train, part.train, 2) == [[1, 2], [2, 0]] and counts(data.y_test, part.test, 2) == [
         [0, 1],
         [0, 1],
@@ -554,4 +554,130 @@ def test_prepare_data_leaf_split_by_user_gives_one_shared_test_folder(tmp_path, 
     assert len(os.listdir(out / "test")) == 62 and len(files_under(out / "test")) == 2
     args, data, part = load("fedavg", ["--dataset", "folder", "--data-dir", out, "--natural", "--model", "mlp"],
                             monkeypatch)  # fmt: skip
-    assert args.num_clients == 2 and data.group_test is None and sorted(data.y_test.tolist()) == [0, 1]
+    assert len(part.train) == 2 and data.group_test is None and sorted(data.y_test.tolist()) == [0, 1]
+
+
+# ---------------------------------------------------------------------------------------------------- resize
+RESIZE_LAYOUTS = {  # folder -> images; flat, clients with their own test/, clients with one shared test/
+    "flat": ({"train/ant": 3, "train/bee": 4, "test/ant": 1, "test/bee": 2}, ["--iid", "--num-clients", "1"]),
+    "groups": ({"train/c0/ant": 4, "train/c0/bee": 1, "train/c1/bee": 2, "test/c0/ant": 1, "test/c1/bee": 3},
+               ["--natural"]),
+    "shared": ({"train/c0/ant": 2, "train/c1/bee": 4, "test/ant": 1, "test/bee": 2}, ["--natural"]),
+}  # fmt: skip
+
+
+def resize_source(root, folders):
+    """Image i of a folder, of pixel value 7 i + 1: an 8x8 RGB PNG, a 12x10 RGB PNG, a 10x12 grayscale PNG, a 12x10
+    RGB JPEG, in turn; classes.txt not in sorted order (bee is label 0)."""
+    from PIL import Image
+
+    kinds = [("RGB", (8, 8), "png"), ("RGB", (12, 10), "png"), ("L", (10, 12), "png"), ("RGB", (12, 10), "jpg")]
+    for folder, n in folders.items():
+        os.makedirs(root / folder)
+        for i in range(n):
+            mode, wh, ext = kinds[i % 4]
+            Image.new(mode, wh, 7 * i + 1 if mode == "L" else (7 * i + 1,) * 3).save(root / folder / f"{i}.{ext}")
+    (root / "classes.txt").write_text("bee\nant\n")
+    return root
+
+
+def hashes(root):
+    """{path under root: sha256 of the file}."""
+    import hashlib
+
+    return {path: hashlib.sha256(data).hexdigest() for path, data in contents(root).items() if data is not None}
+
+
+def layout_of(root):
+    """{folder under root: sorted file names}, the folders only under train/ and test/."""
+    return {
+        os.path.relpath(d, root): sorted(fs) for s in ("train", "test") for d, _, fs in os.walk(os.path.join(root, s))
+    }
+
+
+@pytest.mark.parametrize("layout", sorted(RESIZE_LAYOUTS))
+def test_prepare_data_resize_makes_one_size_and_keeps_the_layout(layout, tmp_path, capsys):
+    folders = RESIZE_LAYOUTS[layout][0]
+    src, out = resize_source(tmp_path / "src", folders), tmp_path / "new"
+    before = hashes(src)
+    code, err = run_prepare(["resize", "--src", src, "--size", "8", "--out", out], capsys)
+    n, train = sum(folders.values()), sum(k for f, k in folders.items() if f.startswith("train"))
+    assert code == 0 and err[-1] == f"{n} images written under {out} (train {train}, test {n - train})", err
+    assert any("writing:" in line and f"/{n} [" in line for line in err)  # the progress bar
+    assert hashes(src) == before and len(before) == n + 1  # the source untouched: every image and classes.txt
+    assert layout_of(out) == layout_of(src)  # the same folders (groups, classes), file names and counts
+    assert (out / "classes.txt").read_bytes() == b"bee\nant\n"
+    for folder, k in folders.items():
+        for i, name in enumerate(sorted(os.listdir(out / folder), key=lambda f: int(f.split(".")[0]))):
+            with Image_open(out / folder / name) as im:
+                assert im.size == (8, 8) and im.mode == "RGB" and im.format == ("JPEG" if i % 4 == 3 else "PNG")
+                if i % 4 < 3:  # the grayscale one too: the same grey in the 3 channels, as open_rgb makes it
+                    assert im.getpixel((4, 4)) == (7 * i + 1,) * 3, (folder, name)
+    assert json.loads((out / ".cleanfl-prepared").read_text())["dataset"] == "resize"
+
+
+@pytest.mark.parametrize("layout", sorted(RESIZE_LAYOUTS))
+def test_prepare_data_resize_output_is_read_by_the_scripts(layout, tmp_path, monkeypatch, capsys):
+    folders, flags = RESIZE_LAYOUTS[layout]
+    src, out = resize_source(tmp_path / "src", folders), tmp_path / "new"
+    assert prepare(["resize", "--src", src, "--size", "8", "--out", out], capsys)[0] == 0
+    args, data, part = load("fedavg", ["--dataset", "folder", "--data-dir", out, "--model", "mlp", *flags],
+                            monkeypatch)  # fmt: skip
+    train = sum(k for f, k in folders.items() if f.startswith("train"))
+    assert data.x_train.shape[1:] == (3, 8, 8) and data.classes == ["bee", "ant"] and len(data.y_train) == train
+
+
+def test_prepare_data_resize_skips_strays_and_unreadable_images_and_keeps_empty_folders(tmp_path, capsys):
+    src, out = resize_source(tmp_path / "src", {"train/ant": 2, "train/bee": 1, "test/ant": 1}), tmp_path / "new"
+    os.makedirs(src / "test" / "bee")  # an empty test class folder: kept
+    (src / ".cleanfl-cache.pt").write_bytes(b"\x80\x02")  # the scripts' cache of the old size: not copied
+    (src / "train" / "ant" / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
+    write_images(src / "train" / "ant" / ".thumbs", {"": 1})  # a hidden folder: skipped, its image too
+    (src / "train" / "bee" / "broken.png").write_bytes(b"not a PNG")
+    before = hashes(src)
+    code, last = prepare(["resize", "--src", src, "--size", "4", "--out", out], capsys)
+    assert code == 0 and last.startswith(f"4 images written under {out} (train 3, test 1); "), last
+    assert "skipped 3 stray non-image files (.cleanfl-cache.pt, train/ant/.thumbs, train/ant/.DS_Store)" in last
+    assert "skipped 1 unreadable image (train/bee/broken.png (UnidentifiedImageError))" in last
+    assert files_under(out) == [".cleanfl-prepared", "classes.txt", "test/ant/0.png", "train/ant/0.png",
+                                "train/ant/1.png", "train/bee/0.png"]  # fmt: skip
+    assert os.listdir(out / "test" / "bee") == [] and hashes(src) == before
+
+
+def test_prepare_data_resize_refusals(tmp_path, capsys):
+    src = resize_source(tmp_path / "src", {"train/ant": 1, "test/ant": 1})
+    os.makedirs(tmp_path / "flat" / "test" / "ant")  # no train/
+    write_images(tmp_path / "flat", {"test/ant": 1})
+    os.makedirs(tmp_path / "blank" / "train" / "ant")  # train/ and test/ without images
+    os.makedirs(tmp_path / "blank" / "test" / "ant")
+    (tmp_path / "blank" / "train" / "ant" / "Thumbs.db").write_bytes(b"\xd0\xcf\x11\xe0")
+    before = contents(tmp_path)
+    for given, out, said in [
+        (tmp_path / "flat", tmp_path / "new", f"--src: {tmp_path / 'flat'} has no train/ folder"),
+        (tmp_path / "blank", tmp_path / "new", f"--src: no images under {tmp_path / 'blank' / 'train'} "),
+        (tmp_path / "nothing", tmp_path / "new", f"--src: {tmp_path / 'nothing'} has no train/ or test/ folder"),
+        (src, src / "small", f"--out: {src / 'small'} and --src {src} overlap"),  # --out inside --src
+        (src, src, f"--out: {src} and --src {src} overlap"),
+        (src / "train", src, f"--out: {src} and --src {src / 'train'} overlap"),  # --src inside --out
+    ]:
+        last = refused(["resize", "--src", given, "--size", "8", "--out", out], capsys)
+        assert said in last, last
+    for size, said in ((["--size", "0"], "argument --size: must be >= 1"), ([], "required: --size")):
+        code, last = prepare(["resize", "--src", src, *size, "--out", tmp_path / "new"], capsys)
+        assert code == 2 and said in last, last
+    assert contents(tmp_path) == before and not partials(tmp_path) and not partials(src)
+
+
+def test_prepare_data_resize_twice_into_one_out_needs_overwrite(tmp_path, capsys):
+    src, out = resize_source(tmp_path / "src", {"train/ant": 2, "test/ant": 2}), tmp_path / "new"
+    assert prepare(["resize", "--src", src, "--size", "8", "--out", out], capsys)[0] == 0
+    first = contents(out)
+    last = refused(["resize", "--src", src, "--size", "4", "--out", out], capsys)
+    assert f"--out: {out} holds an earlier conversion" in last and "--overwrite" in last, last
+    assert contents(out) == first
+    code, last = prepare(["resize", "--src", src, "--size", "4", "--out", out, "--overwrite"], capsys)
+    assert code == 0 and last == f"4 images written under {out} (train 2, test 2)", last
+    for name in files_under(out / "train") + files_under(out / "test"):
+        with Image_open(out / ("train" if name in files_under(out / "train") else "test") / name) as im:
+            assert im.size == (4, 4)
+    assert json.loads((out / ".cleanfl-prepared").read_text())["args"]["size"] == 4
