@@ -1,4 +1,4 @@
-"""Time per round on the CPU at each thread setting, on an idle machine and beside a busy process (issue 46).
+"""Time per round on the CPU at each thread setting, on an idle machine and beside a busy process.
 
 Three workloads, each run four ways:
   fedavg-cnn     fedavg.py, McMahan's CNN, IID over N=100, 10 a round, E=1, B=50, SGD 0.01 momentum 0.5 (the Flower
@@ -7,16 +7,18 @@ Three workloads, each run four ways:
   fedfn-small    fedfn.py at benchmarks/reproduce/fedfn.sh small (convnet4-tiny, s=2, E=5, lr 0.03)
 ways:
   default        python SCRIPT ...               no --threads, no OMP_NUM_THREADS: the scripts' own choice, the cores
-  auto           python SCRIPT ... --threads auto   the cores other work leaves free as the run starts
+                 (and their GOMP_SPINCOUNT, which OpenMP reads as torch loads it)
+  default ENV    the same with the environment variable(s) of --envs set, e.g. GOMP_SPINCOUNT=300000 (libgomp's
+                 own default, the scripts' before they set one) or OMP_WAIT_POLICY=PASSIVE
   1 thread       python SCRIPT ... --threads 1
   2 threads      python SCRIPT ... --threads 2
   torchrun 2x1   torchrun --nproc_per_node 2 SCRIPT ...   (torchrun sets OMP_NUM_THREADS=1 a rank)
-and two conditions: idle, and loaded (--load busy processes, `while True: pass`, started first). The default takes
-the machine's cores (a function of the machine alone: one command, one set of numbers); auto counts the threads
-running as it starts (common.py: busy_threads) and takes the cores left free. Each run evaluates after
+and two conditions: idle, and loaded (--load busy processes, `while True: pass`, started first; default: one a core).
+The default takes the machine's cores (a function of the machine alone: one command, one set of numbers). Each run
+evaluates after
 rounds R and 2R; its time per round is the difference of the two rows' elapsed_s over R (start-up, data loading and
 the first rounds' warm-up left out; one test-set evaluation in). The table gives the
-median over --cycles interleaved cycles and, for the default and auto, the threads they picked (config.json).
+median over --cycles interleaved cycles and the threads the default picked (config.json).
 
     python benchmarks/threads.py --data-dir /path/to/cifar10                      # idle and loaded, 2 cycles
     python benchmarks/threads.py --data-dir D --conditions idle --workloads fedavg-cnn --cycles 1 --rounds 1
@@ -40,7 +42,7 @@ WORKLOADS = {
     "--ft-epochs 0 --ft-eval-epochs",
     "fedfn-small": "fedfn.py --model convnet4-tiny --num-clients 100 --frac 0.1 --local-epochs 5 --shards 2 --lr 0.03",
 }
-WAYS = ["default", "auto", "1 thread", "2 threads", "torchrun 2x1"]
+WAYS = ["default", "1 thread", "2 threads", "torchrun 2x1"]  # and "default ENV" for each of --envs
 
 
 def parse_args():
@@ -50,7 +52,14 @@ def parse_args():
     p.add_argument("--data-dir", required=True, help="CIFAR-10 image folder (train/<class>/*, test/<class>/*)")
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS), help="a subset")
     p.add_argument("--conditions", nargs="+", default=["idle", "loaded"], choices=["idle", "loaded"], help="a subset")
-    p.add_argument("--load", type=int, default=1, help="busy processes of the loaded condition")
+    p.add_argument("--load", type=int, default=os.cpu_count(), help="busy processes of the loaded condition")
+    p.add_argument(
+        "--envs",
+        nargs="*",
+        default=[],
+        metavar="NAME=VALUE[,NAME=VALUE]",
+        help="more ways: the default with these environment variables set",
+    )
     p.add_argument("--rounds", type=int, default=3, help="R: rounds timed, after R warm-up rounds")
     p.add_argument("--cycles", type=int, default=2, help="interleaved repetitions of the ways")
     p.add_argument("--run-timeout", type=float, default=900, help="seconds a run may take (then: timed out)")
@@ -58,6 +67,8 @@ def parse_args():
     args = p.parse_args()
     if args.rounds < 1 or args.cycles < 1 or args.load < 1:
         p.error("--rounds, --cycles and --load must be at least 1")
+    if not all("=" in pair for env in args.envs for pair in env.split(",")):
+        p.error("--envs: each is NAME=VALUE, or several joined by commas")
     args.data_dir = os.path.abspath(args.data_dir)
     if not all(os.path.isdir(os.path.join(args.data_dir, split)) for split in ("train", "test")):
         p.error(f"--data-dir: {args.data_dir} is not an image folder with train/ and test/")
@@ -76,9 +87,11 @@ def run_once(args, workload, way, out):
         "--checkpoint-every",
         str(2 * args.rounds),
     ]
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    if way.startswith("default "):
+        env.update(pair.split("=", 1) for pair in way.split()[1].split(","))
     launcher = [sys.executable]
-    if way == "auto" or way.endswith("thread") or way.endswith("threads"):
+    if way.endswith("thread") or way.endswith("threads"):
         flags += ["--threads", way.split()[0]]
     elif way.startswith("torchrun"):
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -96,11 +109,15 @@ def run_once(args, workload, way, out):
     return (rows[-1]["elapsed_s"] - rows[-2]["elapsed_s"]) / args.rounds, threads, rows[-1]["test_acc"]
 
 
+def ways_of(args):
+    return [WAYS[0], *[f"default {env}" for env in args.envs], *WAYS[1:]]
+
+
 def table(runs, args):
     workloads, conditions = args.workloads, args.conditions
-    ways = [way for way in WAYS if any(r["way"] == way for r in runs)]  # an older JSON has no auto
-    picks = [way for way in ("default", "auto") if way in ways]
-    head = "".join(f" | {way} picked" for way in picks) + " | default / best one process | default / torchrun |"
+    ways = list(dict.fromkeys(r["way"] for r in runs))  # in the order measured
+    picks = ["default"]
+    head = "".join(f" | {way} picked" for way in picks) + " | default / best thread count | default / torchrun |"
     lines = ["| workload | condition | " + " | ".join(ways) + head, "|---|---|" + "---|" * (len(ways) + len(picks) + 2)]
     for w in workloads:
         for c in conditions:
@@ -113,8 +130,8 @@ def table(runs, args):
             med = {way: statistics.median(r["s_per_round"] or inf for r in rs) for way, rs in sel.items()}
             picked = "".join(f" | {sorted({r['threads'] for r in sel[way] if r['threads']})} threads" for way in picks)
             cells = [f"{med[w_]:.2f}" if med[w_] < inf else f"timed out ({args.run_timeout:.0f} s)" for w_ in ways]
-            one_process = min(med[way] for way in ways if not way.startswith("torchrun"))  # torchrun: 2 processes
-            ratios = f"{med['default'] / one_process:.2f} | {med['default'] / med['torchrun 2x1']:.2f}"
+            best = min(med[way] for way in ways if way.endswith(("thread", "threads")))  # --threads 1, --threads 2
+            ratios = f"{med['default'] / best:.2f} | {med['default'] / med['torchrun 2x1']:.2f}"
             lines.append(f"| {w} | {c} | " + " | ".join(cells) + f"{picked} | {ratios} |")
     return "\n".join(lines)
 
@@ -131,9 +148,9 @@ if __name__ == "__main__":
             try:
                 for cycle in range(1, args.cycles + 1):
                     for workload in args.workloads:
-                        for way in WAYS:
+                        for way in ways_of(args):
                             load = os.getloadavg()[0]
-                            out = os.path.join(tmp, f"{condition}-{cycle}-{workload}-{WAYS.index(way)}")
+                            out = os.path.join(tmp, f"{condition}-{cycle}-{workload}-{ways_of(args).index(way)}")
                             sec, threads, acc = run_once(args, workload, way, out)
                             row = dict(condition=condition, cycle=cycle, workload=workload, way=way, s_per_round=sec)
                             runs.append({**row, "threads": threads, "test_acc": acc, "loadavg_before": load})
