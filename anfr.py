@@ -15,8 +15,11 @@ per-client AdamW and cosine state, FedAdam, SCAFFOLD after each AdamW step, DP-S
 batch-norm averaging) and results: docs/anfr.md.
 """
 
-import math
 import os
+
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # before torch loads OpenMP: brief spins, then sleep (docs/speed.md)
+
+import math
 import re
 
 import numpy as np
@@ -27,10 +30,9 @@ from torch.func import functional_call, grad_and_value, vmap  # ANFR: per-sample
 
 from common import (ATTENTION, AUGMENTATIONS, DATASETS, Parser, RESNET_LAYOUT, Run, ScaledStdConv2d, accumulate,
                     autocast, build_model, client_batches, client_weights, decay_rate, device_flag, each_client,
-                    eval_metrics, finish_args, flag_type, fraction, given_flags, load_average, load_data, make_norm,
-                    make_partition, non_negative_float, non_negative_int, one_of, path_arg, positive_float,
-                    positive_int, prepare_batch, progress, prox_term, refuse, round_channels, safe_load, sample_clients,
-                    seed_int, threads_flag,
+                    eval_metrics, finish_args, flag_type, fraction, load_average, load_data, make_norm, make_partition,
+                    non_negative_float, non_negative_int, path_arg, positive_float, positive_int, prepare_batch,
+                    progress, prox_term, refuse, round_channels, safe_load, sample_clients, seed_int,
                     scaffold_control, scaffold_correction, scaffold_server)  # ANFR: SCAFFOLD  # fmt: skip
 
 # The paper's from-scratch CIFAR-10 setting, the defaults of the flags below: App. A.1 and B.3, Table 9, with Pieri et
@@ -101,48 +103,6 @@ ATTENTION.update(eca=EfficientChannelAttention, cbam=CBAM)  # ANFR: --attention,
 # fmt: off
 def parse_args():
     p = Parser(__doc__)
-    g = p.add_argument_group("data")
-    g.add_argument("--dataset", default=PAPER["dataset"], choices=sorted(DATASETS), help="folder: --data-dir's images")
-    g.add_argument("--data-dir", type=path_arg, default="./data", help="download folder, or DIR/{train,test}/<class>/*")
-    g.add_argument("--augment", default="crop-flip", choices=AUGMENTATIONS,
-        help="of training batches, on device; rrc: RandomResizedCrop to --image-size (the paper's recipe, no flip)")
-    g.add_argument("--crop-scale", type=fraction, nargs=2, default=[0.08, 1.0], metavar=("LO", "HI"),
-        help="ANFR: area fraction range of --augment rrc (torchvision's; the paper's recipe: 0.05 1)")  # ANFR
-    g.add_argument("--image-size", type=flag_type(int, 8),
-        help="ANFR: the size the model sees (the paper: 224; default: as stored); rrc crops to it, the other "
-             "augmentations and the test images are resized to it")  # ANFR
-    g.add_argument("--normalize", default="dataset", choices=["dataset", "half"],
-        help="ANFR: by the training split's per-channel mean and std, or (x - 0.5) / 0.5 (the paper's recipe)")  # ANFR
-    g = p.add_argument_group("partition: one of these (default: --split2, the paper's)")
-    x = one_of(g)
-    x.add_argument("--iid", help="a uniform random split")
-    x.add_argument("--shards", type=positive_int, help="S: N*S sorted shards, S each")
-    x.add_argument("--classes-per-client", type=positive_int, help="C classes a client, each split among its holders")
-    x.add_argument("--alpha", type=positive_float, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
-    x.add_argument("--split2", default=PAPER["split2"], help="CIFAR-10 split-2 (Qu et al. 2022): 5 clients, 4 classes")
-    x.add_argument("--disjoint-classes", help="N disjoint class sets (FedLN T5: 2, 2, 3 of 7)")
-    x.add_argument("--natural", help="the clients are the folders DIR/train/<client>/<class>/*")
-    g.add_argument("--clients-per-domain", type=positive_int, help="M: DIR/train/<domain>/<class>/*, split M ways each")
-    g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes")
-    g.add_argument("--client-test", action="store_true",
-        help="also test each client on its own label distribution (always with --pfl)")  # ANFR
-    g.add_argument("--balanced-acc", action="store_true", help="also log the balanced accuracy (mean class recall)")
-    g.add_argument("--data-seed", type=seed_int, help="seed of the partition (default: --seed)")
-    g.add_argument("--val-frac", type=decay_rate, default=0.0, help="share of each client's data held out: val_acc")
-    g = p.add_argument_group("federation")
-    g.add_argument("--num-clients", type=positive_int, default=PAPER["num_clients"],
-        help="C: number of clients")  # ANFR: the paper's symbol
-    g.add_argument("--frac", type=fraction, default=PAPER["frac"], help="fraction of clients a round, in (0, 1]")
-    g.add_argument("--rounds", type=positive_int, default=PAPER["rounds"], help="T: communication rounds")
-    x = one_of(g)
-    x.add_argument("--local-epochs", type=positive_int, default=PAPER["local_epochs"], help="E: epochs a round")
-    x.add_argument("--local-steps", type=positive_int, help="local steps a round, not epochs")  # ANFR: AdamW steps
-    g.add_argument("--batch-size", type=positive_int, default=PAPER["batch_size"], help="B: local batch size")
-    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"], help="weights n_k/n, or 1/m")
-    g.add_argument("--agg", default="fedavg", choices=["fedavg", "fedprox", "scaffold", "fedadam"],
-        help="ANFR: aggregation method (Table 1)")  # ANFR
-    g.add_argument("--pfl", default="none", choices=["none", "fedper", "fedbn"],
-        help="ANFR: personalization (Table 2): FedPer keeps each head local, FedBN each batch norm")  # ANFR
     g = p.add_argument_group("model (the one ResNet of common.py)")
     g.add_argument("--arch", default=PAPER["arch"], choices=list(ARCHS),
         help="ANFR: bn | gn (group norm) | se (bn + attention) | nf (NF-ResNet, Eq. 5) | anfr (nf + attention)")  # ANFR
@@ -161,6 +121,49 @@ def parse_args():
              "timm's conv and head init; common.resnet), or with PyTorch's default layer init")  # ANFR
     g.add_argument("--last-gain-init", type=non_negative_float, default=0.0,
         help="ANFR: start of the gain g (Eq. 5) of each NF branch's last conv; 0: timm's, the paper's models")  # ANFR
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", default=PAPER["dataset"], choices=sorted(DATASETS), help="folder: --data-dir's images")
+    g.add_argument("--data-dir", type=path_arg, default="./data", help="download folder, or DIR/{train,test}/<class>/*")
+    g.add_argument("--augment", default="crop-flip", choices=AUGMENTATIONS,
+        help="of training batches, on device; rrc: RandomResizedCrop to --image-size (the paper's recipe, no flip)")
+    g.add_argument("--crop-scale", type=fraction, nargs=2, default=[0.08, 1.0], metavar=("LO", "HI"),
+        help="ANFR: area fraction range of --augment rrc (torchvision's; the paper's recipe: 0.05 1)")  # ANFR
+    g.add_argument("--image-size", type=flag_type(int, 8),
+        help="ANFR: the size the model sees (the paper: 224; default: as stored); rrc crops to it, the other "
+             "augmentations and the test images are resized to it")  # ANFR
+    g.add_argument("--normalize", default="dataset", choices=["dataset", "half"],
+        help="ANFR: by the training split's per-channel mean and std, or (x - 0.5) / 0.5 (the paper's recipe)")  # ANFR
+    g = p.add_argument_group("partition: one of these (default: --split2, the paper's)")
+    x = g.add_mutually_exclusive_group()  # one of them: the flag given replaces the default
+    x.add_argument("--iid", action="store_true", help="a uniform random split")
+    x.add_argument("--shards", type=positive_int, help="S: N*S sorted shards, S each")
+    x.add_argument("--classes-per-client", type=positive_int, help="C classes a client, each split among its holders")
+    x.add_argument("--alpha", type=positive_float, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
+    x.add_argument("--split2", action="store_true", default=PAPER["split2"],
+        help="CIFAR-10 split-2 (Qu et al. 2022): 5 clients, 4 classes")
+    x.add_argument("--disjoint-classes", action="store_true", help="N disjoint class sets (FedLN T5: 2, 2, 3 of 7)")
+    x.add_argument("--natural", action="store_true", help="the clients are the folders DIR/train/<client>/<class>/*")
+    g.add_argument("--clients-per-domain", type=positive_int, help="M: DIR/train/<domain>/<class>/*, split M ways each")
+    g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes")
+    g.add_argument("--client-test", action="store_true",
+        help="also test each client on its own label distribution (always with --pfl)")  # ANFR
+    g.add_argument("--balanced-acc", action="store_true", help="also log the balanced accuracy (mean class recall)")
+    g.add_argument("--data-seed", type=seed_int, help="seed of the partition (default: --seed)")
+    g.add_argument("--val-frac", type=decay_rate, default=0.0, help="share of each client's data held out: val_acc")
+    g = p.add_argument_group("federation")
+    g.add_argument("--num-clients", type=positive_int, default=PAPER["num_clients"],
+        help="C: number of clients")  # ANFR: the paper's symbol
+    g.add_argument("--frac", type=fraction, default=PAPER["frac"], help="fraction of clients a round, in (0, 1]")
+    g.add_argument("--rounds", type=positive_int, default=PAPER["rounds"], help="T: communication rounds")
+    x = g.add_mutually_exclusive_group()  # one of them: the flag given replaces the default
+    x.add_argument("--local-epochs", type=positive_int, default=PAPER["local_epochs"], help="E: epochs a round")
+    x.add_argument("--local-steps", type=positive_int, help="local steps a round, not epochs")  # ANFR: AdamW steps
+    g.add_argument("--batch-size", type=positive_int, default=PAPER["batch_size"], help="B: local batch size")
+    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"], help="weights n_k/n, or 1/m")
+    g.add_argument("--agg", default="fedavg", choices=["fedavg", "fedprox", "scaffold", "fedadam"],
+        help="ANFR: aggregation method (Table 1)")  # ANFR
+    g.add_argument("--pfl", default="none", choices=["none", "fedper", "fedbn"],
+        help="ANFR: personalization (Table 2): FedPer keeps each head local, FedBN each batch norm")  # ANFR
     g = p.add_argument_group("optimization")
     g.add_argument("--optimizer", default=PAPER["optimizer"], choices=["adamw", "sgd"],
         help="ANFR: AdamW, or SGD with momentum 0.9 (Pieri et al.'s from ImageNet weights, lr 0.03)")  # ANFR
@@ -209,7 +212,7 @@ def parse_args():
     g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes (not with DP)")
     g.add_argument("--channels-last", action="store_true", help="ANFR: channels-last weights and batches (GPUs)")
     g.add_argument("--tf32", action="store_true", help="ANFR: TF32 matmuls on CUDA (cuDNN's convolutions: by default)")
-    g.add_argument("--threads", type=threads_flag, help="CPU threads, or auto: the free cores (default: the cores)")
+    g.add_argument("--threads", type=positive_int, help="CPU threads (default: OMP_NUM_THREADS, else the cores)")
     g.add_argument("--eval-every", type=positive_int, default=1, help="evaluate every this many rounds and the last")
     g.add_argument("--analyze", action="store_true",
         help="ANFR: class selectivity and attention-weight spread of the last attention module (Sec. 3.4) in "
@@ -255,7 +258,7 @@ def check_args(p, args):  # ANFR: this script's flags together
           for name in ("focal_gamma", "focal_weights")]]:
         if bad:
             p.error(msg)
-    if args.optimizer == "sgd" and "weight_decay" not in given_flags(p):
+    if args.optimizer == "sgd" and "weight_decay" not in p.given:
         args.weight_decay = 0.0  # Pieri et al.'s SGD
     # 0 = no proximal term
     args.prox_mu = (0.01 if args.prox_mu is None else args.prox_mu) if args.agg == "fedprox" else 0.0
@@ -615,7 +618,7 @@ def local_train(
 
 if __name__ == "__main__":
     args = parse_args()
-    run = Run(args)  # torchrun's ranks, the seeds, the client sampler (its own generator), Ctrl-C
+    run = Run(args)  # its folder (taken first), torchrun's ranks, the seeds, the client sampler, Ctrl-C, SIGTERM
     data = load_data(args)  # uint8 tensors on the device; a bad folder is refused as it is read
     if args.normalize == "half":  # ANFR: the recipe's (x - 0.5) / 0.5
         data.mean, data.std = torch.full_like(data.mean, 0.5), torch.full_like(data.std, 0.5)
@@ -655,8 +658,8 @@ if __name__ == "__main__":
     }
     c, c_i = (zeros(), [None] * n_clients) if args.agg == "scaffold" else (None, None)  # ANFR: SCAFFOLD controls
     m, v = (zeros(), zeros()) if args.agg == "fedadam" else (None, None)  # ANFR: FedAdam moments
+    start, ckpt = run.checkpoint.get("round", 0), run.checkpoint  # --resume: the rounds go on after checkpoint.pt's
     if args.resume:
-        ckpt = run.resume()  # checkpoint.pt; the rounds go on after its round
         model.load_state_dict(ckpt["model"])
         for opt, state in zip(opts, ckpt["opts"] or []):  # ANFR: the clients' optimizer states
             opt.load_state_dict(state)
@@ -681,8 +684,8 @@ if __name__ == "__main__":
         if local[k] is not None:
             client.load_state_dict(local[k], strict=False)
 
-    for rnd in run.rounds():  # under a bar; a --stop-after or Ctrl-C ends them after this round's checkpoint
-        clients = sample_clients(run.sampler, args.num_clients, args.frac)
+    for rnd in run.bar(range(start, args.rounds)):  # a bar shows the latest test accuracy
+        clients = sample_clients(run.sampler, len(sizes), args.frac)
         weights = client_weights([sizes[k] for k in clients], args.weighting)
         total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items() if k in shared}
         dc_sum = zeros() if c is not None else None
@@ -749,9 +752,11 @@ if __name__ == "__main__":
         load_average(model, total, strict=False)
         if c is not None:  # ANFR: SCAFFOLD c <- c + 1/N sum_{i in S} (c_i+ - c_i) (Eq. 5)
             c = scaffold_server(c, dc_sum, n_clients)
-        train_loss = run.diverged(train_loss, rnd)  # NaN or inf: summary.json says diverged, exit 1
+        if not math.isfinite(train_loss := float(train_loss)):  # NaN or inf
+            run.end_diverged(rnd, train_loss)  # summary.json says it diverged; exit 1
 
-        if run.evaluates(rnd):  # every --eval-every rounds and the last
+        last = rnd + 1 == args.rounds
+        if (rnd + 1) % args.eval_every == 0 or last:  # every --eval-every rounds and the last
             model.eval()
             fwd = lambda net: lambda x: net(resize(x, args.image_size, args.channels_last))  # ANFR: --image-size
             eval_bs = 2000 if (args.image_size or data.image_size) <= 64 else 200
@@ -788,7 +793,10 @@ if __name__ == "__main__":
                 ]
                 metrics["dp_epsilon"], metrics["dp_epsilon_max"] = eps, max(eps)
             run.log(metrics)
-        if snapshot := run.checkpoint_due(rnd):  # at each evaluation (or --checkpoint-every), the last round, a stop
-            run.save({**state(), **snapshot}, "checkpoint.pt")  # + the round, RNG states, clock
+        stop = not last and (rnd + 1 - start == args.stop_after or run.interrupted())  # --stop-after, Ctrl-C, SIGTERM
+        if stop or last or (rnd + 1) % (args.checkpoint_every or args.eval_every) == 0:  # default: each evaluation
+            run.save({**state(), **run.snapshot(rnd)}, "checkpoint.pt")  # + round, RNG, clock
+        if stop:
+            run.end_stopped(rnd)  # one line: how to --resume it; exit 0, or 130 / 143 after Ctrl-C / SIGTERM
     extra = {"analysis": analyze(model, data, args.image_size)} if args.analyze else {}  # ANFR: global model (Sec. 3.4)
     run.finish(model, **extra)  # summary.json: the final round's metrics

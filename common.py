@@ -11,7 +11,7 @@ import argparse
 import atexit
 import contextlib
 import datetime
-import errno
+import difflib
 import fcntl
 import functools
 import hashlib
@@ -53,6 +53,7 @@ class Data:
     group_test: torch.Tensor = None  # None when test/ is one shared test/<class>/*
     groups: list = None  # group names (sorted folder names)
     classes: list = None  # class names of an image folder (sorted folder names, or classes.txt's order)
+    fingerprint: dict = None  # sizes, and hashes of the labels and pixels: --resume checks the data is the run's
     in_channels = property(lambda self: self.x_train.shape[1])
     image_size = property(lambda self: self.x_train.shape[2])
 
@@ -69,13 +70,9 @@ def load_data(args):
     decodes, caches), then the others read its files."""
     if (getattr(args, "natural", 0) or getattr(args, "clients_per_domain", 0)) and args.dataset != "folder":
         refuse(f"--{'natural' if args.natural else 'clients-per-domain'}: groups are the folders of --dataset folder")
-    world = rank_and_world()[1]
-    first = world == 1 or int(os.environ["LOCAL_RANK"]) == 0
-    if not first:
-        dist.barrier()  # wait for the first process of this machine
-    d = DATASETS[args.dataset](args)  # on the CPU
-    if first and world > 1:
-        dist.barrier()
+    first = rank_and_world()[1] == 1 or int(os.environ["LOCAL_RANK"]) == 0  # the first process of this machine
+    d = together(lambda: DATASETS[args.dataset](args), first)  # on the CPU; first reads, then the others (its cache)
+    d = d if first else DATASETS[args.dataset](args)
     # An image folder stores its images class by class. Evaluation cuts the test set into consecutive batches, and
     # a batch norm without running statistics normalizes each batch by itself, so a class-sorted test set would be
     # scored on batches of one or two classes. One fixed permutation (its own seed) mixes the classes as
@@ -84,9 +81,20 @@ def load_data(args):
     x_te, y_te, g_te = unsort(d["x_test"], d["y_test"], d.get("group_test"))
     num_classes = max(int(max(y_tr.max(), y_te.max())) + 1, len(d.get("classes") or ()))  # classes.txt: all listed
     xf = x_tr.float() / 255
-    mean, std = xf.mean(dim=(0, 2, 3), keepdim=True), xf.std(dim=(0, 2, 3), keepdim=True)
+    mean, std = xf.mean(dim=(0, 2, 3), keepdim=True), xf.std(dim=(0, 2, 3), keepdim=True).clamp_min(1 / 255)
+    # (a constant channel's std 0 would divide by zero: floored at one grey level)
+    fingerprint = {"training images": len(y_tr), "test images": len(y_te), "image shape": list(x_tr.shape[1:]),
+                   "classes": num_classes, "labels": digest(y_tr, y_te), "pixels": digest(x_tr, x_te)}  # fmt: skip
     on = lambda *ts: [t.to(args.device) for t in ts]
-    return Data(*on(x_tr, y_tr, x_te, y_te), num_classes, *on(mean, std), g_tr, g_te, d.get("groups"), d.get("classes"))
+    return Data(*on(x_tr, y_tr, x_te, y_te), num_classes, *on(mean, std), g_tr, g_te, d.get("groups"), d.get("classes"),
+                fingerprint)  # fmt: skip
+
+
+def digest(*tensors):  # a hash of the tensors' bytes: with the sizes, the fingerprint a resumed run is checked by
+    h = hashlib.sha1()
+    for t in tensors:
+        h.update(t.contiguous().numpy())
+    return h.hexdigest()[:16]
 
 
 STORAGE_ORDER_SEED = 20240101  # the one fixed permutation of class-sorted datasets (see load_data)
@@ -278,9 +286,14 @@ def _decode_cached(root, files, layout):
         h.update(f"{os.path.relpath(path, root)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     stamp = h.hexdigest() if layout == "flat" else f"{layout}:{h.hexdigest()}"
     for path in caches:
-        cached = safe_load(path, "--data-dir") if os.path.isfile(path) else {}  # delete a refused one: decoded anew
-        if cached.get("stamp") == stamp:
-            return cached["tensors"]
+        try:  # derived data: one that cannot be read (cut, corrupt, foreign, code in it) is removed and decoded anew
+            cached = torch.load(path, weights_only=True) if os.path.isfile(path) else {}
+            if cached.get("stamp") == stamp and len(cached["tensors"]) == 6:
+                return [torch.as_tensor(t) for t in cached["tensors"]]
+        except Exception as e:  # noqa: BLE001  whatever is wrong with it, the images are still there
+            print(f"note: {path} is no cache this code can read ({type(e).__name__}); decoding anew", file=sys.stderr)
+            with contextlib.suppress(OSError):
+                os.remove(path)
     out, skipped = [], []
     for split in ("train", "test"):
         kept = []
@@ -288,18 +301,23 @@ def _decode_cached(root, files, layout):
             try:
                 with Image.open(path) as img:
                     x = torch.from_numpy(np.array(img))
-                kept.append((x.unsqueeze(0) if x.ndim == 2 else x.permute(2, 0, 1), y, g))  # [C, H, W]
+                kept.append((x.unsqueeze(0) if x.ndim == 2 else x.permute(2, 0, 1), y, g, path))  # [C, H, W]
             except (OSError, ValueError):  # empty or corrupt
                 skipped.append(path)
         if not kept:
             refuse(f"--data-dir: no readable images under {root}/{split}/")
-        xs = [x for x, _, _ in kept]
+        xs = [x for x, *_ in kept]
         if {x.shape[0] for x in xs} == {1, 3}:  # grayscale images among colour ones become 3-channel
             xs = [x.expand(3, -1, -1) if x.shape[0] == 1 else x for x in xs]
-        shapes = sorted({tuple(x.shape) for x in xs})
+        shapes = {}  # (C, H, W): its first image
+        for x, (*_, path) in zip(xs, kept):
+            shapes.setdefault(tuple(x.shape), path)
         if len(shapes) > 1:
-            refuse(f"--data-dir: images under {root}/{split} differ in size ({shapes[:3]}...); resize them to one size")
-        out.append((torch.stack(xs), torch.tensor([y for _, y, _ in kept]), torch.tensor([g for _, _, g in kept])))
+            (a, pa), (b, pb) = list(shapes.items())[:2]
+            size = lambda s: f"{s[2]}x{s[1]} with {s[0]} channel(s)"
+            refuse(f"--data-dir: images differ in size: {pa} is {size(a)}, {pb} {size(b)}; write a copy at one size "
+                   f"with python benchmarks/prepare_data.py resize --src {root} --size N --out NEW_DIR")  # fmt: skip
+        out.append((torch.stack(xs), torch.tensor([y for _, y, *_ in kept]), torch.tensor([g for _, _, g, _ in kept])))
     if skipped:
         print(f"skipped {len(skipped)} unreadable image(s), e.g. {skipped[0]}", file=sys.stderr)
     tensors = [*out[0][:2], *out[1][:2], out[0][2], out[1][2]]
@@ -495,7 +513,8 @@ def partition(flag, scheme):
 
 def make_partition(args, data):
     """The training set over args.num_clients by the run's partition flag: the groups of an image folder as they are
-    (--natural), the flag within each group (--clients-per-domain M), or over the whole set. Its own generator,
+    (--natural: len(train) clients, the folders), the flag within each group (--clients-per-domain M), or over the
+    whole set; per-client test sets with --client-test, or --natural's test/<client>/ folders. Its own generator,
     seeded by args.data_seed, so client sampling never changes it. With --val-frac F, round(F n_k) random samples of
     each client's n_k (at most n_k - 1) are held out for validation. What the data cannot give exits 2."""
     labels, test_labels = data.y_train.cpu().numpy(), data.y_test.cpu().numpy()
@@ -504,12 +523,9 @@ def make_partition(args, data):
     flag, powerlaw = next((k for k in PARTITIONS if getattr(args, k, None)), None), args.quantity == "powerlaw"
     if powerlaw and (natural or flag == "split2"):
         refuse(f"--quantity: powerlaw needs --iid, --shards, --classes-per-client or --alpha, not {flag or 'natural'}")
-    groups, test_groups = data.group_train, data.group_test
-    if natural or m:  # the number of clients is the data's
-        n = len(data.groups) * (m or 1)
-        if args.num_clients not in (None, n):
-            refuse(f"--num-clients: {args.data_dir}/train has {len(data.groups)} folders, so the run has {n} clients")
-        args.num_clients = n
+    groups, test_groups, client_test = data.group_train, data.group_test, getattr(args, "client_test", False)
+    if (natural or m) and args.num_clients not in (None, n := len(data.groups) * (m or 1)):  # the data's number
+        refuse(f"--num-clients: {args.data_dir}/train has {len(data.groups)} folders, so the run has {n} clients")
 
     def split(idx, n, where=""):  # (parts of idx, scheme) by the partition flag, with --quantity's client shares
         weights, (scheme, fn) = powerlaw_weights(n, rng) if powerlaw else np.full(n, 1.0 / n), PARTITIONS[flag]
@@ -522,10 +538,9 @@ def make_partition(args, data):
     names, test = None, None
     if natural:  # the clients are the folders train/<client>/, with test/<client>/ their own test sets
         parts, scheme, names = [np.flatnonzero(groups == g) for g in range(len(data.groups))], "natural", data.groups
-        args.client_test = args.client_test or test_groups is not None
         test = None if test_groups is None else [np.flatnonzero(test_groups == g) for g in range(len(data.groups))]
     elif m:  # the partition flag within each domain, M clients each
-        parts, names, test = [], [], [] if args.client_test and test_groups is not None else None
+        parts, names, test = [], [], [] if client_test and test_groups is not None else None
         for g, name in enumerate(data.groups):
             sub, scheme = split(np.flatnonzero(groups == g), m, f" (domain {name})")
             parts, names = parts + sub, names + [name] * m
@@ -540,7 +555,7 @@ def make_partition(args, data):
         more = f" (and {len(empty) - 1} more)" * (len(empty) > 1)
         refuse(f"{'--clients-per-domain' if m else '--num-clients'}: client {empty[0]} of {len(parts)}{more} received "
                f"no training data under {scheme} ({len(labels)} training samples); use fewer clients")  # fmt: skip
-    if test is None and getattr(args, "client_test", False):
+    if test is None and client_test:
         test = client_test_split(test_labels, labels, parts, c, rng)
     val = None
     if getattr(args, "val_frac", 0) > 0:  # drawn last: the partition itself does not depend on --val-frac
@@ -660,6 +675,25 @@ def sample_clients(rng, num_clients, frac):
     """The clients of one round: m = max(floor(frac N), 1) of them (McMahan et al., Alg. 1), without replacement."""
     m = max(int(frac * num_clients + 1e-9), 1)  # the epsilon keeps e.g. 0.29 * 100 at 29, not 28
     return sorted(rng.choice(num_clients, m, replace=False).tolist())
+
+
+def client_seed(seed, rnd, k):  # client k's stream in round rnd: never the process's or the clients' before it
+    return int(np.random.SeedSequence([seed, rnd, k + 1]).generate_state(1)[0])  # k = -1: after the round's clients
+
+
+def each_client(clients, weights, train_client, seed, rnd):
+    """Yield (k, weight, train_client(k)) for the round's clients in order, on every rank, each client trained right
+    after torch's global generator is seeded with client_seed(seed, rnd, k); a result (tensors, numbers) is valid in
+    the loop body only. Under torchrun the i-th client trains on rank i mod K and its result goes to all."""
+    rank, world = rank_and_world()
+    for first in progress(range(0, len(clients), world), f"round {rnd + 1}: clients by {world}"):
+        wave, result = clients[first : first + world], None  # one client per rank; the last wave may leave ranks idle
+        if rank < len(wave):
+            torch.manual_seed(client_seed(seed, rnd, wave[rank]))
+            result = train_client(wave[rank])
+        for j, k in enumerate(wave):
+            yield k, weights[first + j], result if world == 1 else _broadcast(result, src=j)
+    torch.manual_seed(client_seed(seed, rnd, -1))  # after the clients: the same stream on every rank
 
 
 def lr_at(round_idx, args):
@@ -1041,8 +1075,9 @@ register_model("resnet18")(functools.partial(resnet, depth=18))
 register_model("resnet50")(functools.partial(resnet, depth=50))
 
 
-# ==== Run helpers, not federated learning: flags, the run folder, the rounds' control, several processes ============
+# ==== Run helpers, not federated learning: flags, the run folder, checkpoints, stops, several processes ============
 RUN_FILES = ("config.json", "partition.json", "metrics.jsonl", "checkpoint.pt", "summary.json", "model.pt")
+RESUMABLE = ("rounds", "stop_after", "device", "data_dir")  # what --resume may change (a larger --rounds extends)
 
 
 def flag_type(cast, low=-math.inf, high=math.inf, open_low=False, open_high=False):
@@ -1064,7 +1099,7 @@ def flag_type(cast, low=-math.inf, high=math.inf, open_low=False, open_high=Fals
     return check
 
 
-positive_int = flag_type(int, 1)  # counts: clients, rounds, epochs, steps, batch size, periods
+positive_int = flag_type(int, 1)  # counts: clients, rounds, epochs, steps, batch size, periods, threads
 non_negative_int = flag_type(int, 0)
 seed_int = flag_type(int, 0, 2**32 - 1)  # numpy's legacy seeding takes at most 32 bits
 positive_float = flag_type(float, 0, open_low=True)  # learning rates, alpha, tau
@@ -1072,8 +1107,12 @@ non_negative_float = flag_type(float, 0)  # weight decay, mu (0 = off)
 fraction = flag_type(float, 0, 1, open_low=True)  # (0, 1]: --frac, --lr-decay
 decay_rate = flag_type(float, 0, 1, open_high=True)  # [0, 1): momentum and moment decays, --val-frac
 inner_fraction = flag_type(float, 0, 1, open_low=True, open_high=True)  # (0, 1): --lr-decay-at
-threads_flag = lambda text: text if text == "auto" else positive_int(text)  # --threads N, or auto (finish_args)
-path_arg = os.path.expanduser  # path flags: ~ expanded, also in --data-dir=~/cifar10 (which no shell expands)
+
+
+def path_arg(text):  # a path flag: not empty; ~ expanded, also in --data-dir=~/cifar10 (which no shell expands)
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a path, got ''")
+    return os.path.expanduser(text)
 
 
 def device_flag(text):
@@ -1082,63 +1121,53 @@ def device_flag(text):
     raise argparse.ArgumentTypeError(f"expected cpu, cuda, cuda:N or mps, got '{text}'")
 
 
-class Parser(argparse.ArgumentParser):  # the scripts': no abbreviations, every default in --help, errors in one line
+class Parser(argparse.ArgumentParser):
+    """The scripts' parser: the header's paper and idea under a one-line usage, every default in --help, one-line
+    errors (an unknown flag: the closest known one), no abbreviations. parse_args keeps the flags given in .given; of a
+    mutually exclusive group the flag given replaces the group's default (the paper's partition, its E)."""
+
     def __init__(self, doc):
-        super().__init__(description=doc.split("\n\n")[0], formatter_class=HelpFormatter, allow_abbrev=False)
+        super().__init__(description="\n\n".join(doc.split("\n\n")[:2]), usage="%(prog)s [flags]", allow_abbrev=False,
+                         formatter_class=HelpFormatter)  # fmt: skip
+
+    def parse_args(self, argv=None):
+        unset, actions = object(), [a for a in self._actions if a.default is not argparse.SUPPRESS]
+        args = super().parse_args(argv, argparse.Namespace(**{a.dest: unset for a in actions}))  # defaults: not set
+        self.given = {a.dest for a in actions if getattr(args, a.dest) is not unset}
+        for group in self._mutually_exclusive_groups:
+            named = [a for a in group._group_actions if a.dest in self.given]
+            if len(named) > 1:  # (argparse lets `--shards 2 --alpha 0.1` pass: 2 is the default)
+                first, second = (a.option_strings[0] for a in named[:2])
+                self.error(f"argument {second}: not allowed with argument {first}")
+            for a in group._group_actions if named else ():  # the flag given replaces the group's default
+                setattr(args, a.dest, getattr(args, a.dest) if a in named else False if a.nargs == 0 else None)
+        for a in actions:
+            setattr(args, a.dest, a.default if getattr(args, a.dest) is unset else getattr(args, a.dest))
+        return args
 
     def error(self, message):  # fedfn.py: error: --lr: must be > 0, got -1; see --help (no usage block above it)
+        if message.startswith("unrecognized arguments: "):
+            flags = [s for a in self._actions for s in a.option_strings]
+            close = difflib.get_close_matches(message.split()[2].split("=")[0], flags, 1)
+            message += f" (did you mean {close[0]}?)" * bool(close)
         refuse(f"{message.removeprefix('argument ')}; see --help")
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):  # every default, 0 too; a switch's help says what it does
-    def _get_help_string(self, action):
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    def _get_help_string(self, action):  # every default, 0 too; a switch's help says what it does; the header kept
         own = action.default is None or action.nargs == 0 or "(default" in (action.help or "")
         return action.help if own else super()._get_help_string(action)
 
 
-def one_of(group):  # a mutually exclusive group of OneOf flags: the flag given replaces the paper's default
-    x = group.add_mutually_exclusive_group()
-    x.add_argument = functools.partial(x.add_argument, action=OneOf)
-    return x
-
-
-class OneOf(argparse.Action):
-    """A flag of a one_of group (the partition; E or steps): given, it clears the group's default, so the parser's
-    defaults are the run's. A number's default is an object of its own, so argparse tells a given `--shards 2` from
-    the default 2 and refuses two flags of the group. Without a type, a switch."""
-
-    def __init__(self, option_strings, dest, default=None, **kw):
-        if kw.get("type") is None:
-            kw, default = {**kw, "nargs": 0, "const": True}, bool(default)
-        elif default is not None:
-            default = type("paper", (type(default),), {})(default)  # equal to 2, but not `is` a given 2
-        super().__init__(option_strings, dest, default=default, **kw)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        group = next(g for g in parser._mutually_exclusive_groups if self in g._group_actions)
-        for other in group._group_actions:
-            if getattr(namespace, other.dest, None) is other.default:  # not given (given_flags: not its default)
-                setattr(namespace, other.dest, False if other.nargs == 0 else None)
-        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
-
-
-def given_flags(parser):  # the dests of the flags written on the command line
-    unset = object()
-    dests = [a.dest for a in parser._actions if a.dest != "help"] + list(parser._defaults)  # set_defaults too
-    namespace = argparse.Namespace(**dict.fromkeys(dests, unset))
-    parser.parse_args(namespace=namespace)  # argparse fills in defaults only where nothing is set
-    return {k for k, v in vars(namespace).items() if v is not unset}
-
-
-def finish_args(parser, args, script):  # after argparse: what cannot run exits 2 naming its flag
-    """--resume's config.json; --clients-per-domain, --data-seed, the device, the threads. The data is refused by
-    load_data and make_partition, the run folder by Run (take_folder)."""
-    given, m = given_flags(parser), args.clients_per_domain
+def finish_args(parser, args, script):
+    """After argparse: --resume's config.json; folders in groups count their clients; --data-seed, the device, the CPU
+    threads (OMP_NUM_THREADS, else the cores, shared among torchrun's processes: one command, one set of numbers).
+    What cannot run exits 2 naming its flag (the data: load_data and make_partition; the run folder: Run)."""
     if args.resume:
-        args = resume_args(parser, args, script, given)
-    elif m and (args.natural or not given & set(PARTITIONS)):
+        args = resume_args(parser, args, script)
+    elif args.clients_per_domain and (args.natural or not parser.given & set(PARTITIONS)):
         parser.error("--clients-per-domain: give the partition within each domain (--iid, --shards, --alpha, ...)")
-    elif (args.natural or m) and "num_clients" not in given:
+    elif (args.natural or args.clients_per_domain) and "num_clients" not in parser.given:
         args.num_clients = None  # the data's: make_partition counts the folders
     args.data_seed, args.script = args.seed if args.data_seed is None else args.data_seed, script
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -1147,41 +1176,31 @@ def finish_args(parser, args, script):  # after argparse: what cannot run exits 
         parser.error(f"--device: {args.device} is not on this machine ({gpus} CUDA GPUs{', no MPS' * (not mps)})")
     if args.amp and args.device == "cpu":
         print("note: --amp on the CPU: bfloat16 autocast runs, but usually slower than float32 there", file=sys.stderr)
-    if getattr(args, "threads", 1) in (None, "auto"):  # the machine's cores a process: one command, one set of numbers
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        free = lambda busy: max(1, (cores - busy) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-        args.threads = free(busy_threads()) if args.threads else int(os.environ.get("OMP_NUM_THREADS") or free(0))
-    return args  # (the threads are in config.json: a resumed run computes as it began)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    share = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    args.threads = args.threads or int(os.environ.get("OMP_NUM_THREADS") or share)  # kept in config.json
+    return args
 
 
-def busy_threads():  # --threads auto: the threads running now besides this one, which more threads would stall
-    looks = []  # /proc/loadavg's runnable count, median of 5 looks 50 ms apart (the 1-minute load average still counts
-    for _ in range(5 * os.path.exists("/proc/loadavg")):  # a run that ended seconds ago; it is the fallback: macOS)
-        with open("/proc/loadavg") as f:
-            looks.append(int(f.read().split()[3].split("/")[0]) - 1)
-        time.sleep(0.05)
-    return sorted(looks)[2] if looks else round(os.getloadavg()[0])
-
-
-def resume_args(parser, args, script, given):
-    """--resume DIR: the run's config.json, and only --stop-after, --device, --data-dir (the same data elsewhere) and a
-    larger --rounds (the run extended: lr schedules span the new total). A finished run stays as it is."""
-    err, folder = parser.error, args.resume
+def resume_args(parser, args, script):
+    """--resume DIR: the run's config.json, with only the RESUMABLE flags from the command line (--data-dir: the same
+    data elsewhere; a larger --rounds: the lr schedules span the new total). A finished run stays as it is."""
+    err, folder, given = parser.error, args.resume, parser.given
     try:
-        saved = json.load(open(f"{folder}/config.json"))
+        with open(f"{folder}/config.json") as f:
+            saved = json.load(f)
     except (OSError, ValueError):
         err(f"--resume: {folder} has no readable config.json, so it holds no run to resume")
-    summary = json.load(open(f"{folder}/summary.json")) if os.path.isfile(f"{folder}/summary.json") else {}
     own = ({a.dest for a in parser._actions} | set(parser._defaults)) - {"help", "resume", "stop_after", "overwrite"}
-    owner = saved.get("script") or (script if set(saved) == own else "another script")  # older runs name no script
-    if owner != script:
-        err(f"--resume: {folder} holds a run of {owner}, not of {script}.py")
-    if extra := given - {"resume", "stop_after", "rounds", "device", "data_dir"}:
+    if (owner := saved.get("script") or (script if set(saved) == own else "another script")) != script:  # older runs
+        err(f"--resume: {folder} holds a run of {owner}.py, not of {script}.py")  # name no script: told by their flags
+    if extra := given - {"resume", *RESUMABLE}:
         err(f"--{min(extra).replace('_', '-')}: a resumed run keeps its config.json; give only --rounds (to extend "
             "it), --stop-after, --device or --data-dir")  # fmt: skip
     rounds = args.rounds if "rounds" in given else saved["rounds"]
     if rounds < saved["rounds"]:
         err(f"--rounds: the run in {folder} has {saved['rounds']} rounds; --resume can extend it, not shorten it")
+    summary = json.load(open(f"{folder}/summary.json")) if os.path.isfile(f"{folder}/summary.json") else {}
     if summary.get("diverged"):
         err(f"--resume: the run in {folder} diverged in round {summary['round']}; start a new one (a smaller --lr?)")
     if summary.get("final_round") == rounds:
@@ -1189,149 +1208,118 @@ def resume_args(parser, args, script, given):
         raise SystemExit(0)
     if not os.path.isfile(f"{folder}/checkpoint.pt"):
         err(f"--resume: {folder} has config.json but no checkpoint.pt; start it again with --out {folder} --overwrite")
-    saved.update({k: getattr(args, k) for k in ("device", "data_dir") if k in given})
-    saved.update(resume=folder, stop_after=args.stop_after, overwrite=False, rounds=rounds, script=script, out=folder)
-    return argparse.Namespace(**{**vars(args), **saved})
+    saved.update({k: getattr(args, k) for k in RESUMABLE if k in given})
+    return argparse.Namespace(**{**vars(args), **saved, "rounds": rounds, "resume": folder, "out": folder})
 
 
-def refuse(message):  # bad input found in the data or the partition: one line and exit 2, as parser.error does
-    print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
-    _drop_empty_folders()  # the run folder, if this run made it, and nothing was written
+def refuse(message):  # bad input: one line (under torchrun: from the first process of a machine) and exit 2
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
     refusal = SystemExit(message)
     refusal.code = 2  # not the 1 of sys.exit(message); str() of it is the message
     raise refusal
 
 
 class Run:
-    """One run: its folder (taken first, take_folder), torchrun's ranks, threads, seeds and the client sampler; start:
-    config.json, partition.json, the start-up line; the rounds under a bar, with --stop-after and Ctrl-C (once: a
-    checkpoint after this round; twice: at once); metrics.jsonl rows, checkpoint.pt, summary.json and model.pt,
-    written whole by rank 0 (a write that fails ends the run in one line)."""
+    """One run: its folder (taken first: take_folder), torchrun's ranks, threads, seeds, the client sampler, Ctrl-C
+    and SIGTERM (the loop stops after its round; a second: at once); --resume's checkpoint.pt, checked against
+    config.json now. Rank 0 writes the run files, each whole; a write that fails ends the run in one line."""
 
     def __init__(self, args):
         setup_distributed(args)
-        self.main = rank_and_world()[0] == 0
-        if self.main:
-            take_folder(args)  # before any work: refused in one line if another run holds it
-        if rank_and_world()[1] > 1:
-            dist.broadcast_object_list(out := [args.out], src=0)  # the default run folder has a time stamp: rank 0's
-            args.out = out[0]
-        self.args, self.dir, self.script, self.started, self.in_rounds = args, args.out, args.script, False, False
-        # --resume: the checkpoint is read now, so a damaged one is refused before anything is written
-        self.checkpoint = safe_load(f"{self.dir}/checkpoint.pt", "--resume", args.device) if args.resume else None
-        torch.set_num_threads(getattr(args, "threads", None) or torch.get_num_threads())
+        self.args, self.script, self.main = args, args.script, rank_and_world()[0] == 0
+        self.dir = together(lambda: take_folder(args), self.main, share=True)  # a refusal on rank 0 ends every rank
+        self.config = {k: v for k, v in vars(args).items() if k not in ("resume", "stop_after", "overwrite")}
+        self.config["out"] = self.dir  # config.json; its settings, what --resume may not change, in its JSON types:
+        self.settings = {k: v for k, v in json.loads(jsonl([self.config])).items() if k not in ("out", *RESUMABLE)}
+        self.checkpoint = safe_load(f"{self.dir}/checkpoint.pt", "--resume", args.device) if args.resume else {}
+        began = self.checkpoint.get("settings", self.settings)
+        if edited := sorted(k for k in began.keys() | self.settings.keys() if began.get(k) != self.settings.get(k)):
+            refuse(f"--resume: {self.dir}/config.json differs from the one its checkpoint was written with (in "
+                   f"{', '.join(edited[:4])}); undo the edit, or start a new run with new flags")  # fmt: skip
+        torch.set_num_threads(args.threads)
         random.seed(args.seed)
         np.random.seed(args.seed)
         torch.manual_seed(args.seed)
         self.sampler = np.random.default_rng(args.seed)  # client sampling, its own generator
-        cpu = f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()}"
-        self.device = torch.cuda.get_device_name(args.device) if "cuda" in args.device else f"{cpu} torch threads)"
-        self.clock, self.elapsed_before, self.first_round, self.stop_requested = time.time(), 0.0, 0, False
-        self.last_eval, self.best_val = {}, {}
-        if rank_and_world()[1] == 1:  # under torchrun, torchrun ends every rank
-            signal.signal(signal.SIGINT, self._ctrl_c)
+        cpu = f"cpu ({platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+        self.device = torch.cuda.get_device_name(args.device) if "cuda" in args.device else cpu
+        self.clock, self.elapsed_before, self.rows, self.stop_signal, self._bar = time.time(), 0.0, None, 0, None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
 
     elapsed = property(lambda self: self.elapsed_before + time.time() - self.clock)
 
     def start(self, model, partition, data, name=None):
-        """--overwrite: the run's files go first; config.json, partition.json, the start-up line."""
-        args, sizes = self.args, [len(p) for p in partition.train]
+        """config.json, partition.json (--overwrite: the old files go first), the start-up line. --resume: the data
+        as the checkpoint found it, then its RNG states, clock and metrics.jsonl rows (whole lines, to its round)."""
+        args, ckpt, sizes, self.rows = self.args, self.checkpoint, [len(p) for p in partition.train], []
+        self.fingerprint, began = data.fingerprint, ckpt.get("data", data.fingerprint) or {}
+        if differ := [k for k in began if began[k] != data.fingerprint.get(k)]:
+            refuse(f"--data-dir: {args.data_dir} holds other data than the run in {self.dir} began on (in its "
+                   f"{', '.join(differ)}); resume it on the same data")  # fmt: skip
+        if ckpt:
+            torch.set_rng_state(ckpt["rng"]["torch"].cpu())  # CPU tensors, also where the checkpoint went to a GPU
+            self.sampler.bit_generator.state = ckpt["rng"]["numpy_sampler"]
+            if "cuda" in ckpt["rng"] and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all([s.cpu() for s in ckpt["rng"]["cuda"]])
+            self.elapsed_before = ckpt["elapsed_s"]
+            for line in open(f"{self.dir}/metrics.jsonl") if os.path.isfile(f"{self.dir}/metrics.jsonl") else ():
+                with contextlib.suppress(ValueError):  # a line a crash cut short
+                    self.rows += [row for row in [json.loads(line)] if row["round"] <= ckpt["round"]]
         counts = lambda y, parts: parts and [torch.bincount(y[p], minlength=data.num_classes).tolist() for p in parts]
         info = {"scheme": partition.scheme, "train": counts(data.y_train, partition.train),
                 "test": counts(data.y_test, partition.test), "classes": data.classes,
                 "val": counts(data.y_train, partition.val), "clients": partition.names}  # fmt: skip
-        if self.main:
-            for f in () if args.resume else RUN_FILES:  # --overwrite: the run's files go first
-                with self.writing(f), contextlib.suppress(FileNotFoundError):
-                    os.remove(f"{self.dir}/{f}")
-            if not args.resume:
-                self.save("", "metrics.jsonl")
-            self.save({k: v for k, v in vars(args).items() if k not in ("resume", "stop_after", "overwrite")},
-                      "config.json")  # fmt: skip
-            self.save({k: v for k, v in info.items() if v is not None}, "partition.json")
-            print(f"{self.script}: {self.device} | model {name or args.model}, "
-                  f"{sum(p.numel() for p in model.parameters()):,} parameters | {partition.scheme}: {len(sizes)} "
-                  f"clients, {min(sizes)}-{max(sizes)} training samples each | run folder {self.dir}"
-                  f"{' (resumed)' if args.resume else ''}", flush=True)  # fmt: skip
-        self.started = True
+        for f in () if args.resume or not self.main else RUN_FILES:  # (take_folder found the folder writable)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(f"{self.dir}/{f}")
+        self.save(jsonl(self.rows), "metrics.jsonl")
+        self.save(self.config, "config.json")
+        self.save({k: v for k, v in info.items() if v is not None}, "partition.json")
+        print(f"{self.script}: {self.device} | model {name or args.model}, "
+              f"{sum(p.numel() for p in model.parameters()):,} parameters | {partition.scheme}: {len(sizes)} clients, "
+              f"{min(sizes)}-{max(sizes)} training samples each | run folder {self.dir}"
+              f"{' (resumed)' if args.resume else ''}", flush=True)  # fmt: skip
 
-    def resume(self):
-        """checkpoint.pt (returned), its RNG states, the clock; metrics.jsonl cut to its round and whole lines."""
-        ckpt, self.checkpoint = self.checkpoint, None  # read by __init__
-        torch.set_rng_state(ckpt["rng"]["torch"].cpu())  # CPU tensors, also where the checkpoint went to a GPU
-        self.sampler.bit_generator.state = ckpt["rng"]["numpy_sampler"]
-        if "cuda" in ckpt["rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([s.cpu() for s in ckpt["rng"]["cuda"]])
-        self.elapsed_before, self.first_round, rows = ckpt["elapsed_s"], ckpt["round"], []
-        for line in open(f"{self.dir}/metrics.jsonl") if os.path.isfile(f"{self.dir}/metrics.jsonl") else ():
-            with contextlib.suppress(ValueError):  # a line a crash cut short
-                rows += [row for row in [json.loads(line)] if row["round"] <= ckpt["round"]]
-        self.last_eval = next((row for row in reversed(rows) if "test_acc" in row), {})
-        self.best_val = max((r for r in rows if r.get("val_acc") is not None), key=lambda r: r["val_acc"], default={})
-        if self.main:
-            self.save("".join(json.dumps(row) + "\n" for row in rows), "metrics.jsonl")
-        return ckpt
+    def bar(self, rounds):  # the loop's rounds under a bar (rank 0's), with the latest test accuracy that log sets
+        self._bar = tqdm(rounds, self.script, self.args.rounds, initial=rounds.start, disable=not self.main)
+        return self._bar
 
-    def rounds(self):
-        """The rounds under a bar (the latest test accuracy), ended by a stop that checkpoint_due latched."""
-        args, self.in_rounds, self.stopping = self.args, True, False
-        bar = tqdm(range(self.first_round, args.rounds), self.script, args.rounds, initial=self.first_round,
-                   disable=not self.main)  # fmt: skip
-        for rnd in bar:
-            yield rnd
-            if (row := self.last_eval).get("round") == rnd + 1:
-                bar.set_postfix(acc=f"{row['test_acc']:.4f}", loss=f"{row['train_loss']:.3f}")
-            if self.stopping:
-                bar.close()
-                print(f"stopped after round {rnd + 1}; continue with: python {self.script}.py --resume {self.dir}")
-                raise SystemExit(130 if self.stop_requested else 0)
-        bar.close()
-
-    def checkpoint_due(self, rnd):
-        """Where round rnd ends with a checkpoint (rank 0 writes it: every --checkpoint-every rounds, default at each
-        evaluation, the last, and a stop of --stop-after or Ctrl-C, after which rounds() ends the run), what it holds
-        besides the server's state, so that --resume continues bit for bit: the round, the clock, the RNG states."""
-        args, done = self.args, rnd + 1
-        self.stopping = done < args.rounds and (self.stop_requested or done - self.first_round == args.stop_after)
-        every = done % args.checkpoint_every == 0 if args.checkpoint_every else self.evaluates(rnd)
-        if not (self.main and (self.stopping or done == args.rounds or every)):
-            return {}
+    def snapshot(self, rnd):  # what --resume needs besides the server's state: round, clock, RNG, settings, data
         rng = {"torch": torch.get_rng_state(), "numpy_sampler": self.sampler.bit_generator.state}
         rng.update({"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {})
-        return {"round": done, "elapsed_s": self.elapsed, "rng": rng}
+        return {"round": rnd + 1, "elapsed_s": self.elapsed, "rng": rng, "settings": self.settings,
+                "data": self.fingerprint}  # fmt: skip
 
-    def evaluates(self, rnd):  # whether round rnd (0-based) ends with an evaluation: every --eval-every and the last
-        return (rnd + 1) % self.args.eval_every == 0 or rnd + 1 == self.args.rounds
+    def interrupted(self):  # whether Ctrl-C or SIGTERM came (under torchrun: to any rank, so all stop together)
+        self.stop_signal = agree(self.stop_signal)
+        return self.stop_signal > 0
 
-    def log(self, metrics):  # one row (with elapsed_s) appended to metrics.jsonl: synced whole, or cut back off
-        metrics = {**metrics, "elapsed_s": round(self.elapsed, 3)}
-        if self.main:
-            with self.writing("metrics.jsonl"), open(f"{self.dir}/metrics.jsonl", "ab", buffering=0) as f:
-                line, size = (json.dumps(_json_safe(metrics), allow_nan=False) + "\n").encode(), f.seek(0, os.SEEK_END)
-                try:
-                    if f.write(line) < len(line):  # unbuffered: a short write to a file is a full disk
-                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-                    os.fsync(f.fileno())
-                except OSError:
-                    f.truncate(size)
-                    raise
-        self.last_eval = metrics if "test_acc" in metrics else self.last_eval
-        if metrics.get("val_acc", -math.inf) > self.best_val.get("val_acc", -math.inf):  # the first best
-            self.best_val = metrics
+    def end_stopped(self, rnd):  # ends the run after round rnd: one line with the command that continues it
+        self._bar.close()
+        print(f"stopped after round {rnd + 1}; continue with: python {self.script}.py --resume {self.dir}")
+        raise SystemExit(128 + self.stop_signal if self.stop_signal else 0)  # 130: Ctrl-C, 143: SIGTERM
 
-    def diverged(self, train_loss, rnd):  # the round's loss as a float; NaN or inf: summary.json says so, exit 1
-        if not math.isfinite(train_loss := float(train_loss)):
-            self.write_summary({"diverged": True, "round": rnd + 1, "train_loss": train_loss})
-            sys.exit(f"diverged: training loss became {train_loss} in round {rnd + 1}; try a smaller --lr ({self.dir})")
-        return train_loss
+    def end_diverged(self, rnd, train_loss):  # ends the run with exit 1: summary.json says it diverged
+        self.write_summary({"diverged": True, "round": rnd + 1, "train_loss": train_loss})
+        why = f"diverged: training loss became {train_loss} in round {rnd + 1}; try a smaller --lr ({self.dir})"
+        raise SystemExit(why if self.main else 1)
+
+    def log(self, metrics):  # one more row (with elapsed_s) in metrics.jsonl, which is written whole (save)
+        self.rows.append({**metrics, "elapsed_s": round(self.elapsed, 3)})
+        self.save(jsonl(self.rows), "metrics.jsonl")
+        if self._bar is not None and "test_acc" in metrics:
+            self._bar.set_postfix(acc=f"{metrics['test_acc']:.4f}", loss=f"{metrics['train_loss']:.3f}")
 
     def finish(self, model=None, **extra):  # summary.json: the final round's evaluation and `extra`; model.pt
-        final, best = {k: v for k, v in self.last_eval.items() if k != "round"}, self.best_val
-        if best:  # --val-frac: the protocol of papers that report the test accuracy at the best validation round
+        final = next(({k: v for k, v in r.items() if k != "round"} for r in self.rows[::-1] if "test_acc" in r), {})
+        if scored := [row for row in self.rows if row.get("val_acc") is not None]:  # --val-frac: the papers' protocol
+            best = max(scored, key=lambda row: row["val_acc"])  # the first best
             final.update(best_val_acc=best["val_acc"], best_val_round=best["round"])
             final["test_acc_at_best_val"] = best["test_acc"]
         summary = self.write_summary({"final_round": self.args.rounds, **final, **extra})
-        if self.main and model is not None and self.args.save_model:
+        if model is not None and self.args.save_model:
             self.save(model.state_dict(), "model.pt")
         print(f"final test accuracy {summary['test_acc']:.4f} after {self.args.rounds} rounds; outputs in {self.dir}")
         return summary
@@ -1339,30 +1327,28 @@ class Run:
     def write_summary(self, summary):
         summary = {**summary, "wall_time_s": round(self.elapsed, 3), "device": self.device, "torch": torch.__version__,
                    "script": self.script, "processes": rank_and_world()[1]}  # fmt: skip
-        if self.main:
-            self.save(summary, "summary.json")
+        self.save(summary, "summary.json")
         return summary
 
-    def save(self, obj, name):  # a run file written whole (rank 0 writes)
-        with self.writing(name):
-            _atomic_save(obj, f"{self.dir}/{name}")
-
-    @contextlib.contextmanager
-    def writing(self, name):  # a write that fails (a full disk, a read-only or removed folder) ends the run in one line
+    def save(self, obj, name):  # a run file written whole by rank 0; a write that fails ends the run in one line
         try:
-            yield
-        except OSError as e:
+            if self.main:
+                _atomic_save(obj, f"{self.dir}/{name}")
+        except OSError as e:  # a full disk, a read-only or removed folder
             whole = f"the files written before are whole: once that is fixed, --resume {self.dir} continues"
             sys.exit(f"{self.script}.py: error: cannot write {self.dir}/{name}: {e.strerror or e}; {whole}")
 
-    def _ctrl_c(self, *_):  # in the rounds: stop after this one; before them, or twice: at once, one line
-        if self.in_rounds and not self.stop_requested:
-            self.stop_requested = True
-            note = "\ninterrupt: finishing this round, then a checkpoint (Ctrl-C again: at once)"
-            return print(note, file=sys.stderr)
+    def _on_signal(self, signum, _):  # in the rounds: the loop stops after this one; before them, or again: at once
+        if self.stop_signal and rank_and_world()[1] > 1:
+            return  # torchrun passes the terminal's Ctrl-C on to its ranks: the same stop
+        at_once, self.stop_signal = self._bar is None or self.stop_signal, signum
         kept = "the run folder keeps what was saved (resume from its last checkpoint with --resume)"
-        print(f"\ninterrupted; {kept if self.started else 'nothing was written'}", file=sys.stderr)
-        raise SystemExit(130)
+        say = f"interrupted; {kept if self.rows is not None else 'nothing was written'}" if at_once else (
+            f"{signal.Signals(signum).name}: finishing this round, then a checkpoint (again: at once)")  # fmt: skip
+        if self.main:
+            print(f"\n{say}", file=sys.stderr)
+        if at_once:
+            raise SystemExit(128 + signum)
 
 
 def _atomic_save(obj, path):  # torch.save (JSON for *.json, text for a str) to a temporary file, renamed: whole or none
@@ -1373,9 +1359,8 @@ def _atomic_save(obj, path):  # torch.save (JSON for *.json, text for a str) to 
         else:
             torch.save(obj, buffer := io.BytesIO())  # in memory first, so a full disk is an OSError, not torch's own
             data = buffer.getbuffer()
-        with open(tmp, "wb") as f:
+        with open(tmp, "wb", buffering=0) as f:
             f.write(data)
-            f.flush()
             os.fsync(f.fileno())  # on the disk before the rename: a crash leaves the old file or the new one
         os.replace(tmp, path)
     finally:
@@ -1394,49 +1379,46 @@ def safe_load(path, flag, device="cpu"):  # torch.load that runs no code: tensor
 _json_safe = lambda obj: _map_leaves(obj, lambda v: None if isinstance(v, float) and not math.isfinite(v) else v)
 rank_and_world = lambda: (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 progress = lambda items, desc, total=None: tqdm(items, desc, total, False, disable=rank_and_world()[0] > 0, delay=5)
-_HELD, _MADE = {}, []  # the run folders this process holds (path: the locked descriptor), and those it made
+_HELD = {}  # the run folders this process holds: path -> the locked descriptor (a process may run runs in turn)
+jsonl = lambda rows: "".join(json.dumps(_json_safe(row), allow_nan=False) + "\n" for row in rows)  # metrics.jsonl
 
 
-def _drop_empty_folders():  # the folders take_folder made and no run wrote into
-    for out in _MADE:
-        with contextlib.suppress(OSError):
-            os.rmdir(out)  # only if empty
-            os.close(_HELD.pop(os.path.realpath(out)))
-
-
-atexit.register(_drop_empty_folders)
+def _remove_if_empty(folder):  # at exit: a folder take_folder made, if no run wrote into it
+    with contextlib.suppress(OSError):
+        os.rmdir(folder)
 
 
 def take_folder(args):
-    """The run folder, made atomically (the default, runs/<script>__<dataset>__<seed>__<time>, or the next free -2, -3,
-    ...) and locked for the run's life, so a second run into it is refused; the OS drops the lock when it ends."""
-    flag = "--resume" if args.resume else "--out"
+    """The run folder, --out or runs/<script>__<dataset>__<seed>__<time> (then -2, -3, ... where taken), made atomically
+    and locked for the run's life: a second run into it is refused; the OS drops the lock when the run ends."""
+    flag, stamp = "--resume" if args.resume else "--out", time.strftime("%Y%m%d-%H%M%S")
     for n in itertools.count(1):
-        stamp = f"{args.seed}__{time.strftime('%Y%m%d-%H%M%S')}{f'-{n}' if n > 1 else ''}"
-        out, made = args.out or f"runs/{args.script}__{args.dataset}__{stamp}", True
+        out = args.out or f"runs/{args.script}__{args.dataset}__{args.seed}__{stamp}" + f"-{n}" * (n > 1)
         try:
             os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
             try:
                 os.mkdir(out)  # atomic: of two runs, one makes it
-            except FileExistsError:
-                if not args.out:
-                    continue  # the default name is another run's: the next one
+                made = True
+            except FileExistsError:  # --out: it is there; a default name: another run's, so the next one
                 made = False
-            os.rmdir(tempfile.mkdtemp(prefix=".cleanfl-probe", dir=out))  # a folder this process can write in
-            break
         except OSError as e:  # a file in the way, a read-only or full disk
-            refuse(f"{flag}: cannot make or write in {out}: {e.strerror}")
-    if (key := os.path.realpath(out)) not in _HELD:  # a process may run runs in turn (tests/run_batch.py)
+            refuse(f"{flag}: cannot make {out}: {e.strerror}")
+        if made or args.out:
+            break
+    if (key := os.path.realpath(out)) not in _HELD:
         try:
             fcntl.flock(fd := os.open(out, os.O_RDONLY), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rmdir(tempfile.mkdtemp(prefix=".cleanfl-probe", dir=out))  # a folder this process can write in
         except BlockingIOError:  # (a folder made here but locked first by another run is that run's: kept)
             refuse(f"{flag}: another run is using {out} now; wait for it to end, or choose another --out")
+        except OSError as e:  # a read-only or full disk
+            refuse(f"{flag}: cannot write in {out}: {e.strerror}")
         _HELD[key] = fd
-    if made:  # held: a run refused (or failed) before it wrote anything leaves no folder (refuse, and at exit)
-        _MADE.append(out)
-    if flag == "--out" and not getattr(args, "overwrite", 0) and any(os.path.exists(f"{out}/{f}") for f in RUN_FILES):
+    if made:  # held: a run refused (or failed) before it wrote anything leaves no folder
+        atexit.register(_remove_if_empty, out)
+    if flag == "--out" and not args.overwrite and any(os.path.exists(f"{out}/{f}") for f in RUN_FILES):
         refuse(f"--out: {out} holds a run; continue it with --resume {out}, or another --out or --overwrite")
-    args.out = out
+    return out
 
 
 # --- `torchrun --nproc_per_node K script.py`: K ranks share a round's clients; bit for bit one process (same threads)
@@ -1457,22 +1439,26 @@ def setup_distributed(args):
         sys.stdout = open(os.devnull, "w")  # rank 0 prints; errors (stderr) still show from every rank
 
 
-def client_seed(seed, rnd, k):  # client k's stream in round rnd: never the process's or the clients' before it
-    return int(np.random.SeedSequence([seed, rnd, k + 1]).generate_state(1)[0])  # k = -1: after the round's clients
+_wire = lambda: torch.device(f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu")
 
 
-def each_client(clients, weights, train_client, seed, rnd):
-    """Yield (k, weight, train_client(k)) for the round's clients in order, on every rank; a result (tensors, numbers)
-    is valid in the loop body only. Under torchrun the i-th client trains on rank i mod K and its result goes to all."""
-    rank, world = rank_and_world()
-    for first in progress(range(0, len(clients), world), f"round {rnd + 1}: clients by {world}"):
-        wave, result = clients[first : first + world], None  # one client per rank; the last wave may leave ranks idle
-        if rank < len(wave):
-            torch.manual_seed(client_seed(seed, rnd, wave[rank]))
-            result = train_client(wave[rank])
-        for j, k in enumerate(wave):
-            yield k, weights[first + j], result if world == 1 else _broadcast(result, src=j)
-    torch.manual_seed(client_seed(seed, rnd, -1))  # after the clients: the same stream on every rank
+def agree(value):  # the largest of the ranks' integers (a stop signal, an exit code); alone: the value itself
+    if rank_and_world()[1] > 1:
+        dist.all_reduce(value := torch.tensor([value], device=_wire()), op=dist.ReduceOp.MAX)
+    return int(value)
+
+
+def together(fn, here, share=False):
+    """fn() on the ranks where `here` while the others wait (share: rank 0's result to all). A refusal (SystemExit) on
+    one rank ends every rank with its exit code, the others quietly: no rank is left waiting to trace back."""
+    result, refusal = None, None
+    try:
+        result = fn() if here else None
+    except SystemExit as e:
+        refusal = e
+    if code := agree(0 if refusal is None else refusal.code if isinstance(refusal.code, int) else 1):
+        raise refusal or SystemExit(code)
+    return _broadcast(result, src=0) if share and rank_and_world()[1] > 1 else result
 
 
 def _map_leaves(obj, fn):  # obj with fn applied to every leaf (not a dict, list or tuple), the layout kept
@@ -1485,8 +1471,7 @@ _Sent = type("_Sent", (tuple,), {})  # a tensor on its way to the other ranks: (
 
 
 def _broadcast(result, src):  # rank src's result to every rank, pickled with its tensors' bits; src keeps its own
-    here = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     box = [_map_leaves(result, lambda t: _Sent((t.detach().cpu(), t.device.type)) if torch.is_tensor(t) else t)]
-    dist.broadcast_object_list(box, src=src, device=here)
-    unpack = lambda v: (v[0] if v[1] == "cpu" else v[0].to(here)) if isinstance(v, _Sent) else v
+    dist.broadcast_object_list(box, src=src, device=_wire())
+    unpack = lambda v: v[0].to(v[1]) if isinstance(v, _Sent) else v  # "cuda": this rank's GPU (set_device)
     return result if dist.get_rank() == src else _map_leaves(box[0], unpack)

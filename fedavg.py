@@ -3,8 +3,8 @@
 
 Idea: each round a fraction of the clients runs E epochs of local SGD from the global model, and the server
 replaces the global model by their average weighted by sample count (Alg. 1: w_{t+1} = sum_k n_k/n w_{t+1}^k).
-FedProx adds mu/2 ||w - w_t||^2 to each local loss. Every other script is this file plus a small diff:
-`diff fedavg.py fedbabu.py` shows a method.
+FedProx adds mu/2 ||w - w_t||^2 to each local loss. The other scripts start from this file's flags and loop:
+`diff fedavg.py fedbabu.py` shows what a method adds, its lines tagged (`# FedBABU: ...`).
 
     python fedavg.py --dataset cifar10 --shards 2          # McMahan's pathological non-IID split
     torchrun --nproc_per_node 2 fedavg.py --dataset cifar10 --shards 2   # the same run on 2 processes or GPUs
@@ -12,14 +12,19 @@ FedProx adds mu/2 ||w - w_t||^2 to each local loss. Every other script is this f
 Usage, logged metrics, choices the paper leaves open and results: docs/fedavg.md.
 """
 
+import os
+
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # before torch loads OpenMP: brief spins, then sleep (docs/speed.md)
+
+import math
+
 import torch
 import torch.nn.functional as F
 
 from common import (AUGMENTATIONS, DATASETS, MODELS, Parser, Run, accumulate, autocast, build_model, client_batches,
                     client_weights, decay_rate, device_flag, each_client, eval_metrics, finish_args, fraction,
-                    inner_fraction, load_average, load_data, lr_at, make_partition, non_negative_float, one_of,
-                    path_arg, positive_float, positive_int, prepare_batch, prox_term, sample_clients, seed_int,
-                    threads_flag)  # fmt: skip
+                    inner_fraction, load_average, load_data, lr_at, make_partition, non_negative_float, path_arg,
+                    positive_float, positive_int, prepare_batch, prox_term, sample_clients, seed_int)  # fmt: skip
 
 # The run's setting, the defaults of the flags below: McMahan et al.'s federation (Sec. 3: 100 clients, C = 0.1,
 # E = 5, B = 50) on CIFAR-10, with CleanFL's shared baseline where marked "ours" (reasons in docs/fedavg.md).
@@ -42,34 +47,34 @@ PAPER = dict(
 # fmt: off
 def parse_args():
     p = Parser(__doc__)
+    g = p.add_argument_group("federation")
+    g.add_argument("--num-clients", type=positive_int, default=PAPER["num_clients"], help="K: number of clients")
+    g.add_argument("--frac", type=fraction, default=PAPER["frac"], help="C: fraction of clients a round, in (0, 1]")
+    g.add_argument("--rounds", type=positive_int, default=PAPER["rounds"], help="T: communication rounds")
+    x = g.add_mutually_exclusive_group()  # one of them: the flag given replaces the default
+    x.add_argument("--local-epochs", type=positive_int, default=PAPER["local_epochs"], help="E: epochs a round")
+    x.add_argument("--local-steps", type=positive_int, help="local SGD steps a round, not epochs")
+    g.add_argument("--batch-size", type=positive_int, default=PAPER["batch_size"], help="B: local batch size")
+    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"], help="weights n_k/n, or 1/m")
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default=PAPER["dataset"], choices=sorted(DATASETS), help="folder: --data-dir's images")
     g.add_argument("--data-dir", type=path_arg, default="./data", help="download folder, or DIR/{train,test}/<class>/*")
     g.add_argument("--augment", default=PAPER["augment"], choices=AUGMENTATIONS, help="of training batches, on device")
     g = p.add_argument_group("partition: one of these (default: --shards 2, the paper's)")
-    x = one_of(g)
-    x.add_argument("--iid", help="a uniform random split")
+    x = g.add_mutually_exclusive_group()  # one of them: the flag given replaces the default
+    x.add_argument("--iid", action="store_true", help="a uniform random split")
     x.add_argument("--shards", type=positive_int, default=PAPER["shards"], help="S: N*S sorted shards, S each")
     x.add_argument("--classes-per-client", type=positive_int, help="C classes a client, each split among its holders")
     x.add_argument("--alpha", type=positive_float, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
-    x.add_argument("--split2", help="CIFAR-10 split-2 (Qu et al. 2022): 5 clients, 4 classes each")
-    x.add_argument("--disjoint-classes", help="N disjoint class sets (FedLN T5: 2, 2, 3 of 7)")
-    x.add_argument("--natural", help="the clients are the folders DIR/train/<client>/<class>/*")
+    x.add_argument("--split2", action="store_true", help="CIFAR-10 split-2 (Qu et al. 2022): 5 clients, 4 classes each")
+    x.add_argument("--disjoint-classes", action="store_true", help="N disjoint class sets (FedLN T5: 2, 2, 3 of 7)")
+    x.add_argument("--natural", action="store_true", help="the clients are the folders DIR/train/<client>/<class>/*")
     g.add_argument("--clients-per-domain", type=positive_int, help="M: DIR/train/<domain>/<class>/*, split M ways each")
     g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes")
     g.add_argument("--client-test", action="store_true", help="also test each client on its own label distribution")
     g.add_argument("--balanced-acc", action="store_true", help="also log the balanced accuracy (mean class recall)")
     g.add_argument("--data-seed", type=seed_int, help="seed of the partition (default: --seed)")
     g.add_argument("--val-frac", type=decay_rate, default=0.0, help="share of each client's data held out: val_acc")
-    g = p.add_argument_group("federation")
-    g.add_argument("--num-clients", type=positive_int, default=PAPER["num_clients"], help="K: number of clients")
-    g.add_argument("--frac", type=fraction, default=PAPER["frac"], help="C: fraction of clients a round, in (0, 1]")
-    g.add_argument("--rounds", type=positive_int, default=PAPER["rounds"], help="T: communication rounds")
-    x = one_of(g)
-    x.add_argument("--local-epochs", type=positive_int, default=PAPER["local_epochs"], help="E: epochs a round")
-    x.add_argument("--local-steps", type=positive_int, help="local SGD steps a round, not epochs")
-    g.add_argument("--batch-size", type=positive_int, default=PAPER["batch_size"], help="B: local batch size")
-    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"], help="weights n_k/n, or 1/m")
     g = p.add_argument_group("optimization")
     g.add_argument("--model", default=PAPER["model"], choices=sorted(MODELS), metavar="NAME", help="cnn, resnet18, ...")
     g.add_argument("--lr", type=positive_float, default=PAPER["lr"], help="eta: local learning rate")
@@ -82,7 +87,7 @@ def parse_args():
     g.add_argument("--seed", type=seed_int, default=0, help="seed of the init, client sampling and local shuffling")
     g.add_argument("--device", type=device_flag, help="cpu, cuda, cuda:N or mps (default: cuda if there is one)")
     g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
-    g.add_argument("--threads", type=threads_flag, help="CPU threads, or auto: the free cores (default: the cores)")
+    g.add_argument("--threads", type=positive_int, help="CPU threads (default: OMP_NUM_THREADS, else the cores)")
     g.add_argument("--eval-every", type=positive_int, default=1, help="evaluate every this many rounds and the last")
     g.add_argument("--checkpoint-every", type=positive_int, help="checkpoint period (default: at each evaluation)")
     g.add_argument("--out", type=path_arg, help="run folder (default: runs/fedavg__<dataset>__<seed>__<time>)")
@@ -116,19 +121,20 @@ def local_train(model, indices, data, args, lr, global_params):
 
 if __name__ == "__main__":
     args = parse_args()
-    run = Run(args)  # torchrun's ranks, the seeds, the client sampler (its own generator), Ctrl-C
+    run = Run(args)  # its folder (taken first), torchrun's ranks, the seeds, the client sampler, Ctrl-C, SIGTERM
     data = load_data(args)  # uint8 tensors on the device; a bad folder is refused as it is read
     partition = make_partition(args, data)  # its own generator, seeded by --data-seed
     model = build_model(args.model, data).to(args.device)  # the global model w_t
     client = build_model(args.model, data).to(args.device)  # one client model, reloaded for every client
     run.start(model, partition, data)  # the run folder: config.json, partition.json; the start-up line
     sizes = [len(p) for p in partition.train]
+    start = run.checkpoint.get("round", 0)  # --resume: the rounds go on after checkpoint.pt's (read by Run)
     if args.resume:
-        model.load_state_dict(run.resume()["model"])  # checkpoint.pt; the rounds go on after its round
+        model.load_state_dict(run.checkpoint["model"])
 
-    for rnd in run.rounds():  # under a bar; a --stop-after or Ctrl-C ends them after this round's checkpoint
+    for rnd in run.bar(range(start, args.rounds)):  # a bar shows the latest test accuracy
         lr = lr_at(rnd, args)
-        clients = sample_clients(run.sampler, args.num_clients, args.frac)
+        clients = sample_clients(run.sampler, len(sizes), args.frac)
         weights = client_weights([sizes[k] for k in clients], args.weighting)
         total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items()}
         train_loss = torch.zeros((), device=args.device)
@@ -144,13 +150,18 @@ if __name__ == "__main__":
             train_loss += w * out["loss"]
             accumulate(total, out["state"], w)  # batch-norm running statistics are averaged like weights
         load_average(model, total)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (McMahan et al. 2017, Alg. 1)
-        train_loss = run.diverged(train_loss, rnd)  # NaN or inf: summary.json says diverged, exit 1
+        if not math.isfinite(train_loss := float(train_loss)):  # NaN or inf
+            run.end_diverged(rnd, train_loss)  # summary.json says it diverged; exit 1
 
-        if run.evaluates(rnd):  # every --eval-every rounds and the last
+        last = rnd + 1 == args.rounds
+        if (rnd + 1) % args.eval_every == 0 or last:  # every --eval-every rounds and the last
             model.eval()
             # test_acc, test_loss; per-client mean, std, worst 10%; --balanced-acc: the same of balanced accuracy
             tests = eval_metrics(model, data, partition.test, args.balanced_acc, amp=args.amp, val=partition.val)
             run.log({"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr})
-        if snapshot := run.checkpoint_due(rnd):  # at each evaluation (or --checkpoint-every), the last round, a stop
-            run.save({"model": model.state_dict(), **snapshot}, "checkpoint.pt")  # + the round, RNG states, clock
+        stop = not last and (rnd + 1 - start == args.stop_after or run.interrupted())  # --stop-after, Ctrl-C, SIGTERM
+        if stop or last or (rnd + 1) % (args.checkpoint_every or args.eval_every) == 0:  # default: each evaluation
+            run.save({"model": model.state_dict(), **run.snapshot(rnd)}, "checkpoint.pt")  # + round, RNG, clock
+        if stop:
+            run.end_stopped(rnd)  # one line: how to --resume it; exit 0, or 130 / 143 after Ctrl-C / SIGTERM
     run.finish(model)  # summary.json: the final round's metrics

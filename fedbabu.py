@@ -11,7 +11,12 @@ Usage, logged metrics, implementation details (the frozen head, Algorithm 2's se
 docs/fedbabu.md.
 """
 
+import os
+
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # before torch loads OpenMP: brief spins, then sleep (docs/speed.md)
+
 import argparse
+import math
 
 import numpy as np
 import torch
@@ -20,8 +25,8 @@ import torch.nn.functional as F
 from common import (AUGMENTATIONS, DATASETS, MODELS, Parser, Run, accumulate, autocast, build_model, client_batches,
                     client_weights, decay_rate, device_flag, each_client, eval_metrics, finish_args, fraction,
                     inner_fraction, load_average, load_data, lr_at, make_partition, non_negative_float,
-                    non_negative_int, one_of, path_arg, positive_float, positive_int, prepare_batch, prox_term,
-                    sample_clients, seed_int, threads_flag,
+                    non_negative_int, path_arg, positive_float, positive_int, prepare_batch, prox_term, sample_clients,
+                    seed_int,
                     FineTuning, personalize)  # FedBABU: Algorithm 2 fine-tuning  # fmt: skip
 
 # The paper's setting, the defaults of the flags below: CIFAR-100 with MobileNet, s = 10 (Sec. 3, App. A, Tables
@@ -47,20 +52,30 @@ PAPER = dict(
 # fmt: off
 def parse_args():
     p = Parser(__doc__)
+    g = p.add_argument_group("FedBABU: the frozen head (Algorithm 1) and personalization (Algorithm 2)")  # FedBABU
+    g.add_argument("--train-head", action="store_true",
+        help="also train and average the head theta_cls: plain FedAvg (the paper's baseline)")  # FedBABU
+    g.add_argument("--ft-epochs", type=non_negative_int, default=PAPER["ft_epochs"],
+        help="tau_f: fine-tuning epochs of the personalized accuracy")  # FedBABU
+    g.add_argument("--ft-lr", type=positive_float, default=PAPER["ft_lr"], help="fine-tuning learning rate")  # FedBABU
+    g.add_argument("--ft-part", default="full", choices=["full", "body", "head"],
+        help="part updated when fine-tuning (Table 4)")  # FedBABU
+    g.add_argument("--ft-eval-epochs", type=non_negative_int, nargs="*", default=[0, 1, 2, 5, 10],
+        help="fine-tuning epochs of the accuracy also reported (Table 6; 0: initial)")  # FedBABU
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default=PAPER["dataset"], choices=sorted(DATASETS), help="folder: --data-dir's images")
     g.add_argument("--data-dir", type=path_arg, default="./data", help="download folder, or DIR/{train,test}/<class>/*")
     g.add_argument("--augment", default=PAPER["augment"], choices=AUGMENTATIONS,
         help="of training and fine-tuning batches, on the device")  # FedBABU: also fine-tuning
     g = p.add_argument_group("partition: one of these (default: --shards 10, the paper's)")
-    x = one_of(g)
-    x.add_argument("--iid", help="a uniform random split")
+    x = g.add_mutually_exclusive_group()  # one of them: the flag given replaces the default
+    x.add_argument("--iid", action="store_true", help="a uniform random split")
     x.add_argument("--shards", type=positive_int, default=PAPER["shards"], help="s: N*s sorted shards, s each")
     x.add_argument("--classes-per-client", type=positive_int, help="C classes a client, each split among its holders")
     x.add_argument("--alpha", type=positive_float, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
-    x.add_argument("--split2", help="CIFAR-10 split-2 (Qu et al. 2022): 5 clients, 4 classes each")
-    x.add_argument("--disjoint-classes", help="N disjoint class sets (FedLN T5: 2, 2, 3 of 7)")
-    x.add_argument("--natural", help="the clients are the folders DIR/train/<client>/<class>/*")
+    x.add_argument("--split2", action="store_true", help="CIFAR-10 split-2 (Qu et al. 2022): 5 clients, 4 classes each")
+    x.add_argument("--disjoint-classes", action="store_true", help="N disjoint class sets (FedLN T5: 2, 2, 3 of 7)")
+    x.add_argument("--natural", action="store_true", help="the clients are the folders DIR/train/<client>/<class>/*")
     g.add_argument("--clients-per-domain", type=positive_int, help="M: DIR/train/<domain>/<class>/*, split M ways each")
     g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes")
     g.add_argument("--client-test", action=argparse.BooleanOptionalAction, default=True,
@@ -72,7 +87,7 @@ def parse_args():
     g.add_argument("--num-clients", type=positive_int, default=PAPER["num_clients"], help="N: number of clients")
     g.add_argument("--frac", type=fraction, default=PAPER["frac"], help="f: fraction of clients a round, in (0, 1]")
     g.add_argument("--rounds", type=positive_int, help="K: communication rounds (default: 320 // tau)")  # FedBABU
-    x = one_of(g)
+    x = g.add_mutually_exclusive_group()  # one of them: the flag given replaces the default
     x.add_argument("--local-epochs", type=positive_int, default=PAPER["local_epochs"], help="tau: epochs a round")
     x.add_argument("--local-steps", type=positive_int, help="local SGD steps a round, not epochs")
     g.add_argument("--batch-size", type=positive_int, default=PAPER["batch_size"],
@@ -89,21 +104,11 @@ def parse_args():
         help="fractions of the run")  # FedBABU: the paper's decay
     g.add_argument("--lr-decay", type=fraction, default=0.1, help="lr multiplier at each --lr-decay-at")
     g.add_argument("--prox-mu", type=non_negative_float, default=0.0, help="mu: FedProx's mu/2 ||w - w_t||^2 (0: off)")
-    g.add_argument("--train-head", action="store_true",
-        help="also train and average the head theta_cls: plain FedAvg (the paper's baseline)")  # FedBABU
-    g = p.add_argument_group("personalization (Algorithm 2, once after the last round)")  # FedBABU
-    g.add_argument("--ft-epochs", type=non_negative_int, default=PAPER["ft_epochs"],
-        help="tau_f: fine-tuning epochs of the personalized accuracy")  # FedBABU
-    g.add_argument("--ft-lr", type=positive_float, default=PAPER["ft_lr"], help="fine-tuning learning rate")  # FedBABU
-    g.add_argument("--ft-part", default="full", choices=["full", "body", "head"],
-        help="part updated when fine-tuning (Table 4)")  # FedBABU
-    g.add_argument("--ft-eval-epochs", type=non_negative_int, nargs="*", default=[0, 1, 2, 5, 10],
-        help="fine-tuning epochs of the accuracy also reported (Table 6; 0: initial)")  # FedBABU
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=seed_int, default=0, help="seed of the init, client sampling and local shuffling")
     g.add_argument("--device", type=device_flag, help="cpu, cuda, cuda:N or mps (default: cuda if there is one)")
     g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
-    g.add_argument("--threads", type=threads_flag, help="CPU threads, or auto: the free cores (default: the cores)")
+    g.add_argument("--threads", type=positive_int, help="CPU threads (default: OMP_NUM_THREADS, else the cores)")
     g.add_argument("--eval-every", type=positive_int, default=1, help="evaluate every this many rounds and the last")
     g.add_argument("--checkpoint-every", type=positive_int, help="checkpoint period (default: at each evaluation)")
     g.add_argument("--out", type=path_arg, help="run folder (default: runs/fedbabu__<dataset>__<seed>__<time>)")
@@ -181,7 +186,7 @@ def nohead_accuracy(model, data, train_parts, test_parts, amp=False):  # FedBABU
 
 if __name__ == "__main__":
     args = parse_args()
-    run = Run(args)  # torchrun's ranks, the seeds, the client sampler (its own generator), Ctrl-C
+    run = Run(args)  # its folder (taken first), torchrun's ranks, the seeds, the client sampler, Ctrl-C, SIGTERM
     data = load_data(args)  # uint8 tensors on the device; a bad folder is refused as it is read
     partition = make_partition(args, data)  # its own generator, seeded by --data-seed
     # the global model w_t; FedBABU: its head stays theta_G,cls^0 (Alg. 1 line 1)
@@ -190,12 +195,13 @@ if __name__ == "__main__":
     run.start(model, partition, data)  # the run folder: config.json, partition.json; the start-up line
     client.head.requires_grad_(args.train_head)  # FedBABU: no gradient for the frozen head
     sizes = [len(p) for p in partition.train]
+    start = run.checkpoint.get("round", 0)  # --resume: the rounds go on after checkpoint.pt's (read by Run)
     if args.resume:
-        model.load_state_dict(run.resume()["model"])  # checkpoint.pt; the rounds go on after its round
+        model.load_state_dict(run.checkpoint["model"])
 
-    for rnd in run.rounds():  # under a bar; a --stop-after or Ctrl-C ends them after this round's checkpoint
+    for rnd in run.bar(range(start, args.rounds)):  # a bar shows the latest test accuracy
         lr = lr_at(rnd, args)
-        clients = sample_clients(run.sampler, args.num_clients, args.frac)
+        clients = sample_clients(run.sampler, len(sizes), args.frac)
         weights = client_weights([sizes[k] for k in clients], args.weighting)
         total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items()}
         train_loss = torch.zeros((), device=args.device)
@@ -213,16 +219,21 @@ if __name__ == "__main__":
             accumulate(total, out["state"], w)  # batch-norm running statistics are averaged like weights
         # FedBABU: theta_G,ext^k = sum_i n_i/n theta_i,ext^k (Alg. 1 line 9); the head stays
         aggregate(model, total, args.train_head)
-        train_loss = run.diverged(train_loss, rnd)  # NaN or inf: summary.json says diverged, exit 1
+        if not math.isfinite(train_loss := float(train_loss)):  # NaN or inf
+            run.end_diverged(rnd, train_loss)  # summary.json says it diverged; exit 1
 
-        if run.evaluates(rnd):  # every --eval-every rounds and the last
+        last = rnd + 1 == args.rounds
+        if (rnd + 1) % args.eval_every == 0 or last:  # every --eval-every rounds and the last
             model.eval()
             # test_acc, test_loss; per-client mean, std, worst 10%; --balanced-acc: the same of balanced accuracy.
             # FedBABU: client_test_acc_mean is the initial accuracy of this round's global model
             tests = eval_metrics(model, data, partition.test, args.balanced_acc, amp=args.amp, val=partition.val)
             run.log({"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr})
-        if snapshot := run.checkpoint_due(rnd):  # at each evaluation (or --checkpoint-every), the last round, a stop
-            run.save({"model": model.state_dict(), **snapshot}, "checkpoint.pt")  # + the round, RNG states, clock
+        stop = not last and (rnd + 1 - start == args.stop_after or run.interrupted())  # --stop-after, Ctrl-C, SIGTERM
+        if stop or last or (rnd + 1) % (args.checkpoint_every or args.eval_every) == 0:  # default: each evaluation
+            run.save({"model": model.state_dict(), **run.snapshot(rnd)}, "checkpoint.pt")  # + round, RNG, clock
+        if stop:
+            run.end_stopped(rnd)  # one line: how to --resume it; exit 0, or 130 / 143 after Ctrl-C / SIGTERM
     # FedBABU: Algorithm 2 on the final global model, for every client: fine-tune, then test
     summary = {}  # FedBABU: its results, added to summary.json
     if partition.test is not None:  # FedBABU

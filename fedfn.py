@@ -13,6 +13,10 @@ Usage, logged metrics, implementation details (VGG11 without batch norm, the hea
 FedEXP) and results: docs/fedfn.md.
 """
 
+import os
+
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # before torch loads OpenMP: brief spins, then sleep (docs/speed.md)
+
 import math
 
 import torch
@@ -22,8 +26,8 @@ import torch.nn.functional as F
 from common import (AUGMENTATIONS, DATASETS, MODELS, Parser, Run, accumulate, autocast, build_model, client_batches,
                     client_weights, decay_rate, device_flag, each_client, eval_metrics, finish_args, fraction,
                     inner_fraction, load_average, load_data, lr_at, make_partition, non_negative_float,
-                    non_negative_int, one_of, path_arg, positive_float, positive_int, prepare_batch, prox_term,
-                    sample_clients, seed_int, threads_flag,
+                    non_negative_int, path_arg, positive_float, positive_int, prepare_batch, prox_term, sample_clients,
+                    seed_int,
                     Classifier, flat_dim, register_model,  # FedFN: VGG11
                     local_step_sum, scaffold_control, scaffold_correction, scaffold_server,  # FedFN: SCAFFOLD
                     FineTuning, personalize)  # FedFN: FedFN-FT (Appendix D.3)  # fmt: skip
@@ -76,45 +80,6 @@ register_model("vgg11-narrow")(lambda cin, k, size, **_: vgg(cin, k, size, width
 # fmt: off
 def parse_args():
     p = Parser(__doc__)
-    g = p.add_argument_group("data")
-    g.add_argument("--dataset", default=PAPER["dataset"], choices=sorted(DATASETS), help="folder: --data-dir's images")
-    g.add_argument("--data-dir", type=path_arg, default="./data", help="download folder, or DIR/{train,test}/<class>/*")
-    g.add_argument("--augment", default=PAPER["augment"], choices=AUGMENTATIONS, help="of training batches, on device")
-    g = p.add_argument_group("partition: one of these (default: --shards 10, the paper's)")
-    x = one_of(g)
-    x.add_argument("--iid", help="a uniform random split")
-    x.add_argument("--shards", type=positive_int, default=PAPER["shards"], help="s: N*s sorted shards, s each")
-    x.add_argument("--classes-per-client", type=positive_int, help="C classes a client, each split among its holders")
-    x.add_argument("--alpha", type=positive_float, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
-    x.add_argument("--split2", help="CIFAR-10 split-2 (Qu et al. 2022): 5 clients, 4 classes each")
-    x.add_argument("--disjoint-classes", help="N disjoint class sets (FedLN T5: 2, 2, 3 of 7)")
-    x.add_argument("--natural", help="the clients are the folders DIR/train/<client>/<class>/*")
-    g.add_argument("--clients-per-domain", type=positive_int, help="M: DIR/train/<domain>/<class>/*, split M ways each")
-    g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes")
-    g.add_argument("--client-test", action="store_true", help="also test each client on its own label distribution")
-    g.add_argument("--balanced-acc", action="store_true", help="also log the balanced accuracy (mean class recall)")
-    g.add_argument("--data-seed", type=seed_int, help="seed of the partition (default: --seed)")
-    g.add_argument("--val-frac", type=decay_rate, default=0.0, help="share of each client's data held out: val_acc")
-    g = p.add_argument_group("federation")
-    g.add_argument("--num-clients", type=positive_int, default=PAPER["num_clients"], help="N: number of clients")
-    g.add_argument("--frac", type=fraction, default=PAPER["frac"], help="r: fraction of clients a round, in (0, 1]")
-    g.add_argument("--rounds", type=positive_int, default=PAPER["rounds"], help="R: communication rounds")
-    x = one_of(g)
-    x.add_argument("--local-epochs", type=positive_int, default=PAPER["local_epochs"], help="E: epochs a round")
-    x.add_argument("--local-steps", type=positive_int, help="local SGD steps a round, not epochs")
-    g.add_argument("--batch-size", type=positive_int, default=PAPER["batch_size"], help="B: local batch size")
-    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"], help="weights n_k/n, or 1/m")
-    g = p.add_argument_group("optimization")
-    g.add_argument("--model", default=PAPER["model"], choices=sorted(MODELS), metavar="NAME",
-        help="vgg11, mobilenet, resnet18, cnn, ...")  # FedFN: the paper's models
-    g.add_argument("--lr", type=positive_float, default=PAPER["lr"],
-        help="eta: local learning rate (FedAvg's, with --no-fn: 0.01)")  # FedFN: FN's rate is higher
-    g.add_argument("--momentum", type=decay_rate, default=PAPER["momentum"], help="local SGD momentum, reset a round")
-    g.add_argument("--weight-decay", type=non_negative_float, default=PAPER["weight_decay"], help="local L2 decay")
-    g.add_argument("--lr-decay-at", type=inner_fraction, nargs="*", default=PAPER["lr_decay_at"],
-        help="fractions of the run")  # FedFN: the paper's decay
-    g.add_argument("--lr-decay", type=fraction, default=0.1, help="lr multiplier at each --lr-decay-at")
-    g.add_argument("--prox-mu", type=non_negative_float, default=0.0, help="mu: FedProx's mu/2 ||w - w_t||^2 (0: off)")
     g = p.add_argument_group("FedFN")  # FedFN: the method's flags
     g.add_argument("--no-fn", dest="fn", action="store_false",
         help="logits theta_cls f, not theta_cls f/||f||_2: FedAvg on this code path")  # FedFN
@@ -131,11 +96,50 @@ def parse_args():
     g.add_argument("--ft-lr", type=positive_float, help="FedFN-FT's lr (default: 0.1 x --lr, Table 9)")  # FedFN
     g.add_argument("--analyze", nargs="?", const="final", choices=["final", "every"],
         help="the four factors (Sec. 3.1, B.3) and the feature norm, at the final or every evaluation")  # FedFN
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", default=PAPER["dataset"], choices=sorted(DATASETS), help="folder: --data-dir's images")
+    g.add_argument("--data-dir", type=path_arg, default="./data", help="download folder, or DIR/{train,test}/<class>/*")
+    g.add_argument("--augment", default=PAPER["augment"], choices=AUGMENTATIONS, help="of training batches, on device")
+    g = p.add_argument_group("partition: one of these (default: --shards 10, the paper's)")
+    x = g.add_mutually_exclusive_group()  # one of them: the flag given replaces the default
+    x.add_argument("--iid", action="store_true", help="a uniform random split")
+    x.add_argument("--shards", type=positive_int, default=PAPER["shards"], help="s: N*s sorted shards, s each")
+    x.add_argument("--classes-per-client", type=positive_int, help="C classes a client, each split among its holders")
+    x.add_argument("--alpha", type=positive_float, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
+    x.add_argument("--split2", action="store_true", help="CIFAR-10 split-2 (Qu et al. 2022): 5 clients, 4 classes each")
+    x.add_argument("--disjoint-classes", action="store_true", help="N disjoint class sets (FedLN T5: 2, 2, 3 of 7)")
+    x.add_argument("--natural", action="store_true", help="the clients are the folders DIR/train/<client>/<class>/*")
+    g.add_argument("--clients-per-domain", type=positive_int, help="M: DIR/train/<domain>/<class>/*, split M ways each")
+    g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes")
+    g.add_argument("--client-test", action="store_true", help="also test each client on its own label distribution")
+    g.add_argument("--balanced-acc", action="store_true", help="also log the balanced accuracy (mean class recall)")
+    g.add_argument("--data-seed", type=seed_int, help="seed of the partition (default: --seed)")
+    g.add_argument("--val-frac", type=decay_rate, default=0.0, help="share of each client's data held out: val_acc")
+    g = p.add_argument_group("federation")
+    g.add_argument("--num-clients", type=positive_int, default=PAPER["num_clients"], help="N: number of clients")
+    g.add_argument("--frac", type=fraction, default=PAPER["frac"], help="r: fraction of clients a round, in (0, 1]")
+    g.add_argument("--rounds", type=positive_int, default=PAPER["rounds"], help="R: communication rounds")
+    x = g.add_mutually_exclusive_group()  # one of them: the flag given replaces the default
+    x.add_argument("--local-epochs", type=positive_int, default=PAPER["local_epochs"], help="E: epochs a round")
+    x.add_argument("--local-steps", type=positive_int, help="local SGD steps a round, not epochs")
+    g.add_argument("--batch-size", type=positive_int, default=PAPER["batch_size"], help="B: local batch size")
+    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"], help="weights n_k/n, or 1/m")
+    g = p.add_argument_group("optimization")
+    g.add_argument("--model", default=PAPER["model"], choices=sorted(MODELS), metavar="NAME",
+        help="vgg11, mobilenet, resnet18, cnn, ...")  # FedFN: the paper's models
+    g.add_argument("--lr", type=positive_float, default=PAPER["lr"],
+        help="eta: local learning rate (FedAvg's, with --no-fn: 0.01)")  # FedFN: FN's rate is higher
+    g.add_argument("--momentum", type=decay_rate, default=PAPER["momentum"], help="local SGD momentum, reset a round")
+    g.add_argument("--weight-decay", type=non_negative_float, default=PAPER["weight_decay"], help="local L2 decay")
+    g.add_argument("--lr-decay-at", type=inner_fraction, nargs="*", default=PAPER["lr_decay_at"],
+        help="fractions of the run")  # FedFN: the paper's decay
+    g.add_argument("--lr-decay", type=fraction, default=0.1, help="lr multiplier at each --lr-decay-at")
+    g.add_argument("--prox-mu", type=non_negative_float, default=0.0, help="mu: FedProx's mu/2 ||w - w_t||^2 (0: off)")
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=seed_int, default=0, help="seed of the init, client sampling and local shuffling")
     g.add_argument("--device", type=device_flag, help="cpu, cuda, cuda:N or mps (default: cuda if there is one)")
     g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
-    g.add_argument("--threads", type=threads_flag, help="CPU threads, or auto: the free cores (default: the cores)")
+    g.add_argument("--threads", type=positive_int, help="CPU threads (default: OMP_NUM_THREADS, else the cores)")
     g.add_argument("--eval-every", type=positive_int, default=1, help="evaluate every this many rounds and the last")
     g.add_argument("--checkpoint-every", type=positive_int, help="checkpoint period (default: at each evaluation)")
     g.add_argument("--out", type=path_arg, help="run folder (default: runs/fedfn__<dataset>__<seed>__<time>)")
@@ -285,7 +289,7 @@ def client_traces(traces, global_layer_norm):  # FedFN: what local training and 
 
 if __name__ == "__main__":
     args = parse_args()
-    run = Run(args)  # torchrun's ranks, the seeds, the client sampler (its own generator), Ctrl-C
+    run = Run(args)  # its folder (taken first), torchrun's ranks, the seeds, the client sampler, Ctrl-C, SIGTERM
     data = load_data(args)  # uint8 tensors on the device; a bad folder is refused as it is read
     partition = make_partition(args, data)  # its own generator, seeded by --data-seed
     model = build_model(args.model, data).to(args.device)  # the global model w_t
@@ -298,8 +302,8 @@ if __name__ == "__main__":
     c_local = {}  # FedFN: SCAFFOLD c_i of each client that has trained
     c_of = lambda k: c_local.get(k) or zeros()  # FedFN: c_i, 0 until client i trains
     param_names = [n for n, _ in model.named_parameters()]  # FedFN: y_i = these entries of client i's state
+    start, ckpt = run.checkpoint.get("round", 0), run.checkpoint  # --resume: the rounds go on after checkpoint.pt's
     if args.resume:
-        ckpt = run.resume()  # checkpoint.pt; the rounds go on after its round
         model.load_state_dict(ckpt["model"])
         if scaffold:  # FedFN: control variates travel with the checkpoint
             c_global, c_local = ckpt["scaffold_c"], ckpt["scaffold_c_local"]
@@ -309,9 +313,9 @@ if __name__ == "__main__":
         return {"model": model.state_dict(), **extra}
 
     eval_model = model  # FedFN: the model evaluated (FedEXP: averaged iterates)
-    for rnd in run.rounds():  # under a bar; a --stop-after or Ctrl-C ends them after this round's checkpoint
+    for rnd in run.bar(range(start, args.rounds)):  # a bar shows the latest test accuracy
         lr = lr_at(rnd, args)
-        clients = sample_clients(run.sampler, args.num_clients, args.frac)
+        clients = sample_clients(run.sampler, len(sizes), args.frac)
         weights = client_weights([sizes[k] for k in clients], args.weighting)
         total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items()}
         train_loss = torch.zeros((), device=args.device)
@@ -346,7 +350,7 @@ if __name__ == "__main__":
             accumulate(total, out["state"], w)  # batch-norm running statistics are averaged like weights
         load_average(model, total)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (McMahan et al. 2017, Alg. 1)
         if scaffold:  # FedFN: x <- x + (1/|S|) sum Delta y_i (server step 1, weighted as above); c update
-            c_global = scaffold_server(c_global, delta_c_sum, args.num_clients)
+            c_global = scaffold_server(c_global, delta_c_sum, len(sizes))
         eval_model = model  # FedFN
         if fedexp:  # FedFN: w_{t+1} = w_t - eta_g Delta_bar, Delta_bar = w_t - sum_i p_i y_i
             with torch.no_grad():
@@ -355,9 +359,11 @@ if __name__ == "__main__":
                 if rnd > 0:
                     midpoint_(list(client.parameters()), x_old)
                 eval_model = client
-        train_loss = run.diverged(train_loss, rnd)  # NaN or inf: summary.json says diverged, exit 1
+        if not math.isfinite(train_loss := float(train_loss)):  # NaN or inf
+            run.end_diverged(rnd, train_loss)  # summary.json says it diverged; exit 1
 
-        if run.evaluates(rnd):  # every --eval-every rounds and the last
+        last = rnd + 1 == args.rounds
+        if (rnd + 1) % args.eval_every == 0 or last:  # every --eval-every rounds and the last
             eval_model.eval()  # FedFN
             forward = lambda x: fn_forward(eval_model, x, args.fn, args.fn_scale)[0]  # FedFN: FN at evaluation, too
             # test_acc, test_loss; per-client mean, std, worst 10%; --balanced-acc: the same of balanced accuracy
@@ -369,8 +375,11 @@ if __name__ == "__main__":
                 metrics.update(analyze(eval_model, data, args))
                 metrics.update(client_traces(torch.stack(traces), param_norm(invariant_layer(eval_model))))
             run.log(metrics)
-        if snapshot := run.checkpoint_due(rnd):  # at each evaluation (or --checkpoint-every), the last round, a stop
-            run.save({**state(), **snapshot}, "checkpoint.pt")  # + the round, RNG states, clock
+        stop = not last and (rnd + 1 - start == args.stop_after or run.interrupted())  # --stop-after, Ctrl-C, SIGTERM
+        if stop or last or (rnd + 1) % (args.checkpoint_every or args.eval_every) == 0:  # default: each evaluation
+            run.save({**state(), **run.snapshot(rnd)}, "checkpoint.pt")  # + round, RNG, clock
+        if stop:
+            run.end_stopped(rnd)  # one line: how to --resume it; exit 0, or 130 / 143 after Ctrl-C / SIGTERM
     model.load_state_dict(eval_model.state_dict())  # FedFN: the evaluated final model (FedEXP: averaged)
     final = {}  # FedFN: FedFN-FT's results, added to summary.json
     if args.ft_epochs > 0:  # FedFN: FedFN-FT (App. D.3): fine-tune the final model on each client, FN kept

@@ -13,6 +13,10 @@ Usage (the commands of Tables 1-4 and 10), logged metrics, implementation detail
 CNN, FN's sqrt(d) scale, SCAFFOLD, FedYogi, Figure 3's measurements) and results: docs/fedln.md.
 """
 
+import os
+
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # before torch loads OpenMP: brief spins, then sleep (docs/speed.md)
+
 import argparse
 import math  # FedLN: sqrt(d)
 
@@ -23,8 +27,8 @@ import torch.nn.functional as F
 from common import (AUGMENTATIONS, DATASETS, MODELS, Parser, Run, accumulate, autocast, build_model, client_batches,
                     client_weights, decay_rate, device_flag, each_client, eval_metrics, finish_args, fraction,
                     inner_fraction, load_average, load_data, lr_at, make_partition, non_negative_float,
-                    non_negative_int, one_of, path_arg, positive_float, positive_int, prepare_batch, prox_term,
-                    sample_clients, seed_int, threads_flag,
+                    non_negative_int, path_arg, positive_float, positive_int, prepare_batch, prox_term, sample_clients,
+                    seed_int,
                     Classifier, make_norm, register_model,  # FedLN: the CNN
                     local_step_sum, scaffold_control, scaffold_correction,  # FedLN: SCAFFOLD
                     scaffold_server)  # fmt: skip
@@ -88,21 +92,42 @@ class ScaleNorm(nn.Module):  # FedLN: scale normalization as a layer, each sampl
 # fmt: off
 def parse_args():
     p = Parser(__doc__)
+    g = p.add_argument_group("FedLN: normalization and aggregation")  # FedLN: the method's flags
+    g.add_argument("--norm", default=PAPER["norm"], choices=["none", "ln", "fn", "gn", "bn", "fn-each", "ln-last"],
+        help="ln: layer norm after each activation (FedLN, Table 3 n^L_MV); fn: n(z) = sqrt(d) z / max(eps, ||z||) on"
+             " the last feature (FedFN, Eq. 7); gn, bn; none: vanilla; normcnn only: fn-each (n after each activation,"
+             " Table 3 n^L), ln-last (mean shift s, then layer norm last: Table 3 / 4 n_MV s^{L-1}, Prop. 2)")  # FedLN
+    g.add_argument("--ln-affine", action=argparse.BooleanOptionalAction, default=True,
+        help="gamma, beta of ln/gn/bn: learnable (Table 6 'learnable') or static; normcnn only")  # FedLN
+    g.add_argument("--norm-before-act", action="store_true",
+        help="normalize before each ReLU (Table 6 'before'; resnet18: the standard conv-norm-ReLU ResNet)")  # FedLN
+    g.add_argument("--agg", default="fedavg", choices=["fedavg", "fedprox", "scaffold", "fedyogi"],
+        help="FedAvg; FedProx (--prox-mu); SCAFFOLD (Option II); FedYogi (server Yogi on the mean update)")  # FedLN
+    g.add_argument("--server-lr", type=positive_float, default=PAPER["server_lr"], help="eta: FedYogi's server lr")
+    g.add_argument("--yogi-beta1", type=decay_rate, default=0.9, help="beta_1: FedYogi first-moment decay")  # FedLN
+    g.add_argument("--yogi-beta2", type=decay_rate, default=0.99, help="beta_2: FedYogi second-moment decay")  # FedLN
+    g.add_argument("--yogi-tau", type=positive_float, default=1e-3, help="tau: FedYogi adaptivity (to sqrt(v))")
+    g.add_argument("--yogi-v0", type=non_negative_float, default=PAPER["yogi_v0"], help="v_0: FedYogi's initial v")
+    g.add_argument("--track-singular-values", action="store_true",
+        help="log the singular values of the features of 20 fixed test images of different classes (Fig. 3)")  # FedLN
+    g.add_argument("--overfit-client", type=non_negative_int, metavar="K",
+        help="Fig. 3 left (App. D): train client K alone; log ||w_c|| per class, ||g(x)|| of 20 of its images and "
+             "the singular values of 20 test images of different classes")  # FedLN
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default=PAPER["dataset"], choices=sorted(DATASETS), help="folder: --data-dir's images")
     g.add_argument("--data-dir", type=path_arg, default="./data", help="download folder, or DIR/{train,test}/<class>/*")
     g.add_argument("--augment", default="crop-flip", choices=AUGMENTATIONS, help="of training batches, on device")
     g = p.add_argument_group("partition: one of these (default: --classes-per-client 1, the paper's)")
-    x = one_of(g)
-    x.add_argument("--iid", help="a uniform random split")
+    x = g.add_mutually_exclusive_group()  # one of them: the flag given replaces the default
+    x.add_argument("--iid", action="store_true", help="a uniform random split")
     x.add_argument("--shards", type=positive_int, help="S: N*S sorted shards, S each")
     x.add_argument("--classes-per-client", type=positive_int, default=PAPER["classes_per_client"],
         help="n classes a client, each split among its holders")  # FedLN: the paper's symbol
     x.add_argument("--alpha", type=positive_float,
         help="beta: Dirichlet label skew Dir(beta) (Hsu et al. 2019; the paper's 0.1)")  # FedLN: the paper's symbol
-    x.add_argument("--split2", help="CIFAR-10 split-2 (Qu et al. 2022): 5 clients, 4 classes each")
-    x.add_argument("--disjoint-classes", help="N disjoint class sets (FedLN T5: 2, 2, 3 of 7)")
-    x.add_argument("--natural", help="the clients are the folders DIR/train/<client>/<class>/*")
+    x.add_argument("--split2", action="store_true", help="CIFAR-10 split-2 (Qu et al. 2022): 5 clients, 4 classes each")
+    x.add_argument("--disjoint-classes", action="store_true", help="N disjoint class sets (FedLN T5: 2, 2, 3 of 7)")
+    x.add_argument("--natural", action="store_true", help="the clients are the folders DIR/train/<client>/<class>/*")
     g.add_argument("--clients-per-domain", type=positive_int, help="M: DIR/train/<domain>/<class>/*, split M ways each")
     g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes")
     g.add_argument("--client-test", action="store_true", help="also test each client on its own label distribution")
@@ -130,32 +155,11 @@ def parse_args():
     g.add_argument("--lr-decay", type=fraction, default=0.1, help="lr multiplier at each --lr-decay-at")
     g.add_argument("--prox-mu", type=non_negative_float,
         help="mu of --agg fedprox (default there: 0.01, App. C.4); refused with another --agg")  # FedLN
-    g = p.add_argument_group("FedLN: normalization and aggregation")  # FedLN: the method's flags
-    g.add_argument("--norm", default=PAPER["norm"], choices=["none", "ln", "fn", "gn", "bn", "fn-each", "ln-last"],
-        help="ln: layer norm after each activation (FedLN, Table 3 n^L_MV); fn: n(z) = sqrt(d) z / max(eps, ||z||) on"
-             " the last feature (FedFN, Eq. 7); gn, bn; none: vanilla; normcnn only: fn-each (n after each activation,"
-             " Table 3 n^L), ln-last (mean shift s, then layer norm last: Table 3 / 4 n_MV s^{L-1}, Prop. 2)")  # FedLN
-    g.add_argument("--ln-affine", action=argparse.BooleanOptionalAction, default=True,
-        help="gamma, beta of ln/gn/bn: learnable (Table 6 'learnable') or static; normcnn only")  # FedLN
-    g.add_argument("--norm-before-act", action="store_true",
-        help="normalize before each ReLU (Table 6 'before'; resnet18: the standard conv-norm-ReLU ResNet)")  # FedLN
-    g.add_argument("--agg", default="fedavg", choices=["fedavg", "fedprox", "scaffold", "fedyogi"],
-        help="FedAvg; FedProx (--prox-mu); SCAFFOLD (Option II); FedYogi (server Yogi on the mean update)")  # FedLN
-    g.add_argument("--server-lr", type=positive_float, default=PAPER["server_lr"], help="eta: FedYogi's server lr")
-    g.add_argument("--yogi-beta1", type=decay_rate, default=0.9, help="beta_1: FedYogi first-moment decay")  # FedLN
-    g.add_argument("--yogi-beta2", type=decay_rate, default=0.99, help="beta_2: FedYogi second-moment decay")  # FedLN
-    g.add_argument("--yogi-tau", type=positive_float, default=1e-3, help="tau: FedYogi adaptivity (to sqrt(v))")
-    g.add_argument("--yogi-v0", type=non_negative_float, default=PAPER["yogi_v0"], help="v_0: FedYogi's initial v")
-    g.add_argument("--track-singular-values", action="store_true",
-        help="log the singular values of the features of 20 fixed test images of different classes (Fig. 3)")  # FedLN
-    g.add_argument("--overfit-client", type=non_negative_int, metavar="K",
-        help="Fig. 3 left (App. D): train client K alone; log ||w_c|| per class, ||g(x)|| of 20 of its images and "
-             "the singular values of 20 test images of different classes")  # FedLN
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=seed_int, default=0, help="seed of the init, client sampling and local shuffling")
     g.add_argument("--device", type=device_flag, help="cpu, cuda, cuda:N or mps (default: cuda if there is one)")
     g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
-    g.add_argument("--threads", type=threads_flag, help="CPU threads, or auto: the free cores (default: the cores)")
+    g.add_argument("--threads", type=positive_int, help="CPU threads (default: OMP_NUM_THREADS, else the cores)")
     g.add_argument("--eval-every", type=positive_int, default=PAPER["eval_every"], help="evaluation period (and last)")
     g.add_argument("--checkpoint-every", type=positive_int, help="checkpoint period (default: at each evaluation)")
     g.add_argument("--out", type=path_arg, help="run folder (default: runs/fedln__<dataset>__<seed>__<time>)")
@@ -288,7 +292,7 @@ def singular_values(model, x):
 
 if __name__ == "__main__":
     args = parse_args()
-    run = Run(args)  # torchrun's ranks, the seeds, the client sampler (its own generator), Ctrl-C
+    run = Run(args)  # its folder (taken first), torchrun's ranks, the seeds, the client sampler, Ctrl-C, SIGTERM
     data = load_data(args)  # uint8 tensors on the device; a bad folder is refused as it is read
     partition = make_partition(args, data)  # its own generator, seeded by --data-seed
     model = build(args, data).to(args.device)  # the global model w_t; FedLN: build() adds --norm
@@ -300,7 +304,7 @@ if __name__ == "__main__":
     zeros = lambda fill=0.0: {n: torch.full_like(p, fill).detach() for n, p in model.named_parameters()}  # FedLN
     server = {}  # FedLN: method state: SCAFFOLD's c and c_k, FedYogi's m and v
     if args.agg == "scaffold":  # FedLN: control variates start at 0
-        server = {"c": zeros(), "c_k": [zeros() for _ in range(args.num_clients)]}
+        server = {"c": zeros(), "c_k": [zeros() for _ in range(len(sizes))]}
     if args.agg == "fedyogi":  # FedLN: m_0 = 0, v_0 = 1e-6 (Appendix C.4)
         server = {"m": zeros(), "v": zeros(args.yogi_v0)}
     sv_x = own_x = None  # FedLN: Figure 3's 20 fixed test images of different classes; 20 of client K's images
@@ -314,15 +318,15 @@ if __name__ == "__main__":
             ],
             data,
         )
+    start, ckpt = run.checkpoint.get("round", 0), run.checkpoint  # --resume: the rounds go on after checkpoint.pt's
     if args.resume:
-        ckpt = run.resume()  # checkpoint.pt; the rounds go on after its round
         model.load_state_dict(ckpt["model"])
         server = ckpt["server"]  # FedLN: control variates / moments
 
     # a checkpoint holds what the server keeps; FedLN: + the server state
-    for rnd in run.rounds():  # under a bar; a --stop-after or Ctrl-C ends them after this round's checkpoint
+    for rnd in run.bar(range(start, args.rounds)):  # a bar shows the latest test accuracy
         lr = lr_at(rnd, args)
-        clients = sample_clients(run.sampler, args.num_clients, args.frac)
+        clients = sample_clients(run.sampler, len(sizes), args.frac)
         # FedLN: client K alone (Figure 3 left, Appendix D); weight 1: the model is its own
         if args.overfit_client is not None:
             clients = [args.overfit_client]
@@ -350,7 +354,7 @@ if __name__ == "__main__":
                 new_c[k] = scaffold_control(c_k, c, model.state_dict(), out["state"], step_sum=step_sum)
         if args.agg == "scaffold":  # FedLN: c <- c + 1/N sum_{k in S} (c_k+ - c_k), then c_k <- c_k+
             delta_sum = {n: sum(new_c[k][n] - server["c_k"][k][n] for k in new_c) for n in names}
-            server["c"] = scaffold_server(server["c"], delta_sum, args.num_clients)
+            server["c"] = scaffold_server(server["c"], delta_sum, len(sizes))
             for k, c_k in new_c.items():
                 server["c_k"][k] = c_k
         if args.agg == "fedyogi":  # FedLN: x <- Yogi(x, D = sum_k n_k/n y_k - x); buffers keep the average
@@ -360,9 +364,11 @@ if __name__ == "__main__":
             x, server["m"], server["v"] = fedyogi_step(x, total, server["m"], server["v"], **hyper)
             total.update(x)
         load_average(model, total)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (each entry cast back to its dtype)
-        train_loss = run.diverged(train_loss, rnd)  # NaN or inf: summary.json says diverged, exit 1
+        if not math.isfinite(train_loss := float(train_loss)):  # NaN or inf
+            run.end_diverged(rnd, train_loss)  # summary.json says it diverged; exit 1
 
-        if run.evaluates(rnd):  # every --eval-every rounds and the last
+        last = rnd + 1 == args.rounds
+        if (rnd + 1) % args.eval_every == 0 or last:  # every --eval-every rounds and the last
             model.eval()
             # test_acc, test_loss; per-client mean, std, worst 10%; --balanced-acc: the same of balanced accuracy
             tests = eval_metrics(model, data, partition.test, args.balanced_acc, amp=args.amp, val=partition.val)
@@ -372,6 +378,10 @@ if __name__ == "__main__":
             if own_x is not None:  # FedLN: Figure 3 left and middle left
                 metrics["client_feature_norms"], metrics["class_norms"] = feature_norms(model, own_x)
             run.log(metrics)
-        if snapshot := run.checkpoint_due(rnd):  # at each evaluation (or --checkpoint-every), the last round, a stop
-            run.save({"model": model.state_dict(), "server": server, **snapshot}, "checkpoint.pt")  # FedLN: + server
+        stop = not last and (rnd + 1 - start == args.stop_after or run.interrupted())  # --stop-after, Ctrl-C, SIGTERM
+        if stop or last or (rnd + 1) % (args.checkpoint_every or args.eval_every) == 0:  # default: each evaluation
+            # FedLN: + the server state
+            run.save({"model": model.state_dict(), "server": server, **run.snapshot(rnd)}, "checkpoint.pt")
+        if stop:
+            run.end_stopped(rnd)  # one line: how to --resume it; exit 0, or 130 / 143 after Ctrl-C / SIGTERM
     run.finish(model)  # summary.json: the final round's metrics

@@ -13,15 +13,20 @@ Usage, logged metrics, implementation details (the non-IID-B partition, the norm
 fc split of the norms) and results: docs/fednnnn.md.
 """
 
+import os
+
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # before torch loads OpenMP: brief spins, then sleep (docs/speed.md)
+
+import math
+
 import torch
 import torch.nn as nn  # FedNNNN: the paper's models; module types for the conv / fc split
 import torch.nn.functional as F
 
 from common import (AUGMENTATIONS, DATASETS, MODELS, Parser, Run, accumulate, autocast, build_model, client_batches,
                     client_weights, decay_rate, device_flag, each_client, eval_metrics, finish_args, fraction,
-                    inner_fraction, load_average, load_data, lr_at, make_partition, non_negative_float, one_of,
-                    path_arg, positive_float, positive_int, prepare_batch, prox_term, sample_clients, seed_int,
-                    threads_flag,
+                    inner_fraction, load_average, load_data, lr_at, make_partition, non_negative_float, path_arg,
+                    positive_float, positive_int, prepare_batch, prox_term, sample_clients, seed_int,
                     Classifier, register_model)  # FedNNNN: the paper's models  # fmt: skip
 
 # The paper's setting, the defaults of the flags below: CIFAR-10 non-IID-B of Table 1 with Table 4's CNN (Table 2:
@@ -76,20 +81,31 @@ register_model("cnn6-narrow")(lambda cin, k, size, **_: cnn6(cin, k, size, width
 # fmt: off
 def parse_args():
     p = Parser(__doc__)
+    g = p.add_argument_group("FedNNNN server aggregation (Algorithm 3)")  # FedNNNN: the method's flags
+    g.add_argument("--beta", type=positive_float, default=PAPER["beta"],
+        help="beta: the normalized step has norm beta * E (Eqs. 8-9, 12)")  # FedNNNN
+    g.add_argument("--gamma", type=decay_rate, default=PAPER["gamma"],
+        help="gamma: server momentum d_{t+1} = gamma d_t + ... (Eq. 12); 0 = Norm-Norm")  # FedNNNN
+    g.add_argument("--no-normalize", action="store_true",
+        help="use E/N = 1 (Momentum variant, Eq. 10; with --beta 1 --gamma 0: FedAvg)")  # FedNNNN
+    g.add_argument("--norm-scope", default="global", choices=["global", "layer"],
+        help="N, E over the whole flattened parameter vector (Eqs. 4-5), or one E/N per parameter tensor")  # FedNNNN
+    g.add_argument("--norm-eps", type=non_negative_float, default=1e-6,
+        help="N counts as (near) zero when N <= eps * E: then no normalization (Sec. 4.2)")  # FedNNNN
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default=PAPER["dataset"], choices=sorted(DATASETS), help="folder: --data-dir's images")
     g.add_argument("--data-dir", type=path_arg, default="./data", help="download folder, or DIR/{train,test}/<class>/*")
     g.add_argument("--augment", default=PAPER["augment"], choices=AUGMENTATIONS,
         help="of training batches, on device")  # FedNNNN: none
     g = p.add_argument_group("partition: one of these (default: --shards 2, the paper's non-IID-B)")
-    x = one_of(g)
-    x.add_argument("--iid", help="a uniform random split")
+    x = g.add_mutually_exclusive_group()  # one of them: the flag given replaces the default
+    x.add_argument("--iid", action="store_true", help="a uniform random split")
     x.add_argument("--shards", type=positive_int, default=PAPER["shards"], help="S: N*S sorted shards, S each")
     x.add_argument("--classes-per-client", type=positive_int, help="C classes a client, each split among its holders")
     x.add_argument("--alpha", type=positive_float, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
-    x.add_argument("--split2", help="CIFAR-10 split-2 (Qu et al. 2022): 5 clients, 4 classes each")
-    x.add_argument("--disjoint-classes", help="N disjoint class sets (FedLN T5: 2, 2, 3 of 7)")
-    x.add_argument("--natural", help="the clients are the folders DIR/train/<client>/<class>/*")
+    x.add_argument("--split2", action="store_true", help="CIFAR-10 split-2 (Qu et al. 2022): 5 clients, 4 classes each")
+    x.add_argument("--disjoint-classes", action="store_true", help="N disjoint class sets (FedLN T5: 2, 2, 3 of 7)")
+    x.add_argument("--natural", action="store_true", help="the clients are the folders DIR/train/<client>/<class>/*")
     g.add_argument("--clients-per-domain", type=positive_int, help="M: DIR/train/<domain>/<class>/*, split M ways each")
     g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes")
     g.add_argument("--client-test", action="store_true", help="also test each client on its own label distribution")
@@ -100,7 +116,7 @@ def parse_args():
     g.add_argument("--num-clients", type=positive_int, default=PAPER["num_clients"], help="K: number of clients")
     g.add_argument("--frac", type=fraction, default=PAPER["frac"], help="C: fraction of clients a round, in (0, 1]")
     g.add_argument("--rounds", type=positive_int, default=PAPER["rounds"], help="T: communication rounds")
-    x = one_of(g)
+    x = g.add_mutually_exclusive_group()  # one of them: the flag given replaces the default
     x.add_argument("--local-epochs", type=positive_int, default=PAPER["local_epochs"], help="E: epochs a round")
     x.add_argument("--local-steps", type=positive_int, help="local SGD steps a round, not epochs")
     g.add_argument("--batch-size", type=positive_int, default=PAPER["batch_size"], help="B: local batch size")
@@ -116,22 +132,11 @@ def parse_args():
     g.add_argument("--lr-decay", type=fraction, default=0.1, help="lr multiplier at each --lr-decay-at")
     g.add_argument("--prox-mu", type=non_negative_float, default=0.0,
         help="mu: FedProx's mu/2 ||w - w_t||^2 (0: off), with the server's aggregation")  # FedNNNN
-    g = p.add_argument_group("FedNNNN server aggregation (Algorithm 3)")  # FedNNNN: the method's flags
-    g.add_argument("--beta", type=positive_float, default=PAPER["beta"],
-        help="beta: the normalized step has norm beta * E (Eqs. 8-9, 12)")  # FedNNNN
-    g.add_argument("--gamma", type=decay_rate, default=PAPER["gamma"],
-        help="gamma: server momentum d_{t+1} = gamma d_t + ... (Eq. 12); 0 = Norm-Norm")  # FedNNNN
-    g.add_argument("--no-normalize", action="store_true",
-        help="use E/N = 1 (Momentum variant, Eq. 10; with --beta 1 --gamma 0: FedAvg)")  # FedNNNN
-    g.add_argument("--norm-scope", default="global", choices=["global", "layer"],
-        help="N, E over the whole flattened parameter vector (Eqs. 4-5), or one E/N per parameter tensor")  # FedNNNN
-    g.add_argument("--norm-eps", type=non_negative_float, default=1e-6,
-        help="N counts as (near) zero when N <= eps * E: then no normalization (Sec. 4.2)")  # FedNNNN
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=seed_int, default=0, help="seed of the init, client sampling and local shuffling")
     g.add_argument("--device", type=device_flag, help="cpu, cuda, cuda:N or mps (default: cuda if there is one)")
     g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
-    g.add_argument("--threads", type=threads_flag, help="CPU threads, or auto: the free cores (default: the cores)")
+    g.add_argument("--threads", type=positive_int, help="CPU threads (default: OMP_NUM_THREADS, else the cores)")
     g.add_argument("--eval-every", type=positive_int, default=1, help="evaluate every this many rounds and the last")
     g.add_argument("--checkpoint-every", type=positive_int, help="checkpoint period (default: at each evaluation)")
     g.add_argument("--out", type=path_arg, help="run folder (default: runs/fednnnn__<dataset>__<seed>__<time>)")
@@ -233,7 +238,7 @@ def norm_stats(w, w_next, w_avg, client_sq, weights, kinds):  # FedNNNN
 
 if __name__ == "__main__":
     args = parse_args()
-    run = Run(args)  # torchrun's ranks, the seeds, the client sampler (its own generator), Ctrl-C
+    run = Run(args)  # its folder (taken first), torchrun's ranks, the seeds, the client sampler, Ctrl-C, SIGTERM
     data = load_data(args)  # uint8 tensors on the device; a bad folder is refused as it is read
     partition = make_partition(args, data)  # its own generator, seeded by --data-seed
     model = build_model(args.model, data).to(args.device)  # FedNNNN: the broadcast (normalized) model w_t
@@ -244,15 +249,15 @@ if __name__ == "__main__":
     kinds = param_kinds(model)  # FedNNNN: the normalized entries (trainable parameters) and their conv/fc kind
     names = list(kinds)  # FedNNNN
     momentum = {n: torch.zeros_like(p) for n, p in model.named_parameters()}  # FedNNNN: d_0 = 0
+    start, ckpt = run.checkpoint.get("round", 0), run.checkpoint  # --resume: the rounds go on after checkpoint.pt's
     if args.resume:
-        ckpt = run.resume()  # checkpoint.pt; the rounds go on after its round
         model.load_state_dict(ckpt["model"])
         momentum = ckpt["momentum"]  # FedNNNN: d_t
 
     # a checkpoint holds what the server keeps; FedNNNN: + d_t
-    for rnd in run.rounds():  # under a bar; a --stop-after or Ctrl-C ends them after this round's checkpoint
+    for rnd in run.bar(range(start, args.rounds)):  # a bar shows the latest test accuracy
         lr = lr_at(rnd, args)
-        clients = sample_clients(run.sampler, args.num_clients, args.frac)
+        clients = sample_clients(run.sampler, len(sizes), args.frac)
         weights = client_weights([sizes[k] for k in clients], args.weighting)
         total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items()}
         train_loss = torch.zeros((), device=args.device)
@@ -288,9 +293,11 @@ if __name__ == "__main__":
         # FedNNNN: the norms, before w_t is overwritten
         norms = norm_stats(w_t, w_next, total, client_sq, weights=weights, kinds=kinds)
         load_average(model, {**total, **w_next})  # FedNNNN: broadcast w_{t+1}; BN running statistics: the plain average
-        train_loss = run.diverged(train_loss, rnd)  # NaN or inf: summary.json says diverged, exit 1
+        if not math.isfinite(train_loss := float(train_loss)):  # NaN or inf
+            run.end_diverged(rnd, train_loss)  # summary.json says it diverged; exit 1
 
-        if run.evaluates(rnd):  # every --eval-every rounds and the last
+        last = rnd + 1 == args.rounds
+        if (rnd + 1) % args.eval_every == 0 or last:  # every --eval-every rounds and the last
             load_average(client, total)  # FedNNNN: the evaluation model = FedAvg average (Sec. 4.1)
             client.eval()  # FedNNNN: evaluate the evaluation model, not the broadcast one
             # test_acc, test_loss; per-client mean, std, worst 10%; --balanced-acc: the same of balanced accuracy
@@ -298,6 +305,10 @@ if __name__ == "__main__":
             run.log({"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr, **norms})  # FedNNNN: + norms
         else:  # FedNNNN
             run.log({"round": rnd + 1, "train_loss": train_loss, "lr": lr, **norms})  # FedNNNN: norms every round
-        if snapshot := run.checkpoint_due(rnd):  # at each evaluation (or --checkpoint-every), the last round, a stop
-            run.save({"model": model.state_dict(), "momentum": momentum, **snapshot}, "checkpoint.pt")  # FedNNNN: + d_t
+        stop = not last and (rnd + 1 - start == args.stop_after or run.interrupted())  # --stop-after, Ctrl-C, SIGTERM
+        if stop or last or (rnd + 1) % (args.checkpoint_every or args.eval_every) == 0:  # default: each evaluation
+            # FedNNNN: + d_t
+            run.save({"model": model.state_dict(), "momentum": momentum, **run.snapshot(rnd)}, "checkpoint.pt")
+        if stop:
+            run.end_stopped(rnd)  # one line: how to --resume it; exit 0, or 130 / 143 after Ctrl-C / SIGTERM
     run.finish(client)  # FedNNNN: --save-model writes the evaluation model

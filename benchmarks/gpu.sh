@@ -8,7 +8,7 @@
 #
 # Stages, in this order; each is independent: a failing or timed-out stage is reported and the next one
 # still runs. The exit status is 0 only if every stage passed. Stage timings are printed and kept.
-# Without stage names: env data levers pair (issue 53's call); smoke, times and fedbabu run by name.
+# Without stage names: env data levers pair (the speed call); smoke, times and fedbabu run by name.
 #   env      card, driver, torch, CUDA and cuDNN versions, CPUs (OUT/env.txt)
 #   data     unpack DATA_ARCHIVE into DATA_DIR if DATA_DIR/train is missing, decode it once into its
 #            cache (DATA_DIR/.cleanfl-cache.pt) so the parallel runs below only read the cache
@@ -87,7 +87,7 @@ CAP_LEVERS=${CAP_LEVERS:-250}; CAP_PAIR=${CAP_PAIR:-0}
 export MODE DEVICE WORK OUT DATA_DIR DATA_ARCHIVE FEDBABU_RUNS SEEDS JOBS SMOKE_JOBS SMOKE_BATCH TIMES_FLAGS LEVERS_FLAGS PYTHON
 export PYTHONUNBUFFERED=1
 STAGES_ALL="env data smoke times fedbabu levers pair"
-STAGES_DEFAULT="env data levers pair"  # issue 53's call; smoke, times and fedbabu by name
+STAGES_DEFAULT="env data levers pair"  # the speed call; smoke, times and fedbabu by name
 SCRIPTS=(fedavg fedbabu fedfn fedln fednnnn anfr)
 
 # show CMD...: the command, shell-quoted, on one line (what MODE=dry prints for every command).
@@ -358,7 +358,7 @@ stage_fedbabu() {
 }
 
 # ------------------------------------------------------------------------------------------------
-# levers and pair: issue 53's speed call (benchmarks/levers.py)
+# levers and pair: the speed call (benchmarks/levers.py)
 # ------------------------------------------------------------------------------------------------
 # levers_cmd measure|pair: the command line of a levers.py stage (its seconds: the stage's cap less 10)
 levers_cmd() {

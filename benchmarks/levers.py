@@ -1,4 +1,4 @@
-"""Issue 53, item 1: the speed call. Seconds per round of the five paper configurations under today's loop and
+"""The speed call. Seconds per round of the five paper configurations under today's loop and
 under each lever, alone and combined, against the FLOP floor; then FedFN's Table 1 pair in the time left.
 
     python benchmarks/levers.py measure --data-dir data/cifar10 --device cuda --budget 240   # gpu.sh stage levers

@@ -1,4 +1,4 @@
-"""Lever 2c of issue 53, a prototype: a round's clients trained together, exactly as one at a time.
+"""The "together" speed lever, a prototype: a round's clients trained together, exactly as one at a time.
 
 fedavg.py, fedfn.py and fedbabu.py train a round's clients one after the other (`common.each_client` reseeds
 torch's global RNG per client, then `local_train` draws the client's batches and augmentations and takes its SGD

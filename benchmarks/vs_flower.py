@@ -1,4 +1,4 @@
-"""Time CleanFL's fedavg.py against Flower (flwr 1.42, Message API, simulation on Ray) on the same work (issue 46).
+"""Time CleanFL's fedavg.py against Flower (flwr 1.42, Message API, simulation on Ray) on the same work.
 
 The work, on the CPU: CIFAR-10 from an image folder, McMahan's CNN (2,156,490 parameters), IID over N=100
 clients, 10 a round, E=1 local epoch, B=50, SGD lr 0.01 momentum 0.5, no weight decay, no augmentation,

@@ -1,4 +1,4 @@
-"""Fast tests of the reproduction tooling (issue 8): benchmarks/collect.py on hand-made run folders,
+"""Fast tests of the reproduction tooling: benchmarks/collect.py on hand-made run folders,
 and benchmarks/reproduce/*.sh (bash -n, and every command's flags accepted by its script's parser,
 called in-process on a tiny fake image folder). Seconds, no training."""
 
@@ -445,9 +445,10 @@ def test_plot_partition_reads_what_run_writes(tmp_path, capsys):
     part = common.Partition(
         train=[torch.tensor([0, 1, 2]), torch.tensor([3, 4, 5, 6, 7])], test=None, scheme="shards=2"
     )
-    data = types.SimpleNamespace(y_train=labels, y_test=labels, num_classes=3, classes=None)
+    data = types.SimpleNamespace(y_train=labels, y_test=labels, num_classes=3, classes=None, fingerprint={})
     run_dir = tmp_path / "run"
-    args = argparse.Namespace(resume=None, model="mlp", out=str(run_dir), seed=0, script="fedavg", device="cpu")
+    args = argparse.Namespace(resume=None, model="mlp", out=str(run_dir), seed=0, script="fedavg", device="cpu",
+                              overwrite=False, threads=1)  # fmt: skip
     common.Run(args).start(torch.nn.Linear(2, 3), part, data)  # the run folder, config.json, partition.json
     capsys.readouterr()  # the start-up line
     counts, scheme, names, _ = plot.load_partition(str(run_dir))
@@ -865,23 +866,25 @@ def test_fn_growth_replays_the_round_and_fn_only_lengthens_the_invariant_layer(t
 
 
 # ---------------------------------------------------------------------------------------------
-# threads.py (issue 46): how each way launches a script, and its table
+# threads.py (time per round at each thread setting): how each way launches a script, and its table
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "way,launcher,threads_flag",
     [
         ("default", [], None),
-        ("auto", [], "auto"),
+        ("default GOMP_SPINCOUNT=300000,OMP_WAIT_POLICY=ACTIVE", [], None),
         ("1 thread", [], "1"),
         ("2 threads", [], "2"),
         ("torchrun 2x1", ["-m"], None),
     ],
 )
 def test_threads_ways_launch_as_named_and_time_between_evaluations(way, launcher, threads_flag, tmp_path, monkeypatch):
-    """The default gets neither --threads nor OMP_NUM_THREADS (the scripts choose); s/round is the last two
-    evaluations' elapsed_s apart over R; the picked threads come from config.json."""
+    """The default gets neither --threads nor OMP_NUM_THREADS nor GOMP_SPINCOUNT (the scripts choose), "default ENV"
+    those variables; s/round is the last two evaluations' elapsed_s apart over R; the picked threads come from
+    config.json."""
     threads = importlib.import_module("threads")
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "5")
     seen = {}
 
     def fake_run(cmd, cwd, env, **kw):
@@ -900,6 +903,8 @@ def test_threads_ways_launch_as_named_and_time_between_evaluations(way, launcher
     assert threads.run_once(args, "fedfn-small", way, str(tmp_path / "r")) == (4.0, 2, 0.3)
     cmd = seen["cmd"]
     assert "OMP_NUM_THREADS" not in seen["env"] and cmd[1 : 1 + len(launcher)] == launcher
+    spin = {k: seen["env"].get(k) for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    assert spin == ({"GOMP_SPINCOUNT": "300000", "OMP_WAIT_POLICY": "ACTIVE"} if "=" in way else dict.fromkeys(spin))
     assert (cmd[cmd.index("--threads") + 1] if "--threads" in cmd else None) == threads_flag
     assert ("torch.distributed.run" in cmd) == (way == "torchrun 2x1")
     assert cmd[cmd.index("--rounds") + 1] == "6" and cmd[cmd.index("--eval-every") + 1] == "3"
@@ -916,12 +921,13 @@ def test_threads_table_takes_medians_says_timeouts_and_the_defaults_ratio_to_the
     ]
     args = argparse.Namespace(workloads=["fedavg-cnn"], conditions=["idle"], run_timeout=900)
     row = threads.table(runs, args).splitlines()[2]
-    # medians 6, 9, timed out (two of three), 4; the default is the best one process (1.00), 1.5x torchrun
-    assert row == "| fedavg-cnn | idle | 6.00 | 9.00 | timed out (900 s) | 4.00 | [2] threads | 1.00 | 1.50 |"
+    # medians 6, 9, timed out (two of three), 4; the default over the best thread count (9: 0.67), 1.5x torchrun
+    assert row == "| fedavg-cnn | idle | 6.00 | 9.00 | timed out (900 s) | 4.00 | [2] threads | 0.67 | 1.50 |"
 
 
 @pytest.mark.parametrize(
-    "flags,flag", [(["--data-dir", "no-such-folder"], "--data-dir"), (["--rounds", "0"], "--rounds")]
+    "flags,flag",
+    [(["--data-dir", "no-such-folder"], "--data-dir"), (["--rounds", "0"], "--rounds"), (["--envs", "X"], "--envs")],
 )
 def test_threads_refuses_bad_input_in_one_line(flags, flag, tmp_path):
     base = ["--data-dir", str(tmp_path)]

@@ -346,7 +346,8 @@ def test_eval_metrics_scores_the_held_out_samples():
 def run_args(out, **kw):
     """What common.Run reads of a script's args."""
     base = dict(out=str(out), resume=None, rounds=4, save_model=False, device="cpu", seed=0, script="fedavg",
-                eval_every=1, checkpoint_every=None, stop_after=None)  # fmt: skip
+                eval_every=1, checkpoint_every=None, stop_after=None, dataset="synthetic", overwrite=False,
+                threads=1)  # fmt: skip
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -354,11 +355,11 @@ def test_summary_reports_the_test_accuracy_at_the_first_best_validation_round(tm
     args = run_args(tmp_path / "r")
     os.makedirs(args.out)
     run = common.Run(args)
+    run.start(build_model("mlp", fake_data()), make_partition(part_args(shards=2), fake_data()), fake_data(), "mlp")
     rows = [(1, 0.5, 0.6), (2, 0.7, 0.4), (3, 0.7, 0.9), (4, 0.6, 0.8)]
-    for rnd in run.rounds():  # checkpoints after rounds 1-4 (each evaluates)
+    for rnd in run.bar(range(4)):  # checkpoints after rounds 1-4 (each evaluates)
         run.log({"round": rnd + 1, "test_acc": rows[rnd][2], "val_acc": rows[rnd][1], "train_loss": 1.0})
-        if snapshot := run.checkpoint_due(rnd):
-            run.save(snapshot, "checkpoint.pt")
+        run.save(run.snapshot(rnd), "checkpoint.pt")
     got = run.finish()
     assert (got["test_acc"], got["test_acc_at_best_val"], got["best_val_round"], got["best_val_acc"]) == (
         0.8,
@@ -367,7 +368,8 @@ def test_summary_reports_the_test_accuracy_at_the_first_best_validation_round(tm
         0.7,
     )
     again = common.Run(run_args(args.out, resume=args.out))  # a resumed run finds the same best row in metrics.jsonl
-    assert again.resume()["round"] == 4 and again.best_val["round"] == 2
+    again.start(build_model("mlp", fake_data()), make_partition(part_args(shards=2), fake_data()), fake_data(), "mlp")
+    assert again.checkpoint["round"] == 4 and again.finish()["best_val_round"] == 2
 
 
 def test_metrics_are_appended_and_a_resume_cuts_them_back_to_its_checkpoint(tmp_path):
@@ -376,14 +378,16 @@ def test_metrics_are_appended_and_a_resume_cuts_them_back_to_its_checkpoint(tmp_
     args = run_args(tmp_path / "r", rounds=5, checkpoint_every=2)
     os.makedirs(args.out)
     run = common.Run(args)
+    data = fake_data()
+    run.start(build_model("mlp", data), make_partition(part_args(shards=2), data), data, "mlp")
     path = tmp_path / "r" / "metrics.jsonl"
     sizes = []
-    for rnd in run.rounds():
+    for rnd in run.bar(range(5)):
         if rnd < 3:
             run.log({"round": rnd + 1, "test_acc": 0.1 * rnd, "train_loss": 1.0})
             sizes.append(path.stat().st_size)
-        if snapshot := run.checkpoint_due(rnd):  # after rounds 2 and 4, and the last
-            run.save(snapshot, "checkpoint.pt")
+        if (rnd + 1) % 2 == 0 or rnd == 4:  # after rounds 2 and 4, and the last
+            run.save(run.snapshot(rnd), "checkpoint.pt")
     assert [len(line) for line in path.read_text().splitlines()] == [sizes[0] - 1, sizes[1] - sizes[0] - 1,
                                                                     sizes[2] - sizes[1] - 1]  # fmt: skip
     first = path.read_bytes()[: sizes[0]]
@@ -391,10 +395,11 @@ def test_metrics_are_appended_and_a_resume_cuts_them_back_to_its_checkpoint(tmp_
                tmp_path / "r" / "checkpoint.pt")  # fmt: skip
     with open(path, "a") as f:
         f.write('{"round": 4, "test_a')  # a crash in the middle of a line
-    again = common.Run(run_args(args.out, resume=args.out, rounds=5))
-    assert again.resume()["round"] == 2
+    again = common.Run(run_args(args.out, resume=args.out, rounds=5, checkpoint_every=2))
+    again.start(build_model("mlp", data), make_partition(part_args(shards=2), data), data, "mlp")
+    assert again.checkpoint["round"] == 2
     assert [row["round"] for row in map(json.loads, path.read_text().splitlines())] == [1, 2]
-    assert path.read_bytes()[: sizes[0]] == first and again.last_eval["round"] == 2
+    assert path.read_bytes()[: sizes[0]] == first and again.rows[-1]["round"] == 2
 
 
 # ------------------------------------------------------------------ folder datasets
@@ -520,7 +525,7 @@ def test_cpu_device_name_says_cores_and_torch_threads(tmp_path):
     assert f"{os.cpu_count()} cores" in name and f"{torch.get_num_threads()} torch threads" in name
 
 
-# ------------------------------------------------------------------ storage order (issue 12)
+# ------------------------------------------------------------------ storage order
 def test_load_data_mixes_a_class_sorted_folder_with_one_fixed_permutation(tmp_path):
     write_folder(tmp_path / "ds", per_class=20)
     x_tr, y_tr, x_te, y_te = read_folder(tmp_path / "ds")  # stored class by class
@@ -876,7 +881,7 @@ def test_scaffold_reaches_the_optimum_of_heterogeneous_quadratics():
     assert (x_avg - x_star).norm() > 0.05
 
 
-# ------------------------------------------------------------------ clients' random streams (issue 18)
+# ------------------------------------------------------------------ clients' random streams
 def test_each_client_gives_every_client_its_own_stream():
     """Client k's draws depend on (seed, round, k) only: not on the clients before it, not on the draws
     made before the loop; and the stream after the loop is the same whatever the clients were."""
@@ -928,7 +933,7 @@ def test_result_layout_survives_mapping_its_leaves():
     "visible, local_world, rank, device, backend",
     [
         (4, 4, 2, "cuda:2", "nccl"),  # a GPU a rank: NCCL
-        (1, 4, 3, "cuda:0", "gloo"),  # 4 ranks on one GPU (issue 53, lever a): they share it, over gloo
+        (1, 4, 3, "cuda:0", "gloo"),  # 4 ranks on one GPU (the torchrun speed lever): they share it, over gloo
         (2, 4, 3, "cuda:1", "gloo"),  # 4 ranks on 2 GPUs: rank i on GPU i mod 2
         (1, 1, 0, "cuda:0", "nccl"),  # one process per task (a scheduler's share of one GPU): NCCL
     ],

@@ -68,7 +68,8 @@ def counts(labels, parts, c):
 def test_natural_partition_is_the_folders_with_their_own_test_sets(tmp_path, monkeypatch):
     root = natural_folder(tmp_path / "nat")
     args, data, part = load("fedavg", ["--dataset", "folder", "--data-dir", root, "--natural"], monkeypatch)
-    assert args.num_clients == 3 and args.client_test  # test/<client>/: per-client test sets without --client-test
+    assert len(part.train) == 3 and len(part.test) == 3  # test/<client>/: per-client test sets without --client-test
+    assert args.num_clients is None and not args.client_test  # the partition decides: args stay as parsed
     assert data.classes == ["ant", "bee", "cat"] and part.names == ["c0", "c1", "c2"] and part.scheme == "natural"
     assert counts(data.y_train, part.train, 3) == [[5, 3, 0], [0, 4, 6], [2, 2, 2]]
     assert counts(data.y_test, part.test, 3) == [[2, 1, 0], [0, 0, 3], [1, 1, 1]]
@@ -110,7 +111,7 @@ def test_pacs_disjoint_classes_two_two_three_per_domain(tmp_path, monkeypatch):
     root = domain_folder(tmp_path / "pacs")
     flags = ["--dataset", "folder", "--data-dir", root, "--clients-per-domain", "3", "--disjoint-classes"]
     args, data, part = load("fedln", [*flags, "--client-test"], monkeypatch)
-    assert args.num_clients == 12 and part.names == [d for d in PACS for _ in range(3)]
+    assert len(part.train) == 12 and part.names == [d for d in PACS for _ in range(3)]
     train, test = counts(data.y_train, part.train, 7), counts(data.y_test, part.test, 7)
     for d in range(4):
         held = [{c for c in range(7) if train[3 * d + j][c]} for j in range(3)]

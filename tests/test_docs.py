@@ -531,7 +531,7 @@ def prose_lines(doc):
 
 
 def test_readme_and_pages_read_at_a_glance():
-    """Issue 55's counts: the README at most 1,500 words, no line of it over 120 characters outside code blocks
+    """Length limits: the README at most 1,500 words, no line of it over 120 characters outside code blocks
     (tables included), its Results one row per claim with cells of at most 100 characters, each linking its
     claim's page; every docs page, evidence pages included, at most 3,000 words."""
     readme = read("README.md")

@@ -414,8 +414,9 @@ def test_real_cifar10_folder_end_to_end(tmp_path):
 @pytest.mark.slow  # the fast tier keeps the real-CIFAR-10 run end to end
 @pytest.mark.skipif(not CIFAR, reason="set CLEANFL_CIFAR10_DIR to an unpacked cifar10-jpg folder")
 def test_real_cifar10_accuracy_does_not_depend_on_the_test_order():
-    """Issue 12: a batch norm without running statistics normalizes each evaluation batch with its own
-    statistics, so the folder's class-sorted test set scored batches of two classes (4-6 points lower)."""
+    """The score does not depend on the test set's order: a batch norm without running statistics normalizes
+    each evaluation batch with its own statistics, so the folder's class-sorted test set scored batches of two
+    classes (4-6 points lower)."""
     import torch.nn.functional as F
     from common import build_model, evaluate, load_data, prepare_batch
 

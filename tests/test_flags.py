@@ -1,11 +1,12 @@
-"""Read at a glance (issue 55, items 4 and 5): a bad flag is one line naming it, abbreviations are refused, --help
+"""Read at a glance: a bad flag is one line naming it, abbreviations are refused, --help
 shows every default (0 too) and no default for a switch, ~ is expanded in path flags, the parser's defaults are the
 run's (the paper's partition and E are declared on their flags; the flag given clears them), a torchvision dataset
-pointed at an image folder is told to use --dataset folder, and each script's loop shows where its checkpoint is
-written and calls with more than four arguments name them."""
+pointed at an image folder is told to use --dataset folder, and each script's loop shows its rounds, its stop and
+where its checkpoint is written, and calls with more than four arguments name them."""
 
 import ast
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -35,7 +36,12 @@ def parse(name, argv, monkeypatch, capsys):
 def test_a_bad_flag_is_one_line_naming_it_and_abbreviations_are_refused(name, monkeypatch, capsys):
     for argv, line in [
         (["--lr", "-1"], f"{name}.py: error: --lr: must be > 0, got -1; see --help"),
-        (["--round", "3"], f"{name}.py: error: unrecognized arguments: --round 3; see --help"),  # not --rounds
+        (["--round", "3"], f"{name}.py: error: unrecognized arguments: --round 3 (did you mean --rounds?); see --help"),
+        (
+            ["--clients", "3"],
+            f"{name}.py: error: unrecognized arguments: --clients 3 (did you mean --num-clients?); see --help",
+        ),  # fmt: skip
+        (["--out", ""], f"{name}.py: error: --out: expected a path, got ''; see --help"),
         (["--seed", "x"], f"{name}.py: error: --seed: expected an integer, got 'x'; see --help"),
         (["--threads", "two"], f"{name}.py: error: --threads: expected an integer, got 'two'; see --help"),
     ]:
@@ -122,14 +128,41 @@ def test_a_warm_up_longer_than_the_run_is_said_at_start(tmp_path):
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_the_loop_writes_its_checkpoint_and_calls_name_their_arguments(name):
-    """In each script, the rounds' loop itself writes checkpoint.pt (what it holds is written there), and no call
-    passes more than four arguments by position (nn.Sequential's layers aside)."""
+def test_the_loop_shows_its_rounds_its_stop_and_its_checkpoint(name):
+    """In each script the rounds' loop runs over range(start, args.rounds), decides its stop in one line of its own
+    (--stop-after, Ctrl-C or SIGTERM: run.interrupted) and ends the run on it apart from the checkpoint it writes
+    there (what the checkpoint holds is written in the loop); no call passes more than four arguments by position
+    (nn.Sequential's layers aside)."""
     tree = ast.parse(open(os.path.join(ROOT, f"{name}.py")).read())
-    loop = next(n for n in ast.walk(tree) if isinstance(n, ast.For) and "run.rounds()" in ast.unparse(n.iter))
+    loop = next(n for n in ast.walk(tree) if isinstance(n, ast.For) and "run.bar" in ast.unparse(n.iter))
+    assert ast.unparse(loop.iter) == "run.bar(range(start, args.rounds))" and ast.unparse(loop.target) == "rnd"
+    stops = [a for a in loop.body if isinstance(a, ast.Assign) and ast.unparse(a.targets[0]) == "stop"]
+    assert [ast.unparse(a.value) for a in stops] == [
+        "not last and (rnd + 1 - start == args.stop_after or run.interrupted())"
+    ]
+    ends = [n for n in loop.body if isinstance(n, ast.If) and ast.unparse(n.test) == "stop"]
+    assert [ast.unparse(n.body[0]) for n in ends] == ["run.end_stopped(rnd)"]
     saves = [c for c in ast.walk(loop) if isinstance(c, ast.Call) and ast.unparse(c.func) == "run.save"]
     assert [ast.literal_eval(c.args[1]) for c in saves] == ["checkpoint.pt"]
-    assert isinstance(saves[0].args[0], ast.Dict) and "snapshot" in ast.unparse(saves[0].args[0])
+    assert isinstance(saves[0].args[0], ast.Dict) and "run.snapshot(rnd)" in ast.unparse(saves[0].args[0])
     crowded = [ast.unparse(c)[:80] for c in ast.walk(tree) if isinstance(c, ast.Call) and len(c.args) > 4
                and ast.unparse(c.func) != "nn.Sequential"]  # fmt: skip
     assert crowded == []
+
+
+@pytest.mark.slow  # a run in a process
+def test_a_copy_without_its_checkpoint_lines_still_stops_after_stop_after(tmp_path):
+    """A reader who copies fedavg.py and deletes the checkpoint's lines keeps --stop-after: the loop decides it."""
+    lines = open(os.path.join(ROOT, "fedavg.py")).read().splitlines(keepends=True)
+    at = next(i for i, line in enumerate(lines) if line.strip().startswith("if stop or last"))
+    assert "run.save(" in lines[at + 1]
+    (tmp_path / "fedavg.py").write_text("".join(lines[:at] + lines[at + 2 :]))
+    flags = ["--dataset", "synthetic", "--device", "cpu", "--model", "mlp", "--num-clients", "4", "--frac", "0.5",
+             "--local-steps", "2", "--rounds", "5", "--stop-after", "2", "--out", tmp_path / "run"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    proc = subprocess.run([sys.executable, tmp_path / "fedavg.py", *map(str, flags)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("stopped after round 2; continue with: ")
+    assert [json.loads(r)["round"] for r in open(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
+    assert not (tmp_path / "run" / "checkpoint.pt").exists() and not (tmp_path / "run" / "summary.json").exists()

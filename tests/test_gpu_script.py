@@ -1,8 +1,8 @@
-"""benchmarks/gpu.sh (issues 24 and 53), the one script a lent GPU machine runs: MODE=dry prints commands that
-each script's own parser accepts; MODE=tiny runs every stage end to end on the CPU at toy size (the stages of
-issue 24's call about 1.5 min on one thread, issue 53's default ones, levers and pair, about 30 s) and leaves
-the files the GPU call brings back; a failing stage is reported and the next one still runs. Also
-benchmarks/levers.py's arithmetic: FLOPs and floors of the five paper configurations (the issue's table), the
+"""benchmarks/gpu.sh, the one script a lent GPU machine runs: MODE=dry prints commands that each script's own
+parser accepts; MODE=tiny runs every stage end to end on the CPU at toy size (the first call's stages, smoke,
+times and fedbabu, about 1.5 min on one thread; the default ones, levers and pair, about 30 s) and leaves the
+files the GPU call brings back; a failing stage is reported and the next one still runs. Also
+benchmarks/levers.py's arithmetic: FLOPs and floors of the five paper configurations against the expected ones, the
 projection of a timed slice to the paper's round, the pair's choice of lever."""
 
 import argparse
@@ -205,7 +205,7 @@ def test_a_failing_stage_is_reported_and_the_next_still_runs(tmp_path):
 
 @pytest.mark.slow  # torchrun and six script processes (about 30 s)
 def test_tiny_levers_and_pair_end_to_end(tmp_path):
-    """The default stages (issue 53's call) at toy size: the levers table with today, torchrun 2 and together
+    """The default stages (levers and pair) at toy size: the levers table with today, torchrun 2 and together
     timed, the FLOP table of all five configurations, the pair run side by side, stopped and resumed."""
     res = gpu_sh(tmp_path, MODE="tiny", DEVICE="cpu", timeout=300)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
@@ -245,7 +245,7 @@ def cifar_shaped():
 
 
 def test_flops_and_floors_match_the_issue():
-    """FLOPs (torch.utils.flop_counter) times the paper runs' sample passes, at 40% of 989 TFLOP/s: issue 53's
+    """FLOPs (torch.utils.flop_counter) times the paper runs' sample passes, at 40% of 989 TFLOP/s: the expected
     floors (58 s / 116 s, under 1 s, 7 s / 14 s, 38 s / 75 s, 5 min / 10 min), and its 46 GFLOP a VGG11 step."""
     a = argparse.Namespace(tiny=False, data_dir="data/cifar10", device="cpu")
     data = cifar_shaped()

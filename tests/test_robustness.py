@@ -6,7 +6,6 @@ import argparse
 import ast
 import importlib
 import json
-import io
 import os
 import signal
 import subprocess
@@ -494,7 +493,7 @@ def test_ctrl_c_twice_ends_with_one_line_and_no_traceback(tmp_path):
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     proc.send_signal(signal.SIGINT)
-    while time.time() < deadline and not any("interrupt: finishing this round" in line for line in list(lines)):
+    while time.time() < deadline and not any("SIGINT: finishing this round" in line for line in list(lines)):
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=120)
@@ -589,7 +588,7 @@ def test_every_third_party_import_of_tests_and_benchmarks_is_installed_by_requir
     assert not missing, missing
 
 
-# ---- a new user's first runs (issue 45) -------------------------------------------------------------------
+# ---- a new user's first runs ----------------------------------------------------------------------------
 NEW_USER_REFUSALS = [
     (["--local-epochs", "1", "--local-steps", "2"], ["--local-steps", "--local-epochs"]),  # one kind of local work
     (["--shards", "2", "--alpha", "0.1"], ["--alpha", "--shards"]),  # one partition
@@ -671,26 +670,12 @@ def test_empty_test_class_folders_are_said_in_one_line(tmp_path, monkeypatch, ca
     assert len(err) == 1 and "1 test class folder(s) hold no images" in err[0] and "dog" in err[0]
 
 
-def test_busy_threads_are_the_runnable_others_now(monkeypatch):
-    """/proc/loadavg's 4th field counts the runnable threads, this one included: the median of five looks, less one,
-    whatever the 1-minute average (which still counts a run that just ended); without /proc, that average rounded."""
-    looks = iter(
-        ["3.90 2.00 1.00 3/95 1", "3.90 2.00 1.00 1/95 1", "3.90 2.00 1.00 6/95 1"] + ["3.90 2.0 1.0 3/9 1"] * 2
-    )
-    monkeypatch.setattr(common, "open", lambda path: io.StringIO(next(looks)), raising=False)
-    monkeypatch.setattr(common.time, "sleep", lambda s: None)
-    monkeypatch.setattr(common.os.path, "exists", lambda path: path == "/proc/loadavg")
-    assert common.busy_threads() == 2  # looks 2, 0, 5, 2, 2: not the 1-minute 3.90
-    monkeypatch.setattr(common.os.path, "exists", lambda path: False)
-    monkeypatch.setattr(os, "getloadavg", lambda: (1.6, 0.0, 0.0))
-    assert common.busy_threads() == 2
-
-
 def test_the_picked_threads_are_used_kept_and_said(tmp_path, monkeypatch):
     """Run sets torch's thread count from args.threads (config.json keeps it: a resume computes as the run began) and
     the start-up line and summary.json say it."""
     before = torch.get_num_threads()
-    args = argparse.Namespace(out=str(tmp_path), seed=0, script="fedavg", device="cpu", threads=2, resume=None)
+    args = argparse.Namespace(out=str(tmp_path), seed=0, script="fedavg", device="cpu", threads=2, resume=None,
+                              overwrite=False)  # fmt: skip
     try:
         run = common.Run(args)
         assert torch.get_num_threads() == 2 and "2 torch threads" in run.device
@@ -698,17 +683,37 @@ def test_the_picked_threads_are_used_kept_and_said(tmp_path, monkeypatch):
         torch.set_num_threads(before)
 
 
-def test_ctrl_c_before_the_run_folder_says_nothing_was_written(tmp_path, capsys):
-    args = argparse.Namespace(out=str(tmp_path / "r"), seed=0, script="fedavg", device="cpu", threads=None, resume=None)
-    run = common.Run(args)
-    with pytest.raises(SystemExit) as e:
-        run._ctrl_c()  # while the data is read: no round to finish, no folder yet
-    assert e.value.code == 130 and "nothing was written" in capsys.readouterr().err
-    run.started = True
-    with pytest.raises(SystemExit):
-        run._ctrl_c()
-    assert "keeps what was saved" in capsys.readouterr().err
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_before_the_rounds_ends_at_once_and_in_them_after_the_round(sig, code, tmp_path, capsys):
+    """Ctrl-C or SIGTERM while the data is read: at once, saying nothing was written (after start: what was kept);
+    in the rounds: a note, the loop's run.interrupted() is true and end_stopped exits 128 + the signal; again: at
+    once."""
+    args = argparse.Namespace(out=str(tmp_path / "r"), seed=0, script="fedavg", device="cpu", threads=1, resume=None,
+                              overwrite=False, rounds=3)  # fmt: skip
+    try:
+        run = common.Run(args)
+        assert not run.interrupted()
+        with pytest.raises(SystemExit) as e:
+            run._on_signal(sig, None)  # no round to finish, no folder yet
+        assert e.value.code == code and "nothing was written" in capsys.readouterr().err
+        run.rows, run.stop_signal = [], 0  # started
+        with pytest.raises(SystemExit):
+            run._on_signal(sig, None)
+        assert "keeps what was saved" in capsys.readouterr().err
+        run.stop_signal = 0
+        for rnd in run.bar(range(3)):
+            run._on_signal(sig, None)  # in the rounds: after this one
+            assert "finishing this round, then a checkpoint" in capsys.readouterr().err and run.interrupted()
+            with pytest.raises(SystemExit) as e:
+                run._on_signal(sig, None)  # again: at once
+            assert e.value.code == code
+            with pytest.raises(SystemExit) as e:
+                run.end_stopped(rnd)
+            assert e.value.code == code and "continue with: python fedavg.py --resume" in capsys.readouterr().out
+            break
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @pytest.mark.slow  # four scripts in this process

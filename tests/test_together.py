@@ -1,4 +1,4 @@
-"""benchmarks/together.py (issue 53, lever 2c): a round's clients trained together (stacked parameters, vmap, one
+"""benchmarks/together.py (the "together" lever): a round's clients trained together (stacked parameters, vmap, one
 backward, one SGD step) against the scripts' own one-at-a-time loop, built here from the scripts' functions
 (`local_train`, `common.each_client`, `accumulate`, `load_average`; fedfn.py's SCAFFOLD lines). Float64: every
 client's trained parameters and the new global model equal to 1e-12 (max abs difference); float32: within 1e-5.

@@ -1,5 +1,5 @@
-"""Fast tests of benchmarks/vs_flower.py (issue 46) without Flower (CI installs no flwr and runs no simulation):
-its command line, and that the Flower app's model is CleanFL's `cnn` layer for layer."""
+"""Fast tests of benchmarks/vs_flower.py (fedavg.py against Flower on the same work) without Flower (CI installs no
+flwr and runs no simulation): its command line, and that the Flower app's model is CleanFL's `cnn` layer for layer."""
 
 import importlib.util
 import os
