@@ -1359,8 +1359,9 @@ def _atomic_save(obj, path):  # torch.save (JSON for *.json, text for a str) to 
         else:
             torch.save(obj, buffer := io.BytesIO())  # in memory first, so a full disk is an OSError, not torch's own
             data = buffer.getbuffer()
-        with open(tmp, "wb", buffering=0) as f:
+        with open(tmp, "wb") as f:  # buffered: a short write on a full disk is retried, and raises ENOSPC
             f.write(data)
+            f.flush()
             os.fsync(f.fileno())  # on the disk before the rename: a crash leaves the old file or the new one
         os.replace(tmp, path)
     finally:
