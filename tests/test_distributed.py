@@ -437,3 +437,47 @@ def test_torchrun_splits_the_evaluation_and_matches_one_process(tmp_path):
     assert alone["seen"] == [200] * 5 + [100]
     assert ranks[0]["seen"] == [200] * 3 and ranks[1]["seen"] == [200, 200, 100]
     assert ranks[0]["scores"] == ranks[1]["scores"] == alone["scores"]  # JSON floats: every bit
+
+
+def rank_frames(err):  # traceback lines that come from our code: torchrun's own report is all torch's frames
+    return [line for line in err.splitlines() if line.strip().startswith('File "') and ROOT in line]
+
+
+def test_torchrun_bad_flag_refusal_and_ctrl_c_are_one_line_each(tmp_path):
+    """Under torchrun: a bad flag is printed once; a second job into a run folder in use is refused in one line and
+    its other rank exits quietly (no rank prints a traceback: what follows is torchrun's own report); Ctrl-C to the
+    job (SIGINT to its process group, as a terminal sends it) finishes the round, prints the --resume line once, and
+    --resume under torchrun ends as the uninterrupted one-process run."""
+    import signal
+    import time
+
+    bad = start(torchrun_cmd(2, "fedavg.py", "--lr", "-1"))
+    _, err = bad.communicate(timeout=120)
+    assert bad.returncode != 0 and err.count("error: --lr: must be > 0, got -1") == 1 and not rank_frames(err), err
+    flags = [*CASES["fedavg"], "--local-steps", "1", "--rounds", "300"]
+    out = tmp_path / "run"
+    whole = start([sys.executable, "fedavg.py", *flags, "--out", tmp_path / "whole"])  # meanwhile, the reference
+    job = subprocess.Popen(
+        [str(a) for a in torchrun_cmd(2, "fedavg.py", *flags, "--out", out)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((out / "metrics.jsonl").exists() and metrics(out)):
+        time.sleep(0.05)
+    second = start(torchrun_cmd(2, "fedavg.py", *flags, "--out", out))
+    _, err = second.communicate(timeout=120)
+    assert second.returncode != 0 and not rank_frames(err), err[-3000:]
+    assert err.count(f"fedavg.py: error: --out: another run is using {out} now") == 1, err[-3000:]
+    assert "fedavg.py: error" not in err.replace(f"fedavg.py: error: --out: another run is using {out} now", "")
+    os.killpg(job.pid, signal.SIGINT)
+    stdout, err = job.communicate(timeout=120)
+    assert not rank_frames(err) and err.count("SIGINT: finishing this round, then a checkpoint") == 1, err[-3000:]
+    assert stdout.count(f"continue with: python fedavg.py --resume {out}") == 1, stdout[-1000:]
+    assert 1 <= len(metrics(out)) < 300 and not (out / "summary.json").exists()
+    finish(start(torchrun_cmd(2, "fedavg.py", "--resume", out)), whole)
+    assert_same_run(tmp_path / "whole", out)

@@ -247,19 +247,27 @@ def test_stop_and_resume_equals_uninterrupted(runs):
 
 
 @pytest.mark.slow  # a run interrupted and resumed
-def test_ctrl_c_writes_checkpoint_and_resume_finishes(tmp_path):
-    out = tmp_path / "run"
-    proc = start_script("fedavg.py", *TINY, "--iid", "--rounds", "30", "--local-steps", "1", "--out", out)
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_or_sigterm_writes_checkpoint_and_resume_is_the_whole_run(sig, code, tmp_path):
+    """Ctrl-C, or SIGTERM (a scheduler's preemption): the round ends, a checkpoint, one line with the --resume
+    command, exit 128 + the signal; --resume then ends as the uninterrupted run, bit for bit."""
+    out, flags = tmp_path / "run", [*TINY, "--iid", "--rounds", "60", "--local-steps", "1", "--save-model"]
+    whole = start_script("fedavg.py", *flags, "--out", tmp_path / "whole")
+    proc = start_script("fedavg.py", *flags, "--out", out)
     deadline = time.time() + 120
     while time.time() < deadline and not (os.path.exists(out / "metrics.jsonl") and metrics(out)):
         time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err[-2000:]
+    proc.send_signal(sig)
+    stdout, err = proc.communicate(timeout=120)
+    assert proc.returncode == code and "Traceback" not in err, err[-2000:]
+    assert stdout.strip().splitlines()[-1].endswith(f"continue with: python fedavg.py --resume {out}"), stdout
     ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
-    assert 1 <= ckpt["round"] < 30 and len(metrics(out)) == ckpt["round"]
+    assert 1 <= ckpt["round"] < 60 and len(metrics(out)) == ckpt["round"]
     run_script("fedavg.py", "--resume", out)
-    assert [r["round"] for r in metrics(out)] == list(range(1, 31))
+    whole.communicate(timeout=120)
+    assert whole.returncode == 0
+    assert metrics(out) == metrics(tmp_path / "whole")
+    assert_same_model(out, tmp_path / "whole")
 
 
 def test_divergence_stops_with_summary(tmp_path):
@@ -368,6 +376,36 @@ def test_bad_input_fails_before_any_work(flags, name, tmp_path):
     proc = run_script("fedavg.py", *flags, "--data-dir", tmp_path / "dl", "--out", tmp_path / "run", check=False)
     assert proc.returncode == 2 and name in proc.stderr.splitlines()[-1]
     assert not os.path.exists(tmp_path / "dl") and not os.path.exists(tmp_path / "run")
+
+
+def write_idx(path, tensor):  # the MNIST file format torchvision reads: magic (type 8 = uint8, rank), sizes, bytes
+    with open(path, "wb") as f:
+        f.write(bytes([0, 0, 8, tensor.ndim]) + b"".join(n.to_bytes(4, "big") for n in tensor.shape))
+        f.write(tensor.numpy().tobytes())
+
+
+def test_a_torchvision_folder_is_read_offline(tmp_path):
+    """The README's offline route: a folder as torchvision downloads and unpacks it is read without a network (an
+    attempt to download would fail on the dead proxy), the folder left as it was. The images are MNIST-format files
+    made here (digit k: a bright square at row 2k), so a run that reads them right learns them."""
+    raw = tmp_path / "data" / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for split, n in (("train", 600), ("t10k", 200)):
+        y = torch.arange(n) % 10
+        x = torch.randint(0, 60, (n, 28, 28), generator=torch.Generator().manual_seed(n), dtype=torch.uint8)
+        for i, k in enumerate(y.tolist()):
+            x[i, 2 * k + 2 : 2 * k + 6, 8:20] = 255
+        write_idx(raw / f"{split}-images-idx3-ubyte", x)
+        write_idx(raw / f"{split}-labels-idx1-ubyte", y.to(torch.uint8))
+    before = sorted(p.name for p in raw.iterdir())
+    dead = {v: "http://127.0.0.1:9" for v in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY")}
+    flags = ["--dataset", "mnist", "--data-dir", tmp_path / "data", "--device", "cpu", "--model", "mlp", "--iid"]
+    flags += ["--num-clients", "4", "--frac", "1", "--rounds", "5", "--local-steps", "20", "--lr", "0.1"]
+    run_script("fedavg.py", *flags, "--out", tmp_path / "run", env=dead)
+    assert sorted(p.name for p in raw.iterdir()) == before
+    part = json.load(open(tmp_path / "run" / "partition.json"))
+    assert sum(map(sum, part["train"])) == 600 and len(part["train"][0]) == 10
+    assert summary(tmp_path / "run")["test_acc"] > 0.5  # chance is 0.10
 
 
 CIFAR = os.environ.get("CLEANFL_CIFAR10_DIR")

@@ -7,12 +7,14 @@ import ast
 import importlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -740,3 +742,101 @@ def test_every_long_phase_has_its_bar(tmp_path, monkeypatch):
         runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
     assert {"decoding train/", "decoding test/", "round 1: clients by 1", "fine-tuning clients"} <= set(seen)
     assert {"client 0: steps", "client 1: steps"} <= set(seen), seen
+
+
+# ---- a resumed run is the run it began; odd images ----------------------------------------------------------
+FOLDER_RUN = ["--dataset", "folder", "--device", "cpu", "--model", "mlp", "--num-clients", "3", "--iid", "--frac", "1"]
+FOLDER_RUN += ["--local-steps", "2", "--batch-size", "8", "--rounds", "3"]
+
+
+def run_files(folder):  # every file of a run folder, by name: its bytes' hash
+    return {p.name: hash(p.read_bytes()) for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.slow  # four runs
+def test_resume_on_other_images_is_refused_and_the_same_images_moved_resume(tmp_path):
+    """One image changed (same names, sizes and labels): refused in one line naming the pixels, the run folder
+    unchanged; the same images copied to another place resume, to the uninterrupted run."""
+    from PIL import Image
+
+    began, other, moved, run = (tmp_path / n for n in ("began", "other", "moved", "run"))
+    make_folder(began, {"train": {"cat": 12, "dog": 12}, "test": {"cat": 4, "dog": 4}})
+    shutil.copytree(began, other)
+    Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8)).save(other / "train" / "cat" / "3.png")
+    run_script("fedavg.py", *FOLDER_RUN, "--data-dir", began, "--stop-after", "1", "--out", run)
+    before = run_files(run)
+    proc = run_script("fedavg.py", "--resume", run, "--data-dir", other, check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        f"fedavg.py: error: --data-dir: {other} holds other data than the run in {run} began on (in its pixels); "
+        "resume it on the same data"
+    ), proc.stderr[-1000:]
+    assert run_files(run) == before
+    shutil.copytree(began, moved)
+    run_script("fedavg.py", "--resume", run, "--data-dir", moved)
+    run_script("fedavg.py", *FOLDER_RUN, "--data-dir", began, "--out", tmp_path / "whole")
+    assert metrics(run) == metrics(tmp_path / "whole")
+
+
+@pytest.mark.slow  # three runs
+def test_an_edited_config_is_refused_naming_the_key_and_resumes_once_undone(tmp_path):
+    run = tmp_path / "run"
+    run_script("fedavg.py", *TINY, "--iid", "--stop-after", "1", "--out", run)
+    config = (run / "config.json").read_text()
+    edited = json.loads(config)
+    edited["lr"] *= 5
+    (run / "config.json").write_text(json.dumps(edited, indent=2))
+    before = run_files(run)
+    proc = run_script("fedavg.py", "--resume", run, check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        f"fedavg.py: error: --resume: {run}/config.json differs from the one its checkpoint was written with (in lr); "
+        "undo the edit, or start a new run with new flags"
+    ), proc.stderr[-1000:]
+    assert run_files(run) == before
+    (run / "config.json").write_text(config)  # undone: the run goes on to its uninterrupted end
+    run_script("fedavg.py", "--resume", run)
+    run_script("fedavg.py", *TINY, "--iid", "--out", tmp_path / "whole")
+    assert metrics(run) == metrics(tmp_path / "whole")
+
+
+def test_a_constant_channel_is_floored_and_trains(tmp_path):
+    """Every image's red channel 128: its standard deviation is 0, floored at one grey level (1/255), so the
+    normalized inputs are finite (0 in that channel) and a round of SGD keeps finite weights."""
+    from PIL import Image
+
+    g = np.random.default_rng(0)
+    for split, n in (("train", 6), ("test", 2)):
+        for cls in ("cat", "dog"):
+            (tmp_path / "ds" / split / cls).mkdir(parents=True)
+            for i in range(n):
+                pixels = g.integers(0, 256, (8, 8, 3), dtype=np.uint8)
+                pixels[..., 0] = 128
+                Image.fromarray(pixels).save(tmp_path / "ds" / split / cls / f"{i}.png")
+    data = common.load_data(argparse.Namespace(dataset="folder", data_dir=str(tmp_path / "ds"), device="cpu"))
+    assert data.std.flatten()[0].item() == pytest.approx(1 / 255) and data.std.flatten()[1] > 0.2
+    x = common.prepare_batch(data.x_train, data)
+    assert torch.isfinite(x).all() and x[:, 0].abs().max() < 1e-6
+    model = common.build_model("mlp", data)
+    torch.nn.functional.cross_entropy(model(x), data.y_train).backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_mixed_sizes_name_two_files_and_the_command_that_resizes(tmp_path, capsys):
+    from PIL import Image
+
+    from test_prepare_data import prepare
+
+    make_folder(tmp_path / "ds", {"train": {"cat": 2, "dog": 2}, "test": {"cat": 1, "dog": 1}})
+    Image.new("RGB", (5, 4)).save(tmp_path / "ds" / "train" / "dog" / "odd.png")
+    with pytest.raises(SystemExit) as e:
+        read_folder(tmp_path / "ds")
+    first, odd = tmp_path / "ds" / "train" / "cat" / "0.png", tmp_path / "ds" / "train" / "dog" / "odd.png"
+    command = f"python benchmarks/prepare_data.py resize --src {tmp_path / 'ds'} --size N --out NEW_DIR"
+    assert e.value.code == 2 and str(e.value) == (
+        f"--data-dir: images differ in size: {first} is 8x8 with 3 channel(s), {odd} 5x4 with 3 channel(s); write a "
+        f"copy at one size with {command}"
+    )
+    argv = command.replace("N ", "8 ").replace("NEW_DIR", str(tmp_path / "new")).split()[2:]
+    assert prepare(argv, capsys)[0] == 0  # the command it names, as named: the copy reads
+    x, y, _, _ = read_folder(tmp_path / "new")
+    assert x.shape == (5, 3, 8, 8) and y.tolist() == [0, 0, 1, 1, 1]
+    assert odd.exists() and Image.open(odd).size == (5, 4)  # the originals untouched

@@ -263,19 +263,24 @@ def test_a_planted_init_from_file_is_refused_and_runs_nothing(tmp_path):
     assert not marker.exists()
 
 
-def test_a_planted_image_folder_cache_runs_nothing_and_is_rebuilt(tmp_path, capsys):
+@pytest.mark.parametrize("damage", ["planted", "cut", "garbage"])
+def test_a_damaged_image_folder_cache_runs_nothing_and_is_rebuilt(damage, tmp_path, capsys):
+    """A cache that carries code, is cut short or is not a torch file: one line, the images decoded anew (the same
+    tensors), the cache rewritten whole; nothing of the planted one runs."""
     from test_robustness import make_folder, read_folder
 
     make_folder(tmp_path / "ds", {"train": {"a": 2, "b": 2}, "test": {"a": 1, "b": 1}})
     read_folder(tmp_path / "ds")  # decoded and cached
     marker, cache = tmp_path / "ran", tmp_path / "ds" / ".cleanfl-cache.pt"
     stamp, decoded = torch.load(cache)["stamp"], read_folder(tmp_path / "ds")
-    plant(cache, marker, lambda obj: {"stamp": stamp, "tensors": obj})
+    if damage == "planted":
+        plant(cache, marker, lambda obj: {"stamp": stamp, "tensors": obj})
+    else:
+        cache.write_bytes(cache.read_bytes()[: cache.stat().st_size // 2] if damage == "cut" else b"not a cache" * 9)
     again = read_folder(tmp_path / "ds")  # set aside with one line and decoded anew: the images are still there
     assert not marker.exists() and all(torch.equal(a, b) for a, b in zip(decoded, again))
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"note: {cache} is no cache this code can read (UnpicklingError); decoding anew"
-    )
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"note: {cache} is no cache this code can read (") and line.endswith("); decoding anew")
     assert torch.load(cache, weights_only=True)["stamp"] == stamp  # rebuilt
 
 
