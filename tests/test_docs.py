@@ -467,7 +467,7 @@ def test_method_page_has_the_fixed_sections(method):
     usage = read(doc).split("\n## Usage\n", 1)[1].split("\n## ", 1)[0]
     first = FENCE.search(usage).group(0).splitlines()[1:3]
     assert first[0] == f"python {method}.py --help", f"{doc}: Usage starts with `python {method}.py --help`"
-    assert first[1].startswith(f"python {method}.py --dataset folder --data-dir ~/cifar10 "), f"{doc}: a short run"
+    assert first[1].startswith(f"python {method}.py --dataset cifar10 --data-dir ./data "), f"{doc}: the README's route"
     assert read(doc).splitlines().index(first[1]) < 40, f"{doc}: the first run is on the first screen"
     assert "(#flags-beyond-fedavgpys)" in usage or "(flags.md)" in usage, f"{doc}: Usage points to the flags"
     # Results: one summary table, then one figure, then the experiments (### each) and the evidence pages
