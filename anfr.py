@@ -128,7 +128,7 @@ def parse_args():
         help="of training batches, on device; rrc: RandomResizedCrop to --image-size (the paper's recipe, no flip)")
     g.add_argument("--crop-scale", type=fraction, nargs=2, default=[0.08, 1.0], metavar=("LO", "HI"),
         help="ANFR: area fraction range of --augment rrc (torchvision's; the paper's recipe: 0.05 1)")  # ANFR
-    g.add_argument("--image-size", type=flag_type(int, 8),
+    g.add_argument("--image-size", type=flag_type(int, lambda v: v >= 8, ">= 8"),
         help="ANFR: the size the model sees (the paper: 224; default: as stored); rrc crops to it, the other "
              "augmentations and the test images are resized to it")  # ANFR
     g.add_argument("--normalize", default="dataset", choices=["dataset", "half"],

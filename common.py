@@ -468,11 +468,9 @@ def spread(values):
 
 def eval_metrics(forward, data, tests=None, balanced=False, amp=False, batch_size=2000, client_forward=None,
                  lists=False, val=None):  # fmt: skip
-    """An evaluation row's test keys: test_acc and test_loss of `forward`; with validation samples `val` (indices
-    into the training split per client: --val-frac) val_acc and val_loss; with per-client test sets `tests`
-    client_test_acc_{mean,std,worst10} over the clients with test data (spread), with `lists` also each client's
-    (None without test data); with `balanced` the same of the balanced accuracy (test_bacc, client_test_bacc_*).
-    client_forward(k): client k's callable where clients are tested on their own models (default: forward)."""
+    """An evaluation row: test_acc, test_loss; val_acc, val_loss on `val` (--val-frac); over per-client test sets
+    `tests` client_test_acc_{mean,std,worst10} (spread; `lists`: each client's, None without test data), each on
+    client_forward(k) if given; `balanced`: the same of the balanced accuracy (test_bacc, client_test_bacc_*)."""
     scores = evaluate(forward, data.x_test, data.y_test, data, batch_size, amp, balanced)
     row = {"test_acc": scores[0], "test_loss": scores[1]}
     if val is not None:
@@ -512,11 +510,9 @@ def partition(flag, scheme):
 
 
 def make_partition(args, data):
-    """The training set over args.num_clients by the run's partition flag: the groups of an image folder as they are
-    (--natural: len(train) clients, the folders), the flag within each group (--clients-per-domain M), or over the
-    whole set; per-client test sets with --client-test, or --natural's test/<client>/ folders. Its own generator,
-    seeded by args.data_seed, so client sampling never changes it. With --val-frac F, round(F n_k) random samples of
-    each client's n_k (at most n_k - 1) are held out for validation. What the data cannot give exits 2."""
+    """The training set over the clients by the partition flag (over the whole set, within each domain, or the
+    --natural folders), --client-test's test sets and --val-frac's held-out round(F n_k) (at most n_k - 1). Its own
+    generator, seeded by --data-seed, so client sampling never changes it. What the data cannot give exits 2."""
     labels, test_labels = data.y_train.cpu().numpy(), data.y_test.cpu().numpy()
     rng, c = np.random.default_rng(args.data_seed), data.num_classes
     m, natural = getattr(args, "clients_per_domain", None), getattr(args, "natural", False)
@@ -1080,33 +1076,29 @@ RUN_FILES = ("config.json", "partition.json", "metrics.jsonl", "checkpoint.pt", 
 RESUMABLE = ("rounds", "stop_after", "device", "data_dir")  # what --resume may change (a larger --rounds extends)
 
 
-def flag_type(cast, low=-math.inf, high=math.inf, open_low=False, open_high=False):
-    """An argparse type: cast(text), finite, in [low, high] (open where said); else exit 2, one line naming the flag."""
-    num = lambda v: f"{v:g}" if isinstance(v, float) else str(v)
-    span = f"in {'(['[not open_low]}{num(low)}, {num(high)}{')]'[not open_high]}" if high < math.inf else None
-    span = span or f"{'>' if open_low else '>='} {num(low)}"
+def flag_type(cast, inside, span):
+    """An argparse type: cast(text), finite and inside(value); else exit 2, one line naming the flag and the span."""
 
     def check(text):
         try:
             value = cast(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {'an integer' if cast is int else 'a number'}, got '{text}'")
-        inside = (low < value if open_low else low <= value) and (value < high if open_high else value <= high)
-        if not (math.isfinite(value) and inside):
+        if not (math.isfinite(value) and inside(value)):
             raise argparse.ArgumentTypeError(f"must be {span if math.isfinite(value) else 'finite'}, got {text}")
         return value
 
     return check
 
 
-positive_int = flag_type(int, 1)  # counts: clients, rounds, epochs, steps, batch size, periods, threads
-non_negative_int = flag_type(int, 0)
-seed_int = flag_type(int, 0, 2**32 - 1)  # numpy's legacy seeding takes at most 32 bits
-positive_float = flag_type(float, 0, open_low=True)  # learning rates, alpha, tau
-non_negative_float = flag_type(float, 0)  # weight decay, mu (0 = off)
-fraction = flag_type(float, 0, 1, open_low=True)  # (0, 1]: --frac, --lr-decay
-decay_rate = flag_type(float, 0, 1, open_high=True)  # [0, 1): momentum and moment decays, --val-frac
-inner_fraction = flag_type(float, 0, 1, open_low=True, open_high=True)  # (0, 1): --lr-decay-at
+positive_int = flag_type(int, lambda v: v >= 1, ">= 1")  # counts: clients, rounds, epochs, steps, periods, threads
+non_negative_int = flag_type(int, lambda v: v >= 0, ">= 0")
+seed_int = flag_type(int, lambda v: 0 <= v < 2**32, "in [0, 4294967295]")  # numpy's legacy seeding: 32 bits
+positive_float = flag_type(float, lambda v: v > 0, "> 0")  # learning rates, alpha, tau
+non_negative_float = flag_type(float, lambda v: v >= 0, ">= 0")  # weight decay, mu (0 = off)
+fraction = flag_type(float, lambda v: 0 < v <= 1, "in (0, 1]")  # --frac, --lr-decay
+decay_rate = flag_type(float, lambda v: 0 <= v < 1, "in [0, 1)")  # momentum and moment decays, --val-frac
+inner_fraction = flag_type(float, lambda v: 0 < v < 1, "in (0, 1)")  # --lr-decay-at
 
 
 def path_arg(text):  # a path flag: not empty; ~ expanded, also in --data-dir=~/cifar10 (which no shell expands)
@@ -1122,9 +1114,7 @@ def device_flag(text):
 
 
 class Parser(argparse.ArgumentParser):
-    """The scripts' parser: the header's paper and idea under a one-line usage, every default in --help, one-line
-    errors (an unknown flag: the closest known one), no abbreviations. parse_args keeps the flags given in .given; of a
-    mutually exclusive group the flag given replaces the group's default (the paper's partition, its E)."""
+    """--help: the header's paper and idea, every default; one-line errors; .given: the flags given (parse_args)."""
 
     def __init__(self, doc):
         super().__init__(description="\n\n".join(doc.split("\n\n")[:2]), usage="%(prog)s [flags]", allow_abbrev=False,
@@ -1134,12 +1124,12 @@ class Parser(argparse.ArgumentParser):
         unset, actions = object(), [a for a in self._actions if a.default is not argparse.SUPPRESS]
         args = super().parse_args(argv, argparse.Namespace(**{a.dest: unset for a in actions}))  # defaults: not set
         self.given = {a.dest for a in actions if getattr(args, a.dest) is not unset}
-        for group in self._mutually_exclusive_groups:
+        for group in self._mutually_exclusive_groups:  # the flag given replaces the group's default (the paper's)
             named = [a for a in group._group_actions if a.dest in self.given]
             if len(named) > 1:  # (argparse lets `--shards 2 --alpha 0.1` pass: 2 is the default)
                 first, second = (a.option_strings[0] for a in named[:2])
                 self.error(f"argument {second}: not allowed with argument {first}")
-            for a in group._group_actions if named else ():  # the flag given replaces the group's default
+            for a in group._group_actions if named else ():
                 setattr(args, a.dest, getattr(args, a.dest) if a in named else False if a.nargs == 0 else None)
         for a in actions:
             setattr(args, a.dest, a.default if getattr(args, a.dest) is unset else getattr(args, a.dest))
@@ -1160,9 +1150,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
 
 def finish_args(parser, args, script):
-    """After argparse: --resume's config.json; folders in groups count their clients; --data-seed, the device, the CPU
-    threads (OMP_NUM_THREADS, else the cores, shared among torchrun's processes: one command, one set of numbers).
-    What cannot run exits 2 naming its flag (the data: load_data and make_partition; the run folder: Run)."""
+    """After argparse: --resume's config.json, --data-seed, the device and the CPU threads; what cannot run exits 2."""
     if args.resume:
         args = resume_args(parser, args, script)
     elif args.clients_per_domain and (args.natural or not parser.given & set(PARTITIONS)):
@@ -1176,6 +1164,7 @@ def finish_args(parser, args, script):
         parser.error(f"--device: {args.device} is not on this machine ({gpus} CUDA GPUs{', no MPS' * (not mps)})")
     if args.amp and args.device == "cpu":
         print("note: --amp on the CPU: bfloat16 autocast runs, but usually slower than float32 there", file=sys.stderr)
+    # the threads: OMP_NUM_THREADS, else the cores (shared among torchrun's processes): one command, one set of numbers
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     share = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     args.threads = args.threads or int(os.environ.get("OMP_NUM_THREADS") or share)  # kept in config.json
@@ -1183,8 +1172,7 @@ def finish_args(parser, args, script):
 
 
 def resume_args(parser, args, script):
-    """--resume DIR: the run's config.json, with only the RESUMABLE flags from the command line (--data-dir: the same
-    data elsewhere; a larger --rounds: the lr schedules span the new total). A finished run stays as it is."""
+    """--resume DIR: its config.json, with only the RESUMABLE flags from the command line; a finished run stays."""
     err, folder, given = parser.error, args.resume, parser.given
     try:
         with open(f"{folder}/config.json") as f:
@@ -1221,9 +1209,7 @@ def refuse(message):  # bad input: one line (under torchrun: from the first proc
 
 
 class Run:
-    """One run: its folder (taken first: take_folder), torchrun's ranks, threads, seeds, the client sampler, Ctrl-C
-    and SIGTERM (the loop stops after its round; a second: at once); --resume's checkpoint.pt, checked against
-    config.json now. Rank 0 writes the run files, each whole; a write that fails ends the run in one line."""
+    """One run: its folder, ranks, threads, seeds, client sampler, stop signals, checkpoint; rank 0 writes its files."""
 
     def __init__(self, args):
         setup_distributed(args)
@@ -1251,8 +1237,7 @@ class Run:
     elapsed = property(lambda self: self.elapsed_before + time.time() - self.clock)
 
     def start(self, model, partition, data, name=None):
-        """config.json, partition.json (--overwrite: the old files go first), the start-up line. --resume: the data
-        as the checkpoint found it, then its RNG states, clock and metrics.jsonl rows (whole lines, to its round)."""
+        """config.json, partition.json, the start-up line; --resume: the same data, the RNG states, clock and rows."""
         args, ckpt, sizes, self.rows = self.args, self.checkpoint, [len(p) for p in partition.train], []
         self.fingerprint, began = data.fingerprint, ckpt.get("data", data.fingerprint) or {}
         if differ := [k for k in began if began[k] != data.fingerprint.get(k)]:
@@ -1390,8 +1375,7 @@ def _remove_if_empty(folder):  # at exit: a folder take_folder made, if no run w
 
 
 def take_folder(args):
-    """The run folder, --out or runs/<script>__<dataset>__<seed>__<time> (then -2, -3, ... where taken), made atomically
-    and locked for the run's life: a second run into it is refused; the OS drops the lock when the run ends."""
+    """--out, or runs/<script>__<dataset>__<seed>__<time>(-2, -3, ...), made and locked: a second run is refused."""
     flag, stamp = "--resume" if args.resume else "--out", time.strftime("%Y%m%d-%H%M%S")
     for n in itertools.count(1):
         out = args.out or f"runs/{args.script}__{args.dataset}__{args.seed}__{stamp}" + f"-{n}" * (n > 1)
@@ -1450,8 +1434,7 @@ def agree(value):  # the largest of the ranks' integers (a stop signal, an exit 
 
 
 def together(fn, here, share=False):
-    """fn() on the ranks where `here` while the others wait (share: rank 0's result to all). A refusal (SystemExit) on
-    one rank ends every rank with its exit code, the others quietly: no rank is left waiting to trace back."""
+    """fn() where `here`, the others waiting (share: rank 0's result to all); a refusal on one ends all, quietly."""
     result, refusal = None, None
     try:
         result = fn() if here else None

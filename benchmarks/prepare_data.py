@@ -51,9 +51,9 @@ import tempfile
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import CLASSES_FILE, IMAGE_EXTENSIONS, flag_type, inner_fraction, refuse, seed_int  # noqa: E402
+from common import CLASSES_FILE, IMAGE_EXTENSIONS, inner_fraction, positive_int, refuse, seed_int  # noqa: E402
 
-side = flag_type(int, 1)  # --size
+side = positive_int  # --size
 ISIC_COLUMNS = ("image", "target", "center", "fold")
 ISIC_CLASSES = ["class%d" % y for y in range(8)]  # FLamby's 8 diagnoses MEL, NV, BCC, AK, BKL, DF, VASC, SCC
 ISIC_CENTERS = 6  # Fed-ISIC2019's 6 hospitals, 0..5
