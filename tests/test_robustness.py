@@ -749,10 +749,6 @@ FOLDER_RUN = ["--dataset", "folder", "--device", "cpu", "--model", "mlp", "--num
 FOLDER_RUN += ["--local-steps", "2", "--batch-size", "8", "--rounds", "3"]
 
 
-def run_files(folder):  # every file of a run folder, by name: its bytes' hash
-    return {p.name: hash(p.read_bytes()) for p in sorted(folder.iterdir())}
-
-
 @pytest.mark.slow  # four runs
 def test_resume_on_other_images_is_refused_and_the_same_images_moved_resume(tmp_path):
     """One image changed (same names, sizes and labels): refused in one line naming the pixels, the run folder
@@ -764,13 +760,13 @@ def test_resume_on_other_images_is_refused_and_the_same_images_moved_resume(tmp_
     shutil.copytree(began, other)
     Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8)).save(other / "train" / "cat" / "3.png")
     run_script("fedavg.py", *FOLDER_RUN, "--data-dir", began, "--stop-after", "1", "--out", run)
-    before = run_files(run)
+    before = files_of(run)
     proc = run_script("fedavg.py", "--resume", run, "--data-dir", other, check=False)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
         f"fedavg.py: error: --data-dir: {other} holds other data than the run in {run} began on (in its pixels); "
         "resume it on the same data"
     ), proc.stderr[-1000:]
-    assert run_files(run) == before
+    assert files_of(run) == before
     shutil.copytree(began, moved)
     run_script("fedavg.py", "--resume", run, "--data-dir", moved)
     run_script("fedavg.py", *FOLDER_RUN, "--data-dir", began, "--out", tmp_path / "whole")
@@ -785,13 +781,13 @@ def test_an_edited_config_is_refused_naming_the_key_and_resumes_once_undone(tmp_
     edited = json.loads(config)
     edited["lr"] *= 5
     (run / "config.json").write_text(json.dumps(edited, indent=2))
-    before = run_files(run)
+    before = files_of(run)
     proc = run_script("fedavg.py", "--resume", run, check=False)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
         f"fedavg.py: error: --resume: {run}/config.json differs from the one its checkpoint was written with (in lr); "
         "undo the edit, or start a new run with new flags"
     ), proc.stderr[-1000:]
-    assert run_files(run) == before
+    assert files_of(run) == before
     (run / "config.json").write_text(config)  # undone: the run goes on to its uninterrupted end
     run_script("fedavg.py", "--resume", run)
     run_script("fedavg.py", *TINY, "--iid", "--out", tmp_path / "whole")
