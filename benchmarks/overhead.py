@@ -74,8 +74,9 @@ def parse_args():
     return args
 
 
-def between_evaluations(script, flags, out):
-    """Run `script` with `flags`; seconds between its first and last evaluation rows of metrics.jsonl."""
+def between_evaluations(script, flags, out, shortest=False):
+    """Run `script` with `flags`; seconds between its first and last evaluation rows of metrics.jsonl, or
+    with `shortest` the shortest gap between two consecutive ones (a pause of the machine lengthens one gap)."""
     cmd = [
         str(a)
         for a in [sys.executable, os.path.join(ROOT, f"{script}.py"), *flags, "--checkpoint-every", 10**9, "--out", out]
@@ -84,14 +85,14 @@ def between_evaluations(script, flags, out):
     if res.returncode != 0:
         sys.exit(f"{script}.py failed ({res.returncode}):\n{' '.join(cmd)}\n{res.stderr[-3000:]}")
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        return seconds_between_evaluations([json.loads(line) for line in f])
+        return seconds_between_evaluations([json.loads(line) for line in f], shortest)
 
 
-def seconds_between_evaluations(rows):
-    """elapsed_s of the last evaluation row minus the first one (rows without test_acc, such as
-    fednnnn.py's per-round norm rows, are not evaluations)."""
-    evaluated = [r for r in rows if "test_acc" in r]
-    return evaluated[-1]["elapsed_s"] - evaluated[0]["elapsed_s"]
+def seconds_between_evaluations(rows, shortest=False):
+    """elapsed_s of the last evaluation row minus the first one, or the shortest gap between two consecutive ones
+    (rows without test_acc, such as fednnnn.py's per-round norm rows, are not evaluations)."""
+    times = [r["elapsed_s"] for r in rows if "test_acc" in r]
+    return min(b - a for a, b in zip(times, times[1:])) if shortest else times[-1] - times[0]
 
 
 def run_flags(script, args):

@@ -4,10 +4,11 @@ The GPU speed target setting: CIFAR-10, N=100 clients, f=0.1, E=5, B=50 (fedavg.
 otherwise). fedavg.py runs the models of common.py; a model that fedfn.py registers (vgg11, vgg11-narrow) runs as
 fedfn.py --no-fn, FedAvg on FedFN's code path, with fedavg.py's partition, lr, weight decay and augmentation
 written out (script_for). For each model and precision the script runs twice:
-  run A: 2R rounds, evaluated at rounds R and 2R  -> the time between the rows is R rounds + 1 evaluation
-  run B: 2 rounds, evaluated at rounds 1 and 2    -> 1 round + 1 evaluation
-so a round takes (A - B) / (R - 1) and an evaluation B - round (rounds before the first row are the
-warm-up). Targets on an H100: VGG11 1.5 s, ResNet-18 3 s, CNN 0.5 s per round.
+  run A: 3R rounds, evaluated every R rounds  -> each gap between rows is R rounds + 1 evaluation
+  run B: 4 rounds, evaluated every round      -> each gap is 1 round + 1 evaluation
+so a round takes (A - B) / (R - 1) and an evaluation B - round, with A and B each the shortest of its gaps (a
+busy moment of the machine lengthens one gap, not all; rounds before the first row are the warm-up).
+Targets on an H100: VGG11 1.5 s, ResNet-18 3 s, CNN 0.5 s per round.
 
     python benchmarks/round_time.py --dataset folder --data-dir /path/to/cifar10 --device cuda
     python benchmarks/round_time.py --models cnn --device cpu --local-epochs 1     # a CPU smoke run
@@ -113,11 +114,18 @@ if __name__ == "__main__":
                 ]
                 a = between_evaluations(
                     script,
-                    [*base, "--rounds", 2 * args.rounds, "--eval-every", args.rounds],
+                    [*base, "--rounds", 3 * args.rounds, "--eval-every", args.rounds],
                     os.path.join(tmp, f"{model}-{precision}-a"),
+                    shortest=True,
                 )
                 b = between_evaluations(
-                    script, [*base, "--rounds", 2, "--eval-every", 1], os.path.join(tmp, f"{model}-{precision}-b")
+                    script,
+                    [*base, "--rounds", 4, "--eval-every", 1],
+                    os.path.join(tmp, f"{model}-{precision}-b"),
+                    shortest=True,
                 )
                 per_round = (a - b) / (args.rounds - 1)
+                if per_round <= 0:
+                    sys.exit(f"{model} {precision}: R rounds took {a:.3f} s and 1 round {b:.3f} s (timing noise "
+                             "larger than R - 1 rounds): raise --rounds or --local-epochs")  # fmt: skip
                 print(f"| {model} | {precision} | {per_round:.3f} | {b - per_round:.3f} |", flush=True)

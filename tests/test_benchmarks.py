@@ -698,6 +698,8 @@ def test_overhead_times_evaluation_rows_only():
         {"round": 4, "test_acc": 0.2, "elapsed_s": 6.0},
     ]
     assert overhead.seconds_between_evaluations(rows) == 3.5  # rounds 2 -> 4, not 1 -> 4
+    rows += [{"round": 5, "test_acc": 0.3, "elapsed_s": 11.0}, {"round": 6, "test_acc": 0.4, "elapsed_s": 14.0}]
+    assert overhead.seconds_between_evaluations(rows, shortest=True) == 3.0  # gaps 3.5, 5, 3: a busy moment in one
 
 
 def test_overhead_runs_do_the_same_steps_with_the_same_flags(monkeypatch):
