@@ -21,7 +21,6 @@ import json
 import math
 import os
 import platform
-import random
 import shutil
 import signal
 import socket
@@ -1224,9 +1223,7 @@ class Run:
             refuse(f"--resume: {self.dir}/config.json differs from the one its checkpoint was written with (in "
                    f"{', '.join(edited[:4])}); undo the edit, or start a new run with new flags")  # fmt: skip
         torch.set_num_threads(args.threads)
-        random.seed(args.seed)
-        np.random.seed(args.seed)
-        torch.manual_seed(args.seed)
+        torch.manual_seed(args.seed)  # the models' init (Python's and numpy's global generators serve nothing here)
         self.sampler = np.random.default_rng(args.seed)  # client sampling, its own generator
         cpu = f"cpu ({platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
         self.device = torch.cuda.get_device_name(args.device) if "cuda" in args.device else cpu
