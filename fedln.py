@@ -223,8 +223,8 @@ def build(args, data):
 
 
 def local_train(model, indices, data, args, lr, global_params, correction=None):
-    """--local-steps of SGD on one client; returns the mean training loss (a tensor).  FedLN: steps, correction
-    correction: SCAFFOLD's c - c_k per parameter (FedLN: None for the other --agg)."""
+    """--local-steps of SGD on one client; returns the mean training loss (a tensor).  FedLN: steps, and
+    correction: SCAFFOLD's c - c_k per parameter (None for the other --agg)."""
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
     model.train()
     loss_sum = torch.zeros((), device=args.device)
@@ -247,31 +247,23 @@ def local_train(model, indices, data, args, lr, global_params, correction=None):
     return loss_sum / max(seen, 1)
 
 
-def yogi_update(x, delta, m, v, lr, beta1, beta2, tau):
-    """FedLN: FedYogi server step (Reddi et al. 2021, Alg. 2, no bias correction), per parameter name:
-    m = b1 m + (1 - b1) D;  v = v - (1 - b2) D^2 sign(v - D^2);  x = x + eta m / (sqrt(v) + tau).
-    Returns the new (x, m, v); delta is the pseudo-gradient D = mean client model - x."""
+def fedyogi_step(x, avg, m, v, lr, beta1, beta2, tau):
+    """FedLN: one FedYogi server round (Reddi et al. 2021, Alg. 2, no bias correction), per parameter name of x:
+    D = avg - x, the n_k/n-weighted mean client model minus the global x (a step towards the clients), then
+    m = b1 m + (1 - b1) D;  v = v - (1 - b2) D^2 sign(v - D^2);  x = x + eta m / (sqrt(v) + tau). Returns (x, m, v)."""
+    delta = {n: avg[n] - x[n] for n in x}
     m = {n: beta1 * m[n] + (1 - beta1) * delta[n] for n in delta}
     v = {n: v[n] - (1 - beta2) * delta[n].pow(2) * torch.sign(v[n] - delta[n].pow(2)) for n in delta}
     x = {n: x[n] + lr * m[n] / (v[n].sqrt() + tau) for n in delta}
     return x, m, v
 
 
-def fedyogi_step(x, avg, m, v, lr, beta1, beta2, tau):
-    """FedLN: one FedYogi server round (Reddi et al. 2021, Alg. 2): pseudo-gradient D = avg - x, the
-    n_k/n-weighted mean client model minus the global x (a step towards the clients), then yogi_update."""
-    return yogi_update(x, {n: avg[n] - x[n] for n in x}, m, v, lr=lr, beta1=beta1, beta2=beta2, tau=tau)
-
-
 def figure3_images(labels, n, seed):
     """FedLN: indices of n test images of different classes (Figure 3: "20 random images from different
     classes"): the classes in turn (2 of each of 10), each class's images in an order drawn by a private generator."""
     g = torch.Generator().manual_seed(seed)
-    labels = labels.cpu()
-    pools = [
-        idx[torch.randperm(len(idx), generator=g)]
-        for idx in (torch.nonzero(labels == c).flatten() for c in labels.unique().tolist())
-    ]
+    by_class = [torch.nonzero(labels.cpu() == c).flatten() for c in labels.unique().tolist()]
+    pools = [idx[torch.randperm(len(idx), generator=g)] for idx in by_class]
     picked = [int(pool[r]) for r in range(max(map(len, pools))) for pool in pools if r < len(pool)]
     return torch.tensor(picked[:n])
 
@@ -312,18 +304,13 @@ if __name__ == "__main__":
         sv_x = prepare_batch(data.x_test[figure3_images(data.y_test, 20, args.seed).to(data.x_test.device)], data)
     if args.overfit_client is not None:  # FedLN: Figure 3 middle left, "20 images from client 1"
         own = partition.train[args.overfit_client]
-        own_x = prepare_batch(
-            data.x_train[
-                own[torch.randperm(len(own), generator=torch.Generator().manual_seed(args.seed))[:20].to(own.device)]
-            ],
-            data,
-        )
+        pick = torch.randperm(len(own), generator=torch.Generator().manual_seed(args.seed))[:20].to(own.device)
+        own_x = prepare_batch(data.x_train[own[pick]], data)
     start, ckpt = run.checkpoint.get("round", 0), run.checkpoint  # --resume: the rounds go on after checkpoint.pt's
     if args.resume:
         model.load_state_dict(ckpt["model"])
         server = ckpt["server"]  # FedLN: control variates / moments
 
-    # a checkpoint holds what the server keeps; FedLN: + the server state
     for rnd in run.bar(range(start, args.rounds)):  # a bar shows the latest test accuracy
         lr = lr_at(rnd, args)
         clients = sample_clients(run.sampler, len(sizes), args.frac)
@@ -350,16 +337,14 @@ if __name__ == "__main__":
             accumulate(total, out["state"], w)  # batch-norm running statistics are averaged like weights
             if args.agg == "scaffold":  # FedLN: Option II update of c_k (Alg. 1), K = --local-steps
                 step_sum = local_step_sum(args.local_steps, lr)
-                c_k, c = server["c_k"][k], server["c"]
-                new_c[k] = scaffold_control(c_k, c, model.state_dict(), out["state"], step_sum=step_sum)
+                new_c[k] = scaffold_control(server["c_k"][k], server["c"], model.state_dict(), out["state"], step_sum)
         if args.agg == "scaffold":  # FedLN: c <- c + 1/N sum_{k in S} (c_k+ - c_k), then c_k <- c_k+
             delta_sum = {n: sum(new_c[k][n] - server["c_k"][k][n] for k in new_c) for n in names}
             server["c"] = scaffold_server(server["c"], delta_sum, len(sizes))
             for k, c_k in new_c.items():
                 server["c_k"][k] = c_k
         if args.agg == "fedyogi":  # FedLN: x <- Yogi(x, D = sum_k n_k/n y_k - x); buffers keep the average
-            current = model.state_dict()
-            x = {n: current[n].float() for n in names}
+            x = {n: p.detach().float() for n, p in model.named_parameters()}
             hyper = dict(lr=args.server_lr, beta1=args.yogi_beta1, beta2=args.yogi_beta2, tau=args.yogi_tau)  # FedLN
             x, server["m"], server["v"] = fedyogi_step(x, total, server["m"], server["v"], **hyper)
             total.update(x)

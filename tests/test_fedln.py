@@ -264,7 +264,7 @@ def test_one_channel_and_other_sizes():
 
 
 # --- aggregation math ----------------------------------------------------------------------------
-def test_yogi_update_matches_formula():
+def test_fedyogi_step_matches_the_yogi_formula():
     lr, b1, b2, tau = 0.01, 0.9, 0.99, 1e-3
     x0, d1, d2 = [1.0, -2.0, 0.5], [0.5, -0.1, 0.0], [0.01, 0.3, -0.2]
     x, m, v = (
@@ -274,7 +274,8 @@ def test_yogi_update_matches_formula():
     )
     ex, em, ev = list(x0), [0.0] * 3, [1e-6] * 3
     for d in (d1, d2):
-        x, m, v = fedln.yogi_update(x, {"w": torch.tensor(d, dtype=torch.float64)}, m, v, lr, b1, b2, tau)
+        avg = {"w": x["w"] + torch.tensor(d, dtype=torch.float64)}  # the clients' mean: D = avg - x = d
+        x, m, v = fedln.fedyogi_step(x, avg, m, v, lr, b1, b2, tau)
         for i in range(3):
             em[i] = b1 * em[i] + (1 - b1) * d[i]
             sign = (ev[i] > d[i] ** 2) - (ev[i] < d[i] ** 2)
@@ -288,9 +289,9 @@ def test_yogi_update_matches_formula():
     assert (
         abs(
             (1.0 + 0.01 * 0.05 / (math.sqrt(v1) + 1e-3))
-            - fedln.yogi_update(
+            - fedln.fedyogi_step(
                 {"w": torch.tensor([1.0], dtype=torch.float64)},
-                {"w": torch.tensor([0.5], dtype=torch.float64)},
+                {"w": torch.tensor([1.5], dtype=torch.float64)},
                 {"w": torch.zeros(1, dtype=torch.float64)},
                 {"w": torch.full((1,), 1e-6, dtype=torch.float64)},
                 lr,
@@ -302,7 +303,7 @@ def test_yogi_update_matches_formula():
         < 1e-12
     )
     # v shrinks when v > D^2 (the Yogi sign), where Adam's v would grow
-    _, _, v_big = fedln.yogi_update(
+    _, _, v_big = fedln.fedyogi_step(
         {"w": torch.zeros(1)},
         {"w": torch.tensor([0.1])},
         {"w": torch.zeros(1)},
@@ -314,7 +315,7 @@ def test_yogi_update_matches_formula():
     )
     assert torch.allclose(v_big["w"], torch.tensor([1.0 - 0.01 * 0.01]))
     # v = D^2: sign 0 leaves v as it is
-    x_eq, m_eq, v_eq = fedln.yogi_update(
+    x_eq, m_eq, v_eq = fedln.fedyogi_step(
         {"w": torch.zeros(1)},
         {"w": torch.tensor([0.5])},
         {"w": torch.zeros(1)},
