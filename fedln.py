@@ -291,8 +291,7 @@ if __name__ == "__main__":
     client = build(args, data).to(args.device)  # one client model, reloaded for every client
     run.start(model, partition, data)  # the run folder: config.json, partition.json; the start-up line
     sizes = [len(p) for p in partition.train]
-    # FedLN: SCAFFOLD and FedYogi act on parameters; buffers are averaged
-    names = [n for n, _ in model.named_parameters()]
+    names = [n for n, _ in model.named_parameters()]  # FedLN: SCAFFOLD's and FedYogi's; buffers are averaged
     zeros = lambda fill=0.0: {n: torch.full_like(p, fill).detach() for n, p in model.named_parameters()}  # FedLN
     server = {}  # FedLN: method state: SCAFFOLD's c and c_k, FedYogi's m and v
     if args.agg == "scaffold":  # FedLN: control variates start at 0
@@ -337,7 +336,8 @@ if __name__ == "__main__":
             accumulate(total, out["state"], w)  # batch-norm running statistics are averaged like weights
             if args.agg == "scaffold":  # FedLN: Option II update of c_k (Alg. 1), K = --local-steps
                 step_sum = local_step_sum(args.local_steps, lr)
-                new_c[k] = scaffold_control(server["c_k"][k], server["c"], model.state_dict(), out["state"], step_sum)
+                c_k, c = server["c_k"][k], server["c"]
+                new_c[k] = scaffold_control(c_k, c, model.state_dict(), out["state"], step_sum=step_sum)
         if args.agg == "scaffold":  # FedLN: c <- c + 1/N sum_{k in S} (c_k+ - c_k), then c_k <- c_k+
             delta_sum = {n: sum(new_c[k][n] - server["c_k"][k][n] for k in new_c) for n in names}
             server["c"] = scaffold_server(server["c"], delta_sum, len(sizes))
