@@ -438,29 +438,15 @@ def rdp_subsampled_gaussian(q, sigma, alpha):  # ANFR: Renyi DP of one DP-SGD st
         return math.inf
     if q == 1:
         return alpha / (2 * sigma**2)
+    term = lambda c, i, j: math.log(c) + i * math.log(q) + j * math.log(1 - q) + (i * i - i) / (2 * sigma**2)
     if float(alpha).is_integer():  # A = sum_k C(a,k) (1-q)^(a-k) q^k exp((k^2 - k) / (2 sigma^2))
         a = int(alpha)
-        return float(
-            np.logaddexp.reduce(
-                [
-                    math.log(math.comb(a, k))
-                    + k * math.log(q)
-                    + (a - k) * math.log(1 - q)
-                    + (k * k - k) / (2 * sigma**2)
-                    for k in range(a + 1)
-                ]
-            )
-        ) / (alpha - 1)
+        return float(np.logaddexp.reduce([term(math.comb(a, k), k, a - k) for k in range(a + 1)])) / (alpha - 1)
     log_a, k, coef = [-math.inf, -math.inf], 0, 1.0  # the two series A_0, A_1; coef = binom(alpha, k), generalized
     z0 = sigma**2 * math.log(1 / q - 1) + 0.5
     while True:  # term k of A_0 (i = k, j = alpha - k) and of A_1 (i = alpha - k, j = k)
         s = [
-            math.log(abs(coef))
-            + i * math.log(q)
-            + j * math.log(1 - q)
-            + (i * i - i) / (2 * sigma**2)
-            + math.log(0.5)
-            + _log_erfc(e / (math.sqrt(2) * sigma))
+            term(abs(coef), i, j) + math.log(0.5) + _log_erfc(e / (math.sqrt(2) * sigma))
             for i, j, e in ((k, alpha - k, k - z0), (alpha - k, k, z0 - alpha + k))
         ]
         log_a = [float(np.logaddexp(a, t)) if coef > 0 else _log_sub(a, t) for a, t in zip(log_a, s)]
@@ -556,13 +542,11 @@ def analyze(model, data, image_size, batch_size=500):  # ANFR: --analyze, on the
     if attn:
         w = wts / count[:, None].clamp_min(1)  # [classes, channels] class-mean attention weights
         out.update(
-            {
-                "attn_weight_mean": w.mean().item(),
-                "attn_std_over_channels": w.std(1).mean().item(),
-                "attn_std_over_classes": w.std(0).mean().item(),
-                "attn_weight_min": w.min().item(),
-                "attn_weight_max": w.max().item(),
-            }
+            attn_weight_mean=w.mean().item(),
+            attn_std_over_channels=w.std(1).mean().item(),
+            attn_std_over_classes=w.std(0).mean().item(),
+            attn_weight_min=w.min().item(),
+            attn_weight_max=w.max().item(),
         )
     return out
 
@@ -599,7 +583,6 @@ def local_train(
             if args.agc > 0:  # ANFR: adaptive gradient clipping (App. A.2's grid), not on the head (Brock et al.)
                 adaptive_clip_(model.body.parameters(), args.agc)
         else:  # ANFR: DP-SGD (Section 4.3); the proximal term touches no data, so it is added after the noise
-            # dp_batch = q |D_i|
             noise, clip = args.dp_noise_multiplier, args.dp_max_grad_norm
             loss = dp_gradients(model, x, y, noise, max_norm=clip, expected_batch=dp_batch, loss_fn=loss_fn)
             if args.agg == "fedprox":
@@ -628,10 +611,8 @@ if __name__ == "__main__":
     torch.backends.cuda.matmul.allow_tf32 = args.tf32 or torch.backends.cuda.matmul.allow_tf32  # ANFR: --tf32
     if args.init_from and not args.resume:  # ANFR: before the run folder exists, so a refused file leaves none
         try:
-            print(
-                "--init-from: loaded %d of %d entries"
-                % load_pretrained(model, args.init_from, RESNET_LAYOUT[args.depth][1])
-            )
+            loaded = load_pretrained(model, args.init_from, RESNET_LAYOUT[args.depth][1])
+            print("--init-from: loaded %d of %d entries" % loaded)
         except ValueError as e:
             refuse(f"--init-from {args.init_from}: {e}")
     run.start(model, partition, data, f"resnet{args.depth} --arch {args.arch}")  # the run folder; ANFR: the name
@@ -651,11 +632,10 @@ if __name__ == "__main__":
         alphas = focal_weights(data.y_train, partition.train, data.num_classes, args.focal_weights)  # ANFR
         loss_fns = [lambda z, y, a=a: focal_loss(z, y, a, args.focal_gamma) for a in alphas]
     local = [None] * n_clients
+    flat_gains = lambda net: torch.cat([g.detach().flatten() for g in last_gains(net)])  # ANFR: --analyze
     shared = [k for k in model.state_dict() if k not in local_keys]  # averaged entries (BN running stats too)
     shared_params = [n for n, _ in model.named_parameters() if n not in local_keys]
-    zeros = lambda: {
-        n: torch.zeros_like(p, dtype=torch.float) for n, p in model.named_parameters() if n in shared_params
-    }
+    zeros = lambda: {n: torch.zeros_like(model.get_parameter(n), dtype=torch.float) for n in shared_params}
     c, c_i = (zeros(), [None] * n_clients) if args.agg == "scaffold" else (None, None)  # ANFR: SCAFFOLD controls
     m, v = (zeros(), zeros()) if args.agg == "fedadam" else (None, None)  # ANFR: FedAdam moments
     start, ckpt = run.checkpoint.get("round", 0), run.checkpoint  # --resume: the rounds go on after checkpoint.pt's
@@ -692,17 +672,16 @@ if __name__ == "__main__":
         train_loss = torch.zeros((), device=args.device)
         x_params = {n: p.detach().clone() for n, p in model.named_parameters() if n in shared_params}
         gain_stats, gain_deltas, gain_weights = [], [], []  # ANFR: --analyze, per client of the round
-        gains_before = torch.cat([g.detach().flatten() for g in last_gains(model)]) if args.analyze else None
+        gains_before = flat_gains(model) if args.analyze else None
 
         def train_client(k):  # what client k does this round; returns what the server sums and what client k keeps
             load_client(k)
+            steps = steps_per_round(sizes[k], args)  # ANFR: its local steps a round
             if args.dp_noise_multiplier is None:
                 batches = client_batches(partition.train[k], args.batch_size, args.local_epochs, args.local_steps)
             else:  # ANFR: Poisson sampling of rate q = B / |D_i|
-                batches = poisson_batches(
-                    partition.train[k], min(1.0, args.batch_size / sizes[k]), steps_per_round(sizes[k], args)
-                )
-            batches = progress(batches, f"client {k}: steps", steps_per_round(sizes[k], args))  # ANFR: long rounds
+                batches = poisson_batches(partition.train[k], min(1.0, args.batch_size / sizes[k]), steps)
+            batches = progress(batches, f"client {k}: steps", steps)  # ANFR: long rounds
             correction, named, global_named = None, dict(client.named_parameters()), dict(model.named_parameters())
             prox_pairs = [(named[n], global_named[n].detach()) for n in shared_params]  # FedProx: not the local parts
             if c is not None:  # ANFR: SCAFFOLD
@@ -710,14 +689,12 @@ if __name__ == "__main__":
                 c_minus_c_k = scaffold_correction(c, c_k)
                 correction = ([named[n] for n in shared_params], [c_minus_c_k[n] for n in shared_params])
             opt = opts[k] if opts else make_optimizer(client.parameters(), args)  # ANFR: --client-state reset: new
-            first = client_steps[k] if opts else rnd * steps_per_round(sizes[k], args)  # ANFR: reset: the round's place
+            first = client_steps[k] if opts else rnd * steps  # ANFR: reset: the round's place
             dp_batch = min(args.batch_size, sizes[k])  # ANFR: DP-SGD's expected batch q |D_i|
             out = local_train(client, opt, batches, data, args=args, first_step=first, total=total_steps[k],
                               prox_pairs=prox_pairs, correction=correction, dp_batch=dp_batch,
                               loss_fn=loss_fns[k])  # fmt: skip
-            moved = None  # ANFR: --analyze, how far the last gains moved
-            if args.analyze:
-                moved = torch.cat([g.detach().flatten() for g in last_gains(client)]) - gains_before
+            moved = flat_gains(client) - gains_before if args.analyze else None  # ANFR: how far the last gains moved
             return {"loss": out[0], "steps": out[1], "lr_sum": out[2], "gain_stats": out[3], "gain_delta": moved,
                     "state": client.state_dict(), "opt": opt.state_dict() if opts else None}  # fmt: skip
 
@@ -775,9 +752,7 @@ if __name__ == "__main__":
             lr_now = cosine_lr(args.lr, at, total_steps[first], args.warmup_steps)
             metrics = {"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr_now}
             if args.analyze:  # ANFR: how far the residual branches have opened, and why (gain_statistics)
-                metrics["last_gain_abs_mean"] = float(
-                    torch.cat([g.detach().abs().flatten() for g in last_gains(model)]).mean()
-                )
+                metrics["last_gain_abs_mean"] = float(flat_gains(model).abs().mean())
                 keep, coherence = torch.stack(gain_stats).nanmean(0).tolist()
                 metrics.update(last_gain_grad_sign_keep=keep, last_gain_grad_coherence=coherence)
                 moved = gain_steps(torch.stack(gain_deltas), torch.tensor(gain_weights, device=args.device))

@@ -9,8 +9,7 @@ unit-norm feature, z = theta_cls f / ||f||_2 (Section 4.1), on clients and at ev
     python fedfn.py --dataset cifar10 --shards 2          # Table 1: VGG11 on CIFAR-10, s = 2
     python fedfn.py --dataset cifar10 --shards 2 --no-fn --lr 0.01   # its FedAvg column
 
-Usage, logged metrics, implementation details (VGG11 without batch norm, the head's bias, SCAFFOLD's step count,
-FedEXP) and results: docs/fedfn.md.
+Usage, logged metrics, implementation details (VGG11, the head's bias, SCAFFOLD, FedEXP) and results: docs/fedfn.md.
 """
 
 import os
@@ -54,9 +53,8 @@ PAPER = dict(
 @register_model("vgg11")  # FedFN: the paper's model
 def vgg(in_channels, num_classes, image_size, width=1.0, pools=5, **_):
     """VGG11 as FedFN's code base (FedNTD's models/vgg.py) builds it: conv3x3 (bias; init N(0, 2/(9 C_out)), bias 0)
-    and ReLU, max-pool 2 at M (not at 1x1), no batch norm; fc 512, fc 512 (d = 512), head. vgg11-narrow (ours, for the
-    CPU): a quarter of the channels and 4 pools, so fc 1 still reads 512 entries and the feature and head-row norms
-    at init stay VGG11's (benchmarks/proxy_properties.py)."""
+    and ReLU, max-pool 2 at M (not at 1x1), no batch norm; fc 512, fc 512 (d = 512), head. vgg11-narrow (ours, CPU):
+    1/4 of the channels, 4 pools: fc 1 reads 512 entries, init norms stay VGG11's (benchmarks/proxy_properties.py)."""
     layers, cin, size, pooled = [], in_channels, image_size, 0
     for v in [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]:
         if v == "M":
@@ -75,6 +73,7 @@ def vgg(in_channels, num_classes, image_size, width=1.0, pools=5, **_):
 
 
 register_model("vgg11-narrow")(lambda cin, k, size, **_: vgg(cin, k, size, width=0.25, pools=4))  # FedFN: CPU proxy
+fn_scale = lambda text: text if text == "sqrt-d" else positive_float(text)  # FedFN: --fn-scale: s > 0, or sqrt-d
 
 
 # fmt: off
@@ -154,13 +153,9 @@ def parse_args():
 # fmt: on
 
 
-fn_scale = lambda text: text if text == "sqrt-d" else positive_float(text)  # FedFN: --fn-scale: s > 0, or sqrt-d
-
-
 def fn_forward(model, x, fn=True, scale=1.0):  # FedFN: Section 4.1, z = theta_cls f / ||f||_2
-    """(logits, feature f): head(s f / ||f||_2) with FN (s = 1 in the paper), head(f) without (= model(x),
-    FedAvg). Every feature vector (dim 1) is normalized on its own; the head keeps its bias (the paper's
-    z = theta_cls f/||f|| has none, the code base's heads do)."""
+    """(logits, feature f): head(s f / ||f||_2) with FN (s = 1 in the paper), head(f) = model(x) without (FedAvg).
+    Each feature vector (dim 1) is normalized on its own; the head keeps its bias (the paper's z has none)."""
     f = model.body(x)
     if not fn:
         return model.head(f), f
@@ -201,13 +196,11 @@ def local_train(model, indices, data, args, lr, global_params, correction=None):
 
 
 def fedexp_server_lr(sq_norm_mean, avg_update_sq_norm, eps):  # FedFN: FedEXP step size
-    """Jhunjhunwala et al. 2023: eta_g = max(1, sum_i p_i ||Delta_i||^2 / (2 (||Delta_bar||^2 + eps)))
-    (with p_i = 1/M this is their sum_i ||Delta_i||^2 / (2M(||Delta_bar||^2 + eps)))."""
+    """Jhunjhunwala et al. 2023 (p_i = 1/M): eta_g = max(1, sum_i p_i ||Delta_i||^2 / (2 (||Delta_bar||^2 + eps)))."""
     return max(1.0, float(sq_norm_mean) / (2 * (float(avg_update_sq_norm) + eps)))
 
 
-def sq_dist(xs, ys):  # FedFN: FedEXP
-    """||x - y||^2 summed over all parameters (lists of tensors), in float32."""
+def sq_dist(xs, ys):  # FedFN: FedEXP's ||x - y||^2 summed over all parameters (lists of tensors), in float32
     return sum((a - b).float().pow(2).sum() for a, b in zip(xs, ys))
 
 
@@ -220,19 +213,16 @@ def fedexp_step(params, x_old, sq_norm_mean, eps):  # FedFN: FedEXP server step 
     return eta_g
 
 
-def midpoint_(params, x_old):  # FedFN: FedEXP reports the average of the last two iterates, (w_t + w_{t+1}) / 2
-    """params <- (params + x_old) / 2, in place."""
+def midpoint_(params, x_old):  # FedFN: FedEXP reports the last two iterates' mean: params <- (params + x_old) / 2
     for p, x0 in zip(params, x_old):
         p.add_(x0).mul_(0.5)
 
 
 def four_factors(weight, feats, labels, num_classes, fn=True):  # FedFN: Section 3.1 / Appendix B.3
-    """weight [C, d] (theta_cls), feats [n, d] (f(x), un-normalized), labels [n]. Cosine similarities:
-    weight_sim: mean off-diagonal of N(theta_cls)^T N(theta_cls); inter_class_sim: mean off-diagonal over
-    class prototypes (mean feature of the test samples of a class); intra_class_sim: mean over classes of
-    the mean cos(f(x), prototype); proto_weight_align: mean over classes of cos(theta_cls,c, prototype_c);
-    feature_norm: mean ||f(x)||_2; head_row_norm: mean ||theta_cls,c||_2. Prototypes average the features the head
-    sees (f/||f|| with FN)."""
+    """weight [C, d] (theta_cls), feats [n, d] (f(x), un-normalized), labels [n]. Mean cosine similarities:
+    weight_sim of pairs of head rows; inter_class_sim of pairs of class prototypes (a class's mean of the features the
+    head sees: f/||f|| with FN); intra_class_sim over classes of mean cos(f(x), prototype); proto_weight_align over
+    classes of cos(theta_cls,c, prototype_c). feature_norm: mean ||f(x)||_2; head_row_norm: mean ||theta_cls,c||_2."""
     w = F.normalize(weight.float(), dim=1)
     head_in = F.normalize(feats, dim=1) if fn else feats
     classes = [c for c in range(num_classes) if bool((labels == c).any())]
@@ -250,11 +240,10 @@ def four_factors(weight, feats, labels, num_classes, fn=True):  # FedFN: Section
 
 
 def invariant_layer(model):  # FedFN: the parameters that FN makes scale-invariant
-    """The last module of model.body with parameters of its own (VGG: the second fc layer; 4convNet: the last
-    batch norm). Where only ReLU, pooling and flattening follow it (positively homogeneous), scaling its weight and
-    bias by c > 0 scales f by c, so with FN the loss does not change: the gradient is orthogonal to (weight, bias),
-    and a plain SGD step can only lengthen them, ||w - lr g||^2 = ||w||^2 + lr^2 ||g||^2 (not in ResNets, where a
-    shortcut joins after the last norm)."""
+    """The last module of model.body with parameters of its own (VGG: the second fc layer; 4convNet: the last batch
+    norm). Where only ReLU, pooling and flattening follow it (not in ResNets: a shortcut joins after it), scaling
+    (weight, bias) by c > 0 scales f by c: with FN the loss is unchanged, the gradient orthogonal to them, and a plain
+    SGD step can only lengthen them, ||w - lr g||^2 = ||w||^2 + lr^2 ||g||^2."""
     return [m for m in model.body.modules() if next(m.parameters(recurse=False), None) is not None][-1]
 
 
@@ -265,18 +254,13 @@ def param_norm(module):  # FedFN: ||(weight, bias)||_2 of one module
 @torch.no_grad()
 def analyze(model, data, args, batch_size=2000):  # FedFN: the four factors of the global model on D_test
     model.eval()
-    feats = torch.cat(
-        [
-            fn_forward(model, prepare_batch(data.x_test[i : i + batch_size], data), args.fn, args.fn_scale)[1].float()
-            for i in range(0, len(data.x_test), batch_size)
-        ]
-    )
+    feature = lambda x: fn_forward(model, prepare_batch(x, data), args.fn, args.fn_scale)[1].float()
+    feats = torch.cat([feature(data.x_test[i : i + batch_size]) for i in range(0, len(data.x_test), batch_size)])
     return four_factors(model.head.weight, feats, data.y_test, data.num_classes, fn=args.fn)
 
 
 def client_traces(traces, global_layer_norm):  # FedFN: what local training and averaging do to ||f||
-    """traces [m, 3]: per client of the round, mean ||f|| on its first and on its last local batch, and the
-    invariant layer's norm after local training; global_layer_norm: that norm in the averaged model."""
+    """traces [m, 3]: each client's mean ||f|| on its first and last batch, its invariant layer's norm after them."""
     start, end, layer = traces.float().T
     return {
         "client_feature_norm_start": float(start.mean()),  # the global model w_t on the clients' data
@@ -298,15 +282,13 @@ if __name__ == "__main__":
     sizes = [len(p) for p in partition.train]
     scaffold, fedexp = args.agg == "scaffold", args.agg == "fedexp"  # FedFN
     zeros = lambda: {n: torch.zeros_like(w) for n, w in model.named_parameters()}  # FedFN
-    c_global = zeros() if scaffold else None  # FedFN: SCAFFOLD c
-    c_local = {}  # FedFN: SCAFFOLD c_i of each client that has trained
+    c_global = run.checkpoint.get("scaffold_c", zeros()) if scaffold else None  # FedFN: SCAFFOLD c, resumed too
+    c_local = run.checkpoint.get("scaffold_c_local", {})  # FedFN: SCAFFOLD c_i of each client that has trained
     c_of = lambda k: c_local.get(k) or zeros()  # FedFN: c_i, 0 until client i trains
     param_names = [n for n, _ in model.named_parameters()]  # FedFN: y_i = these entries of client i's state
     start, ckpt = run.checkpoint.get("round", 0), run.checkpoint  # --resume: the rounds go on after checkpoint.pt's
     if args.resume:
         model.load_state_dict(ckpt["model"])
-        if scaffold:  # FedFN: control variates travel with the checkpoint
-            c_global, c_local = ckpt["scaffold_c"], ckpt["scaffold_c_local"]
 
     def state():  # what a checkpoint holds: what the server keeps
         extra = {"scaffold_c": c_global, "scaffold_c_local": c_local} if scaffold else {}  # FedFN: SCAFFOLD's c, c_i
@@ -327,7 +309,6 @@ if __name__ == "__main__":
         def train_client(k):  # what client k does this round; returns what the server sums
             client.load_state_dict(model.state_dict())
             correction = scaffold_correction(c_global, c_of(k)) if scaffold else None  # FedFN: c - c_i
-            # FedFN: x_old = detached w_t
             loss, steps, norms = local_train(client, partition.train[k], data, args, lr=lr, global_params=x_old,
                                              correction=correction)  # fmt: skip
             out = {"loss": loss, "state": client.state_dict(), "steps": steps}  # FedFN: + steps
@@ -351,7 +332,6 @@ if __name__ == "__main__":
         load_average(model, total)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (McMahan et al. 2017, Alg. 1)
         if scaffold:  # FedFN: x <- x + (1/|S|) sum Delta y_i (server step 1, weighted as above); c update
             c_global = scaffold_server(c_global, delta_c_sum, len(sizes))
-        eval_model = model  # FedFN
         if fedexp:  # FedFN: w_{t+1} = w_t - eta_g Delta_bar, Delta_bar = w_t - sum_i p_i y_i
             with torch.no_grad():
                 eta_g = fedexp_step(list(model.parameters()), x_old, sq_norm_mean, args.fedexp_eps)
@@ -371,7 +351,7 @@ if __name__ == "__main__":
             metrics = {"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr}
             if fedexp:  # FedFN
                 metrics["server_lr"] = eta_g
-            if args.analyze == "every" or (args.analyze and rnd + 1 == args.rounds):  # FedFN
+            if args.analyze == "every" or (args.analyze and last):  # FedFN
                 metrics.update(analyze(eval_model, data, args))
                 metrics.update(client_traces(torch.stack(traces), param_norm(invariant_layer(eval_model))))
             run.log(metrics)
