@@ -126,6 +126,6 @@ if __name__ == "__main__":
                 )
                 per_round = (a - b) / (args.rounds - 1)
                 if per_round <= 0:
-                    sys.exit(f"{model} {precision}: R rounds took {a:.3f} s and 1 round {b:.3f} s (timing noise "
-                             "larger than R - 1 rounds): raise --rounds or --local-epochs")  # fmt: skip
+                    sys.exit(f"{model} {precision}: R rounds and an evaluation took {a:.3f} s, 1 round and one "
+                             f"{b:.3f} s (noise above R - 1 rounds): raise --rounds or --local-epochs")  # fmt: skip
                 print(f"| {model} | {precision} | {per_round:.3f} | {b - per_round:.3f} |", flush=True)
