@@ -74,11 +74,8 @@ def trace_round(args, data, partition, ckpt, limit=None, probe_size=50):
     Returns (result, the averaged model, or None when only some clients trained)."""
     model = build_model(args.model, data)
     model.load_state_dict(ckpt["model"])
-    sampler = np.random.default_rng(args.seed)  # the RNG states after the checkpoint's round, as common.Run.resume
-    sampler.bit_generator.state = ckpt["rng"]["numpy_sampler"]
-    torch.set_rng_state(ckpt["rng"]["torch"].cpu())
-    if "cuda" in ckpt["rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in ckpt["rng"]["cuda"]])
+    sampler = np.random.default_rng(args.seed)  # the client sampler after the checkpoint's round, as Run.start
+    sampler.bit_generator.state = ckpt["sampler"]  # (torch's generator is seeded for each client below)
     rnd = ckpt["round"]  # rounds done: the round traced is the next one
     clients = sample_clients(sampler, args.num_clients, args.frac)
     weights = client_weights([len(partition.train[k]) for k in clients], args.weighting)
