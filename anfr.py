@@ -209,7 +209,7 @@ def parse_args():
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=seed_int, default=0, help="seed of the init, client sampling and local shuffling")
     g.add_argument("--device", type=device_flag, help="cpu, cuda, cuda:N or mps (default: cuda if there is one)")
-    g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes (not with DP)")
+    g.add_argument("--amp", action="store_true", help="bfloat16 autocast of forward passes (no DP; CPU: often slower)")
     g.add_argument("--channels-last", action="store_true", help="ANFR: channels-last weights and batches (GPUs)")
     g.add_argument("--tf32", action="store_true", help="ANFR: TF32 matmuls on CUDA (cuDNN's convolutions: by default)")
     g.add_argument("--threads", type=positive_int, help="CPU threads (default: OMP_NUM_THREADS, else the cores)")
@@ -615,7 +615,7 @@ if __name__ == "__main__":
             print("--init-from: loaded %d of %d entries" % loaded)
         except ValueError as e:
             refuse(f"--init-from {args.init_from}: {e}")
-    run.start(model, partition, data, f"resnet{args.depth} --arch {args.arch}")  # the run folder; ANFR: the name
+    start = run.start(model, partition, data, f"resnet{args.depth} --arch {args.arch}")  # the first round; ANFR: name
     sizes = [len(p) for p in partition.train]
     n_clients = len(sizes)
     # ANFR: per-client state kept between rounds: optimizer state (--client-state keep), scheduler position,
@@ -638,7 +638,7 @@ if __name__ == "__main__":
     zeros = lambda: {n: torch.zeros_like(model.get_parameter(n), dtype=torch.float) for n in shared_params}
     c, c_i = (zeros(), [None] * n_clients) if args.agg == "scaffold" else (None, None)  # ANFR: SCAFFOLD controls
     m, v = (zeros(), zeros()) if args.agg == "fedadam" else (None, None)  # ANFR: FedAdam moments
-    start, ckpt = run.checkpoint.get("round", 0), run.checkpoint  # --resume: the rounds go on after checkpoint.pt's
+    ckpt = run.checkpoint  # --resume: checkpoint.pt's (read by Run), else {}
     if args.resume:
         model.load_state_dict(ckpt["model"])
         for opt, state in zip(opts, ckpt["opts"] or []):  # ANFR: the clients' optimizer states

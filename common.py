@@ -65,18 +65,14 @@ def dataset(*names):  # registers a reader under its --dataset names
 
 
 def load_data(args):
-    """args.dataset as a Data on args.device. Under torchrun one process per machine reads first (downloads,
-    decodes, caches), then the others read its files."""
-    if (getattr(args, "natural", 0) or getattr(args, "clients_per_domain", 0)) and args.dataset != "folder":
-        refuse(f"--{'natural' if args.natural else 'clients-per-domain'}: groups are the folders of --dataset folder")
+    """args.dataset as a Data on args.device; under torchrun a machine's first process reads (and caches) first."""
     first = rank_and_world()[1] == 1 or int(os.environ["LOCAL_RANK"]) == 0  # the first process of this machine
     d = together(lambda: DATASETS[args.dataset](args), first)  # on the CPU; first reads, then the others (its cache)
     d = d if first else DATASETS[args.dataset](args)
     x_tr, y_tr, x_te, y_te = d["x_train"], d["y_train"], d["x_test"], d["y_test"]
     num_classes = max(int(max(y_tr.max(), y_te.max())) + 1, len(d.get("classes") or ()))  # classes.txt: all listed
-    xf = x_tr.float() / 255
+    xf = x_tr.float() / 255  # the std is floored at one grey level: a constant channel's 0 would divide by zero
     mean, std = xf.mean(dim=(0, 2, 3), keepdim=True), xf.std(dim=(0, 2, 3), keepdim=True).clamp_min(1 / 255)
-    # (a constant channel's std 0 would divide by zero: floored at one grey level)
     fingerprint = {"training images": len(y_tr), "test images": len(y_te), "image shape": list(x_tr.shape[1:]),
                    "classes": num_classes, "labels": digest(y_tr, y_te), "pixels": digest(x_tr, x_te)}  # fmt: skip
     on = lambda *ts: [t.to(args.device) for t in ts]
@@ -304,11 +300,9 @@ def _decode_cached(root, files, layout):
         print(f"skipped {len(skipped)} unreadable image(s), e.g. {skipped[0]}", file=sys.stderr)
     tensors = [*out[0][:2], *out[1][:2], out[0][2], out[1][2]]
     for path in caches:  # the first writable place
-        try:
+        with contextlib.suppress(OSError):
             os.makedirs(os.path.dirname(path), exist_ok=True)
             return _atomic_save({"stamp": stamp, "tensors": tensors}, path) or tensors
-        except OSError:
-            continue
     return tensors
 
 
@@ -457,11 +451,8 @@ def evaluate(forward, x, y, data, batch_size=2000, amp=False, balanced=False):
 def spread(values):
     """Mean, std (ddof 0) and mean of the worst 10% (the ceil(n/10) lowest) of per-client scores."""
     v = np.asarray(values, dtype=float)  # in client order: the mean equals np.mean of the list, to the bit
-    return {
-        "mean": float(v.mean()),
-        "std": float(v.std()),
-        "worst10": float(np.sort(v)[: math.ceil(len(v) / 10)].mean()),
-    }
+    worst = np.sort(v)[: math.ceil(len(v) / 10)]
+    return {"mean": float(v.mean()), "std": float(v.std()), "worst10": float(worst.mean())}
 
 
 def eval_metrics(forward, data, tests=None, balanced=False, amp=False, batch_size=2000, client_forward=None,
@@ -470,13 +461,11 @@ def eval_metrics(forward, data, tests=None, balanced=False, amp=False, batch_siz
     `tests` client_test_acc_{mean,std,worst10} (spread; `lists`: each client's, None without test data), each on
     client_forward(k) if given; `balanced`: the same of the balanced accuracy (test_bacc, client_test_bacc_*)."""
     scores = evaluate(forward, data.x_test, data.y_test, data, batch_size, amp, balanced)
-    row = {"test_acc": scores[0], "test_loss": scores[1]}
+    row = {"test_acc": scores[0], "test_loss": scores[1]} | ({"test_bacc": scores[2]} if balanced else {})
     if val is not None:
         held = torch.cat(val)
         row["val_acc"], row["val_loss"] = evaluate(forward, data.x_train[held], data.y_train[held], data, batch_size,
                                                    amp)  # fmt: skip
-    if balanced:
-        row["test_bacc"] = scores[2]
     fwd = client_forward or (lambda _: forward)
     per_client = {k: evaluate(fwd(k), data.x_test[t], data.y_test[t], data, batch_size, amp, balanced)
                   for k, t in enumerate(tests or []) if len(t)}  # fmt: skip
@@ -501,16 +490,15 @@ PARTITIONS = {}  # partition flag (argparse dest) -> (scheme format, split(label
 
 
 def partition(flag, scheme):
-    """Registers split(labels, n, c, value, weights, rng) -> n index arrays as the partition of --flag: labels of the
-    samples to split, n clients, c classes, the flag's value, client size shares and the partition's generator. A
-    split that cannot be made raises ValueError: make_partition refuses it naming the flag."""
+    """Registers split -> n index arrays as the partition of --flag (labels of the samples to split, n clients, c
+    classes, the flag's value, client shares, the generator); a ValueError is refused naming the flag."""
     return lambda split: PARTITIONS.update({flag: (scheme, split)}) or split
 
 
 def make_partition(args, data):
-    """The training set over the clients by the partition flag (over the whole set, within each domain, or the
-    --natural folders), --client-test's test sets and --val-frac's held-out round(F n_k) (at most n_k - 1). Its own
-    generator, seeded by --data-seed, so client sampling never changes it. What the data cannot give exits 2."""
+    """The clients' training sets by the partition flag (over the whole set, within each domain, or the --natural
+    folders), --client-test's test sets, --val-frac's held-out round(F n_k) (at most n_k - 1); its own generator
+    (--data-seed), so client sampling never changes it. What the data cannot give exits 2."""
     labels, test_labels = data.y_train.cpu().numpy(), data.y_test.cpu().numpy()
     rng, c = np.random.default_rng(args.data_seed), data.num_classes
     m, natural = getattr(args, "clients_per_domain", None), getattr(args, "natural", False)
@@ -530,18 +518,17 @@ def make_partition(args, data):
         return [idx[p] for p in parts], scheme.format(getattr(args, flag)) + " powerlaw" * powerlaw
 
     names, test = None, None
-    if natural:  # the clients are the folders train/<client>/, with test/<client>/ their own test sets
-        parts, scheme, names = [np.flatnonzero(groups == g) for g in range(len(data.groups))], "natural", data.groups
-        test = None if test_groups is None else [np.flatnonzero(test_groups == g) for g in range(len(data.groups))]
-    elif m:  # the partition flag within each domain, M clients each
-        parts, names, test = [], [], [] if client_test and test_groups is not None else None
+    if natural or m:  # the folders train/<group>/: each a client (--natural), or a domain of M clients
+        parts, names, test = [], [], [] if test_groups is not None and (natural or client_test) else None
         for g, name in enumerate(data.groups):
-            sub, scheme = split(np.flatnonzero(groups == g), m, f" (domain {name})")
-            parts, names = parts + sub, names + [name] * m
-            if test is not None:  # the domain's test images, dealt to its clients by their label distributions
+            idx = np.flatnonzero(groups == g)
+            sub, scheme = ([idx], "natural") if natural else split(idx, m, f" (domain {name})")
+            parts, names = parts + sub, names + [name] * len(sub)
+            if test is not None:  # test/<group>/: a client's own; a domain's, dealt by its clients' label counts
                 t_idx = np.flatnonzero(test_groups == g)
-                test += [t_idx[t] for t in client_test_split(test_labels[t_idx], labels, sub, c, rng)]
-        scheme = f"{len(data.groups)} domains x {m} clients, {scheme}"
+                dealt = client_test_split(test_labels[t_idx], labels, sub, c, rng) if m else [slice(None)]
+                test += [t_idx[t] for t in dealt]
+        scheme = scheme if natural else f"{len(data.groups)} domains x {m} clients, {scheme}"
     else:
         parts, scheme = split(np.arange(len(labels)), args.num_clients)
     empty = [k for k, p in enumerate(parts) if len(p) == 0]
@@ -651,9 +638,8 @@ def split_dirichlet(labels, n, c, alpha, weights, rng, min_size=10, max_tries=10
 
 
 def client_test_split(test_labels, train_labels, parts, c, rng):
-    """The test samples of class y go to the clients holding y, in proportion to their training counts, so each
-    client's test labels follow its training labels. Each client's test set is evaluated on its own (FedBABU's
-    Algorithm 2 and code), so a batch norm without running statistics sees that client's classes only, as there."""
+    """Class y's test samples go to the clients holding y, in proportion to their training counts. Each client's set
+    is evaluated on its own (FedBABU's Alg. 2): a batch norm without running statistics sees its classes only."""
     counts = np.stack([np.bincount(train_labels[p], minlength=c) for p in parts])  # [n, c]
     test = [[] for _ in parts]
     for cls in range(c):
@@ -1123,12 +1109,11 @@ class Parser(argparse.ArgumentParser):
         args = super().parse_args(argv, argparse.Namespace(**{a.dest: unset for a in actions}))  # defaults: not set
         self.given = {a.dest for a in actions if getattr(args, a.dest) is not unset}
         for group in self._mutually_exclusive_groups:  # the flag given replaces the group's default (the paper's)
-            named = [a for a in group._group_actions if a.dest in self.given]
+            named = [a.option_strings[0] for a in group._group_actions if a.dest in self.given]
             if len(named) > 1:  # (argparse lets `--shards 2 --alpha 0.1` pass: 2 is the default)
-                first, second = (a.option_strings[0] for a in named[:2])
-                self.error(f"argument {second}: not allowed with argument {first}")
+                self.error(f"argument {named[1]}: not allowed with argument {named[0]}")
             for a in group._group_actions if named else ():
-                setattr(args, a.dest, getattr(args, a.dest) if a in named else False if a.nargs == 0 else None)
+                setattr(args, a.dest, vars(args)[a.dest] if a.dest in self.given else False if a.nargs == 0 else None)
         for a in actions:
             setattr(args, a.dest, a.default if getattr(args, a.dest) is unset else getattr(args, a.dest))
         return args
@@ -1148,53 +1133,48 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
 
 def finish_args(parser, args, script):
-    """After argparse: --resume's config.json, --data-seed, the device and the CPU threads; what cannot run exits 2."""
-    if args.resume:
-        args = resume_args(parser, args, script)
-    elif args.clients_per_domain and (args.natural or not parser.given & set(PARTITIONS)):
-        parser.error("--clients-per-domain: give the partition within each domain (--iid, --shards, --alpha, ...)")
-    elif (args.natural or args.clients_per_domain) and "num_clients" not in parser.given:
+    """After argparse: --resume DIR's config.json (with the RESUMABLE flags given), --data-seed, the device and the
+    CPU threads. What cannot run exits 2; a finished run, 0."""
+    err, folder, given = parser.error, args.resume, parser.given
+    if folder:
+        try:
+            with open(f"{folder}/config.json") as f:
+                saved = json.load(f)
+        except (OSError, ValueError):
+            err(f"--resume: {folder} has no readable config.json, so it holds no run to resume")
+        if saved.get("script") != script:  # the script that wrote config.json
+            err(f"--resume: {folder} holds a run of {saved.get('script', '?')}.py, not of {script}.py")
+        if extra := given - {"resume", *RESUMABLE}:
+            err(f"--{min(extra).replace('_', '-')}: a resumed run keeps its config.json; give only --rounds (to "
+                "extend it), --stop-after, --device or --data-dir")  # fmt: skip
+        if (rounds := args.rounds if "rounds" in given else saved["rounds"]) < saved["rounds"]:
+            err(f"--rounds: the run in {folder} has {saved['rounds']} rounds; --resume can extend, not shorten it")
+        summary = json.load(open(f"{folder}/summary.json")) if os.path.isfile(f"{folder}/summary.json") else {}
+        if summary.get("diverged"):
+            err(f"--resume: the run in {folder} diverged in round {summary['round']}; start a new one (smaller --lr?)")
+        if summary.get("final_round") == rounds:
+            print(f"{folder}: this run has finished its {rounds} rounds; nothing to do (a larger --rounds extends it)")
+            raise SystemExit(0)
+        if not os.path.isfile(f"{folder}/checkpoint.pt"):
+            err(f"--resume: {folder} has config.json, no checkpoint.pt; start it again with --out {folder} --overwrite")
+        saved.update({k: getattr(args, k) for k in RESUMABLE if k in given})
+        args = argparse.Namespace(**{**vars(args), **saved, "resume": folder, "out": folder})
+    elif (args.natural or args.clients_per_domain) and args.dataset != "folder":
+        err(f"--{'natural' if args.natural else 'clients-per-domain'}: groups are folders of --dataset folder")
+    elif args.clients_per_domain and (args.natural or not given & set(PARTITIONS)):
+        err("--clients-per-domain: give the partition within each domain (--iid, --shards, --alpha, ...)")
+    elif (args.natural or args.clients_per_domain) and "num_clients" not in given:
         args.num_clients = None  # the data's: make_partition counts the folders
     args.data_seed, args.script = args.seed if args.data_seed is None else args.data_seed, script
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     gpus, mps = torch.cuda.device_count(), args.device == "mps" and torch.backends.mps.is_available()
     if args.device.startswith("cuda") and int(args.device[5:] or 0) >= gpus or args.device == "mps" and not mps:
-        parser.error(f"--device: {args.device} is not on this machine ({gpus} CUDA GPUs{', no MPS' * (not mps)})")
-    if args.amp and args.device == "cpu":
-        print("note: --amp on the CPU: bfloat16 autocast runs, but usually slower than float32 there", file=sys.stderr)
+        err(f"--device: {args.device} is not on this machine ({gpus} CUDA GPUs{', no MPS' * (not mps)})")
     # the threads: OMP_NUM_THREADS, else the cores (shared among torchrun's processes): one command, one set of numbers
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     share = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     args.threads = args.threads or int(os.environ.get("OMP_NUM_THREADS") or share)  # kept in config.json
     return args
-
-
-def resume_args(parser, args, script):
-    """--resume DIR: its config.json, with only the RESUMABLE flags from the command line; a finished run stays."""
-    err, folder, given = parser.error, args.resume, parser.given
-    try:
-        with open(f"{folder}/config.json") as f:
-            saved = json.load(f)
-    except (OSError, ValueError):
-        err(f"--resume: {folder} has no readable config.json, so it holds no run to resume")
-    if saved.get("script") != script:  # the script that wrote config.json
-        err(f"--resume: {folder} holds a run of {saved.get('script', '?')}.py, not of {script}.py")
-    if extra := given - {"resume", *RESUMABLE}:
-        err(f"--{min(extra).replace('_', '-')}: a resumed run keeps its config.json; give only --rounds (to extend "
-            "it), --stop-after, --device or --data-dir")  # fmt: skip
-    rounds = args.rounds if "rounds" in given else saved["rounds"]
-    if rounds < saved["rounds"]:
-        err(f"--rounds: the run in {folder} has {saved['rounds']} rounds; --resume can extend it, not shorten it")
-    summary = json.load(open(f"{folder}/summary.json")) if os.path.isfile(f"{folder}/summary.json") else {}
-    if summary.get("diverged"):
-        err(f"--resume: the run in {folder} diverged in round {summary['round']}; start a new one (a smaller --lr?)")
-    if summary.get("final_round") == rounds:
-        print(f"{folder}: this run has finished its {rounds} rounds; nothing to do (a larger --rounds extends it)")
-        raise SystemExit(0)
-    if not os.path.isfile(f"{folder}/checkpoint.pt"):
-        err(f"--resume: {folder} has config.json but no checkpoint.pt; start it again with --out {folder} --overwrite")
-    saved.update({k: getattr(args, k) for k in RESUMABLE if k in given})
-    return argparse.Namespace(**{**vars(args), **saved, "rounds": rounds, "resume": folder, "out": folder})
 
 
 def refuse(message):  # bad input: one line (under torchrun: from the first process of a machine) and exit 2
@@ -1225,22 +1205,26 @@ class Run:
         self.sampler = np.random.default_rng(args.seed)  # client sampling, its own generator
         cpu = f"cpu ({platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
         self.device = torch.cuda.get_device_name(args.device) if "cuda" in args.device else cpu
-        self.clock, self.rows, self.stop_signal, self._bar = time.time(), None, 0, None  # rows: set by start
+        self.clock, self.elapsed_before, self.rows, self.stop_signal, self._bar = time.time(), 0.0, None, 0, None
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
 
     elapsed = property(lambda self: self.elapsed_before + time.time() - self.clock)
 
     def start(self, model, partition, data, name=None):
-        """config.json, partition.json, the start-up line; --resume: the same data, the sampler, clock and rows."""
-        args, ckpt, sizes = self.args, self.checkpoint, [len(p) for p in partition.train]
+        """config.json, partition.json, the start-up line; --resume: the same data, the sampler, clock and rows.
+        Returns the first round: 0, or the checkpoint's."""
+        args, ckpt, sizes, self.rows = self.args, self.checkpoint, [len(p) for p in partition.train], []
         self.fingerprint, began = data.fingerprint, ckpt.get("data", data.fingerprint) or {}
         if differ := [k for k in began if began[k] != data.fingerprint.get(k)]:
             refuse(f"--data-dir: {args.data_dir} holds other data than the run in {self.dir} began on (in its "
                    f"{', '.join(differ)}); resume it on the same data")  # fmt: skip
-        if ckpt:  # (torch's generator needs no state: each_client seeds it for every client and after the round)
-            self.sampler.bit_generator.state = ckpt["sampler"]
-        self.elapsed_before, self.rows = ckpt.get("elapsed_s", 0.0), ckpt.get("rows", [])  # metrics.jsonl's rows so far
+        for line in open(f"{self.dir}/metrics.jsonl") if ckpt and os.path.isfile(f"{self.dir}/metrics.jsonl") else ():
+            with contextlib.suppress(ValueError):  # a line a crash cut short
+                self.rows += [row for row in [json.loads(line)] if row["round"] <= ckpt["round"]]
+        if ckpt:  # the client sampler (an older checkpoint's: in rng); torch's generator needs none (each_client)
+            self.sampler.bit_generator.state = ckpt.get("sampler") or ckpt["rng"]["numpy_sampler"]
+            self.elapsed_before = ckpt["elapsed_s"]
         counts = lambda y, parts: parts and [torch.bincount(y[p], minlength=data.num_classes).tolist() for p in parts]
         info = {"scheme": partition.scheme, "train": counts(data.y_train, partition.train),
                 "test": counts(data.y_test, partition.test), "classes": data.classes,
@@ -1251,10 +1235,11 @@ class Run:
         self.save(jsonl(self.rows), "metrics.jsonl")
         self.save(self.config, "config.json")
         self.save({k: v for k, v in info.items() if v is not None}, "partition.json")
-        print(f"{self.script}: {self.device} | model {name or args.model}, "
-              f"{sum(p.numel() for p in model.parameters()):,} parameters | {partition.scheme}: {len(sizes)} clients, "
-              f"{min(sizes)}-{max(sizes)} training samples each | run folder {self.dir}"
-              f"{' (resumed)' if args.resume else ''}", flush=True)  # fmt: skip
+        params = sum(p.numel() for p in model.parameters())
+        print(f"{self.script}: {self.device} | model {name or args.model}, {params:,} parameters | {partition.scheme}: "
+              f"{len(sizes)} clients, {min(sizes)}-{max(sizes)} training samples each | run folder {self.dir}"
+              f"{' (resumed)' * bool(args.resume)}", flush=True)  # fmt: skip
+        return ckpt.get("round", 0)
 
     def bar(self, rounds):  # the loop's rounds under a bar (rank 0's), with the latest test accuracy that log sets
         self._bar = tqdm(rounds, self.script, self.args.rounds, initial=rounds.start, disable=not self.main)
@@ -1262,7 +1247,7 @@ class Run:
 
     def snapshot(self, rnd):  # what --resume needs besides the server's state (and checks)
         return {"round": rnd + 1, "elapsed_s": self.elapsed, "sampler": self.sampler.bit_generator.state,
-                "settings": self.settings, "data": self.fingerprint, "rows": self.rows}  # fmt: skip
+                "settings": self.settings, "data": self.fingerprint}  # fmt: skip
 
     def interrupted(self):  # whether Ctrl-C or SIGTERM came (under torchrun: to any rank, so all stop together)
         self.stop_signal = agree(self.stop_signal)
@@ -1287,9 +1272,8 @@ class Run:
     def finish(self, model=None, **extra):  # summary.json: the final round's evaluation and `extra`; model.pt
         final = next(({k: v for k, v in r.items() if k != "round"} for r in self.rows[::-1] if "test_acc" in r), {})
         if scored := [row for row in self.rows if row.get("val_acc") is not None]:  # --val-frac: the papers' protocol
-            best = max(scored, key=lambda row: row["val_acc"])  # the first best
-            final.update(best_val_acc=best["val_acc"], best_val_round=best["round"])
-            final["test_acc_at_best_val"] = best["test_acc"]
+            top = max(scored, key=lambda row: row["val_acc"])  # the first best
+            final.update(best_val_acc=top["val_acc"], best_val_round=top["round"], test_acc_at_best_val=top["test_acc"])
         summary = self.write_summary({"final_round": self.args.rounds, **final, **extra})
         if model is not None and self.args.save_model:
             self.save(model.state_dict(), "model.pt")
@@ -1351,14 +1335,10 @@ def safe_load(path, flag, device="cpu"):  # torch.load that runs no code: tensor
 _json_safe = lambda obj: _map_leaves(obj, lambda v: None if isinstance(v, float) and not math.isfinite(v) else v)
 rank_and_world = lambda: (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 progress = lambda items, desc, total=None: tqdm(items, desc, total, False, disable=rank_and_world()[0] > 0, delay=5)
+_HELD = {}  # the run folders this process holds: path -> the locked descriptor
 jsonl = lambda rows: "".join(json.dumps(_json_safe(row), allow_nan=False) + "\n" for row in rows)  # metrics.jsonl
 _wire = lambda: torch.device(f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu")
 _Sent = type("_Sent", (tuple,), {})  # a tensor on its way to the other ranks: (its CPU copy, its device type)
-
-
-def _remove_if_empty(folder):  # at exit: a folder take_folder made, if no run wrote into it
-    with contextlib.suppress(OSError):
-        os.rmdir(folder)
 
 
 def take_folder(args):
@@ -1372,14 +1352,16 @@ def take_folder(args):
                 os.mkdir(out)  # atomic: of two runs, one makes it
                 made = True
                 break
-        fcntl.flock(os.open(out, os.O_RDONLY), fcntl.LOCK_EX | fcntl.LOCK_NB)  # held (left open) until the run ends
+        if (key := os.path.realpath(out)) not in _HELD:  # (a process may run runs in turn: tests/run_batch.py)
+            fcntl.flock(fd := os.open(out, os.O_RDONLY), fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until the process ends
+            _HELD[key] = fd
         os.rmdir(tempfile.mkdtemp(prefix=".cleanfl-probe", dir=out))  # a folder this process can write in
     except BlockingIOError:  # (a folder made here but locked first by another run is that run's: kept)
         refuse(f"{flag}: another run is using {out} now; wait for it to end, or choose another --out")
     except OSError as e:  # a file in the way, a read-only or full disk
         refuse(f"{flag}: cannot {'write in' if made or os.path.isdir(out) else 'make'} {out}: {e.strerror}")
-    if made:  # held: a run refused (or failed) before it wrote anything leaves no folder
-        atexit.register(_remove_if_empty, out)
+    if made:  # held: a run refused (or failed) before it wrote anything leaves no folder (empty at exit: removed)
+        atexit.register(lambda: os.path.isdir(out) and not os.listdir(out) and os.rmdir(out))
     if flag == "--out" and not args.overwrite and any(os.path.exists(f"{out}/{f}") for f in RUN_FILES):
         refuse(f"--out: {out} holds a run; continue it with --resume {out}, or another --out or --overwrite")
     return out
@@ -1391,12 +1373,10 @@ def setup_distributed(args):
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 or dist.is_initialized():
         return
     if cuda := args.device.startswith("cuda"):  # more ranks than GPUs (4 on one GPU): they share them, round-robin
-        gpu, visible = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
-        shared = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > visible  # and talk over gloo: NCCL needs a GPU each
-        args.device = f"cuda:{gpu % visible}"
+        args.device = f"cuda:{int(os.environ['LOCAL_RANK']) % torch.cuda.device_count()}"
+        shared = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > torch.cuda.device_count()  # gloo: NCCL needs a GPU each
         torch.cuda.set_device(args.device)
     # a long timeout: ranks wait for rank 0's first download or decoding, and for a wave's slowest client
-    # (imported after this, torch.distributed.nn.functional would keep the group past destroy_process_group: SIGABRT)
     dist.init_process_group("nccl" if cuda and not shared else "gloo", timeout=datetime.timedelta(hours=6))
     atexit.register(dist.destroy_process_group)
     if dist.get_rank() != 0:
@@ -1411,13 +1391,12 @@ def agree(value):  # the largest of the ranks' integers (a stop signal, an exit 
 
 def together(fn, here, share=False):
     """fn() where `here`, the others waiting (share: rank 0's result to all); a refusal on one ends all, quietly."""
-    result, refusal = None, None
     try:
-        result = fn() if here else None
-    except SystemExit as e:
-        refusal = e
-    if code := agree(0 if refusal is None else refusal.code if isinstance(refusal.code, int) else 1):
-        raise refusal or SystemExit(code)
+        result, code = fn() if here else None, 0
+    except SystemExit as e:  # a refusal: raised once every rank knows; the others exit with its code, quietly
+        result, code = e, e.code if isinstance(e.code, int) else 1
+    if agreed := agree(code):
+        raise result if code else SystemExit(agreed)
     return _broadcast(result, src=0) if share and rank_and_world()[1] > 1 else result
 
 

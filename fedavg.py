@@ -44,7 +44,6 @@ PAPER = dict(
 )
 
 
-# fmt: off
 def parse_args():
     p = Parser(__doc__)
     g = p.add_argument_group("federation")
@@ -86,7 +85,7 @@ def parse_args():
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=seed_int, default=0, help="seed of the init, client sampling and local shuffling")
     g.add_argument("--device", type=device_flag, help="cpu, cuda, cuda:N or mps (default: cuda if there is one)")
-    g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
+    g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes (CPU: often slower)")
     g.add_argument("--threads", type=positive_int, help="CPU threads (default: OMP_NUM_THREADS, else the cores)")
     g.add_argument("--eval-every", type=positive_int, default=1, help="evaluate every this many rounds and the last")
     g.add_argument("--checkpoint-every", type=positive_int, help="checkpoint period (default: at each evaluation)")
@@ -96,15 +95,13 @@ def parse_args():
     g.add_argument("--resume", type=path_arg, metavar="DIR", help="continue the run in DIR (a larger --rounds: extend)")
     g.add_argument("--stop-after", type=positive_int, help="checkpoint and stop after this many rounds")
     return finish_args(p, p.parse_args(), "fedavg")
-# fmt: on
 
 
 def local_train(model, indices, data, args, lr, global_params):
     """E epochs (or --local-steps) of SGD on one client; returns the mean training loss (a tensor)."""
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
     model.train()
-    loss_sum = torch.zeros((), device=args.device)
-    seen = 0
+    loss_sum, seen = torch.zeros((), device=args.device), 0
     for batch in client_batches(indices, args.batch_size, args.local_epochs, args.local_steps):
         x, y = prepare_batch(data.x_train[batch], data, args.augment), data.y_train[batch]
         with autocast(args.device, args.amp):
@@ -126,9 +123,8 @@ if __name__ == "__main__":
     partition = make_partition(args, data)  # its own generator, seeded by --data-seed
     model = build_model(args.model, data).to(args.device)  # the global model w_t
     client = build_model(args.model, data).to(args.device)  # one client model, reloaded for every client
-    run.start(model, partition, data)  # the run folder: config.json, partition.json; the start-up line
+    start = run.start(model, partition, data)  # config.json, partition.json, the start-up line; the first round
     sizes = [len(p) for p in partition.train]
-    start = run.checkpoint.get("round", 0)  # --resume: the rounds go on after checkpoint.pt's (read by Run)
     if args.resume:
         model.load_state_dict(run.checkpoint["model"])
 

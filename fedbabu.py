@@ -107,7 +107,7 @@ def parse_args():
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=seed_int, default=0, help="seed of the init, client sampling and local shuffling")
     g.add_argument("--device", type=device_flag, help="cpu, cuda, cuda:N or mps (default: cuda if there is one)")
-    g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
+    g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes (CPU: often slower)")
     g.add_argument("--threads", type=positive_int, help="CPU threads (default: OMP_NUM_THREADS, else the cores)")
     g.add_argument("--eval-every", type=positive_int, default=1, help="evaluate every this many rounds and the last")
     g.add_argument("--checkpoint-every", type=positive_int, help="checkpoint period (default: at each evaluation)")
@@ -192,10 +192,9 @@ if __name__ == "__main__":
     # the global model w_t; FedBABU: its head stays theta_G,cls^0 (Alg. 1 line 1)
     model = build_model(args.model, data).to(args.device)
     client = build_model(args.model, data).to(args.device)  # one client model, reloaded for every client
-    run.start(model, partition, data)  # the run folder: config.json, partition.json; the start-up line
+    start = run.start(model, partition, data)  # config.json, partition.json, the start-up line; the first round
     client.head.requires_grad_(args.train_head)  # FedBABU: no gradient for the frozen head
     sizes = [len(p) for p in partition.train]
-    start = run.checkpoint.get("round", 0)  # --resume: the rounds go on after checkpoint.pt's (read by Run)
     if args.resume:
         model.load_state_dict(run.checkpoint["model"])
 

@@ -137,7 +137,7 @@ def parse_args():
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=seed_int, default=0, help="seed of the init, client sampling and local shuffling")
     g.add_argument("--device", type=device_flag, help="cpu, cuda, cuda:N or mps (default: cuda if there is one)")
-    g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
+    g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes (CPU: often slower)")
     g.add_argument("--threads", type=positive_int, help="CPU threads (default: OMP_NUM_THREADS, else the cores)")
     g.add_argument("--eval-every", type=positive_int, default=1, help="evaluate every this many rounds and the last")
     g.add_argument("--checkpoint-every", type=positive_int, help="checkpoint period (default: at each evaluation)")
@@ -278,7 +278,7 @@ if __name__ == "__main__":
     partition = make_partition(args, data)  # its own generator, seeded by --data-seed
     model = build_model(args.model, data).to(args.device)  # the global model w_t
     client = build_model(args.model, data).to(args.device)  # one client model, reloaded for every client
-    run.start(model, partition, data)  # the run folder: config.json, partition.json; the start-up line
+    start = run.start(model, partition, data)  # config.json, partition.json, the start-up line; the first round
     sizes = [len(p) for p in partition.train]
     scaffold, fedexp = args.agg == "scaffold", args.agg == "fedexp"  # FedFN
     zeros = lambda: {n: torch.zeros_like(w) for n, w in model.named_parameters()}  # FedFN
@@ -286,7 +286,7 @@ if __name__ == "__main__":
     c_local = run.checkpoint.get("scaffold_c_local", {})  # FedFN: SCAFFOLD c_i of each client that has trained
     c_of = lambda k: c_local.get(k) or zeros()  # FedFN: c_i, 0 until client i trains
     param_names = [n for n, _ in model.named_parameters()]  # FedFN: y_i = these entries of client i's state
-    start, ckpt = run.checkpoint.get("round", 0), run.checkpoint  # --resume: the rounds go on after checkpoint.pt's
+    ckpt = run.checkpoint  # --resume: checkpoint.pt's (read by Run), else {}
     if args.resume:
         model.load_state_dict(ckpt["model"])
 

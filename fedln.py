@@ -158,7 +158,7 @@ def parse_args():
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=seed_int, default=0, help="seed of the init, client sampling and local shuffling")
     g.add_argument("--device", type=device_flag, help="cpu, cuda, cuda:N or mps (default: cuda if there is one)")
-    g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
+    g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes (CPU: often slower)")
     g.add_argument("--threads", type=positive_int, help="CPU threads (default: OMP_NUM_THREADS, else the cores)")
     g.add_argument("--eval-every", type=positive_int, default=PAPER["eval_every"], help="evaluation period (and last)")
     g.add_argument("--checkpoint-every", type=positive_int, help="checkpoint period (default: at each evaluation)")
@@ -289,7 +289,7 @@ if __name__ == "__main__":
     partition = make_partition(args, data)  # its own generator, seeded by --data-seed
     model = build(args, data).to(args.device)  # the global model w_t; FedLN: build() adds --norm
     client = build(args, data).to(args.device)  # one client model, reloaded for every client
-    run.start(model, partition, data)  # the run folder: config.json, partition.json; the start-up line
+    start = run.start(model, partition, data)  # config.json, partition.json, the start-up line; the first round
     sizes = [len(p) for p in partition.train]
     names = [n for n, _ in model.named_parameters()]  # FedLN: SCAFFOLD's and FedYogi's; buffers are averaged
     zeros = lambda fill=0.0: {n: torch.full_like(p, fill).detach() for n, p in model.named_parameters()}  # FedLN
@@ -305,7 +305,7 @@ if __name__ == "__main__":
         own = partition.train[args.overfit_client]
         pick = torch.randperm(len(own), generator=torch.Generator().manual_seed(args.seed))[:20].to(own.device)
         own_x = prepare_batch(data.x_train[own[pick]], data)
-    start, ckpt = run.checkpoint.get("round", 0), run.checkpoint  # --resume: the rounds go on after checkpoint.pt's
+    ckpt = run.checkpoint  # --resume: checkpoint.pt's (read by Run), else {}
     if args.resume:
         model.load_state_dict(ckpt["model"])
         server = ckpt["server"]  # FedLN: control variates / moments

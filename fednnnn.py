@@ -135,7 +135,7 @@ def parse_args():
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=seed_int, default=0, help="seed of the init, client sampling and local shuffling")
     g.add_argument("--device", type=device_flag, help="cpu, cuda, cuda:N or mps (default: cuda if there is one)")
-    g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes")
+    g.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward passes (CPU: often slower)")
     g.add_argument("--threads", type=positive_int, help="CPU threads (default: OMP_NUM_THREADS, else the cores)")
     g.add_argument("--eval-every", type=positive_int, default=1, help="evaluate every this many rounds and the last")
     g.add_argument("--checkpoint-every", type=positive_int, help="checkpoint period (default: at each evaluation)")
@@ -244,12 +244,12 @@ if __name__ == "__main__":
     model = build_model(args.model, data).to(args.device)  # FedNNNN: the broadcast (normalized) model w_t
     # one client model, reloaded for every client; FedNNNN: also holds the evaluation model
     client = build_model(args.model, data).to(args.device)
-    run.start(model, partition, data)  # the run folder: config.json, partition.json; the start-up line
+    start = run.start(model, partition, data)  # config.json, partition.json, the start-up line; the first round
     sizes = [len(p) for p in partition.train]
     kinds = param_kinds(model)  # FedNNNN: the normalized entries (trainable parameters) and their conv/fc kind
     names = list(kinds)  # FedNNNN
     momentum = {n: torch.zeros_like(p) for n, p in model.named_parameters()}  # FedNNNN: d_0 = 0
-    start, ckpt = run.checkpoint.get("round", 0), run.checkpoint  # --resume: the rounds go on after checkpoint.pt's
+    ckpt = run.checkpoint  # --resume: checkpoint.pt's (read by Run), else {}
     if args.resume:
         model.load_state_dict(ckpt["model"])
         momentum = ckpt["momentum"]  # FedNNNN: d_t

@@ -427,10 +427,12 @@ def test_folder_dataset_reads_sorted_classes_and_caches(tmp_path):
     write_folder(tmp_path / "ds")
     x_tr, y_tr, x_te, y_te = read_folder(tmp_path / "ds")
     assert x_tr.shape == (9, 3, 8, 8) and x_tr.dtype == torch.uint8
-    assert y_tr.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]  # ant, bee, cat
-    png = np.array(Image.open(tmp_path / "ds/train/ant/0.png"))  # [H, W, C]
-    assert torch.equal(x_tr[0], torch.from_numpy(png).permute(2, 0, 1))
-    assert torch.equal(x_te[3:6], x_tr[3:6]) is False and y_te.tolist() == y_tr.tolist()
+    assert sorted(y_tr.tolist()) == [0, 0, 0, 1, 1, 1, 2, 2, 2] != y_tr.tolist()  # ant, bee, cat; mixed (unsort)
+    for split, xs, ys in (("train", x_tr, y_tr), ("test", x_te, y_te)):  # each file read, with its class's label
+        for label, c in enumerate(("ant", "bee", "cat")):
+            for i in range(3):
+                png = torch.from_numpy(np.array(Image.open(tmp_path / "ds" / split / c / f"{i}.png"))).permute(2, 0, 1)
+                assert [int(y) for x, y in zip(xs, ys) if torch.equal(x, png)] == [label]
     assert os.path.isfile(tmp_path / "ds" / ".cleanfl-cache.pt")
     again = read_folder(tmp_path / "ds")
     assert all(torch.equal(a, b) for a, b in zip(again, (x_tr, y_tr, x_te, y_te)))
@@ -527,9 +529,20 @@ def test_cpu_device_name_says_cores_and_torch_threads(tmp_path):
 
 # ------------------------------------------------------------------ storage order
 def test_load_data_mixes_a_class_sorted_folder_with_one_fixed_permutation(tmp_path):
-    write_folder(tmp_path / "ds", per_class=20)
-    x_tr, y_tr, x_te, y_te = read_folder(tmp_path / "ds")  # stored class by class
-    assert y_te.tolist() == sorted(y_te.tolist())
+    from PIL import Image
+
+    write_folder(tmp_path / "ds", per_class=20)  # stored class by class; read here file by file, in that order
+
+    def stored(split):  # (images, labels) in the folder's order: class by class, file by file
+        files = [
+            (tmp_path / "ds" / split / c / f"{i}.png", y)
+            for y, c in enumerate(("ant", "bee", "cat"))
+            for i in range(20)
+        ]
+        images = [torch.from_numpy(np.array(Image.open(f))).permute(2, 0, 1) for f, _ in files]
+        return torch.stack(images), torch.tensor([y for _, y in files])
+
+    (x_tr, y_tr), (x_te, y_te) = stored("train"), stored("test")
     loads = [
         common.load_data(
             argparse.Namespace(
@@ -596,7 +609,7 @@ def test_unreadable_images_are_skipped_with_one_line(tmp_path, capsys):
     (tmp_path / "ds" / "train" / "ant" / "empty.jpg").write_bytes(b"")
     (tmp_path / "ds" / "train" / "bee" / "broken.jpg").write_bytes(b"\xff\xd8 not a jpeg")
     x_tr, y_tr, _, _ = read_folder(tmp_path / "ds")
-    assert y_tr.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert sorted(y_tr.tolist()) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "skipped 2 unreadable image(s)" in err[0]
 

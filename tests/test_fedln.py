@@ -683,9 +683,7 @@ def test_prox_mu_belongs_to_agg_fedprox(monkeypatch, flags, mu):
 def test_resume_of_a_run_saved_with_an_unused_prox_mu(monkeypatch, tmp_path):
     """Runs saved before the rule kept the old default prox_mu 0.01 with every --agg: they still resume."""
     monkeypatch.setattr(sys, "argv", ["fedln.py", "--dataset", "synthetic", "--device", "cpu", "--agg", "scaffold"])
-    config = {
-        k: v for k, v in vars(fedln.parse_args()).items() if k not in ("resume", "stop_after", "overwrite", "script")
-    }
+    config = {k: v for k, v in vars(fedln.parse_args()).items() if k not in ("resume", "stop_after", "overwrite")}
     (tmp_path / "config.json").write_text(json.dumps({**config, "prox_mu": 0.01}))  # as such runs saved it
     (tmp_path / "checkpoint.pt").write_bytes(b"")
     monkeypatch.setattr(sys, "argv", ["fedln.py", "--resume", str(tmp_path)])

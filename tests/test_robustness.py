@@ -299,12 +299,12 @@ def test_hangs_and_tracebacks_end_within_seconds_in_a_process(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_amp_on_the_cpu_is_said(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(
-        sys, "argv", ["fedavg.py", "--dataset", "synthetic", "--device", "cpu", "--amp", "--out", str(tmp_path / "r")]
-    )
-    importlib.import_module("fedavg").parse_args()
-    assert "--amp on the CPU" in capsys.readouterr().err
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_amp_on_the_cpu_is_said_in_help(script, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--help"])
+    with pytest.raises(SystemExit):
+        importlib.import_module(script).parse_args()
+    assert "CPU: often slower" in " ".join(capsys.readouterr().out.split())
 
 
 def parse_args_of(name, argv, monkeypatch):
