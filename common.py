@@ -58,6 +58,7 @@ class Data:
 
 
 DATASETS = {}  # --dataset NAME -> reader(args) -> {x_train, y_train, x_test, y_test: uint8, int64; extras}
+progress = lambda items, desc, total=None: tqdm(items, desc, total, False, disable=rank_and_world()[0] > 0, delay=5)
 
 
 def dataset(*names):  # registers a reader under its --dataset names
@@ -157,10 +158,9 @@ def read_text(path):  # a text file's lines as UTF-8; anything else is refused, 
 @dataset("folder")
 def image_folder(args):
     """DIR/train/<class>/* and DIR/test/<class>/*; with --natural or --clients-per-domain in groups (clients or
-    domains), DIR/train/<group>/<class>/* with test/ one folder per group or one shared test/<class>/*. Read in one
-    pass that refuses a layout it cannot use, naming the folder. A class's label is its place in the sorted class
-    names, or in DIR/classes.txt (benchmarks/prepare_data.py writes one, e.g. FEMNIST's 62, so a class keeps its
-    label where a subset lacks it)."""
+    domains), DIR/train/<group>/<class>/* with test/ one folder per group or one shared test/<class>/*. A layout it
+    cannot use is refused, the folder named. A class's label is its place in the sorted class names, or in
+    DIR/classes.txt (benchmarks/prepare_data.py's: a class keeps its label where a subset lacks it)."""
     root, grouped = args.data_dir, bool(getattr(args, "natural", 0) or getattr(args, "clients_per_domain", 0))
     layout = f"DIR/train/{'<group>/' * grouped}<class>/*"
     train, test = os.path.join(root, "train"), os.path.join(root, "test")
@@ -310,11 +310,9 @@ STORAGE_ORDER_SEED = 20240101  # the one fixed permutation of class-sorted datas
 
 
 def unsort(x, y, g=None):
-    """(x, y, g) in one fixed random order if the samples are stored grouped (by label, or by group and label within
-    a group: non-decreasing), else unchanged. An image folder holds its images class by class; evaluation cuts the
-    test set into consecutive batches, and a batch norm without running statistics normalizes each batch by itself,
-    so a class-sorted test set would be scored on batches of one or two classes. One fixed permutation (its own seed)
-    mixes the classes as torchvision's files are mixed; partitions select by label (and group): unaffected."""
+    """(x, y, g) in one fixed random order (its own seed) if stored sorted (by group, then label), else unchanged. An
+    image folder holds its images class by class: evaluation's consecutive batches would hold one or two classes each,
+    which a batch norm without running statistics normalizes alone. torchvision's files are mixed already."""
     key = y if g is None else g * (int(y.max()) + 1 if len(y) else 1) + y
     if len(y) < 2 or not bool((key[1:] >= key[:-1]).all()):
         return x, y, g
@@ -427,9 +425,8 @@ def autocast(device, enabled):
 
 @torch.no_grad()
 def evaluate(forward, x, y, data, batch_size=2000, amp=False, balanced=False):
-    """Accuracy and mean cross-entropy of `forward` (on normalized images); balanced=True adds the balanced accuracy,
-    the mean recall over the classes present (FLamby's and scikit-learn's; Fed-ISIC2019's metric). Under torchrun
-    batch j runs on rank j mod K and every rank adds the batches' sums in their order: bit for bit one process."""
+    """Accuracy and mean cross-entropy of `forward`; balanced: + mean recall over the classes present (Fed-ISIC2019's
+    metric). Under torchrun batch j runs on rank j mod K, the sums added in batch order: bit for bit one process."""
     rank, world = rank_and_world()
     sums = torch.zeros(math.ceil(len(x) / batch_size), 2 + data.num_classes, device=y.device)  # float32: MPS has no 64
     for j in range(rank, len(sums), world):  # a batch's loss sum, hits, hits per class (exact: counts below 2^24)
@@ -662,9 +659,8 @@ def client_seed(seed, rnd, k):  # client k's stream in round rnd: never the proc
 
 
 def each_client(clients, weights, train_client, seed, rnd):
-    """Yield (k, weight, train_client(k)) for the round's clients in order, on every rank, each client trained right
-    after torch's global generator is seeded with client_seed(seed, rnd, k); a result (tensors, numbers) is valid in
-    the loop body only. Under torchrun the i-th client trains on rank i mod K and its result goes to all."""
+    """Yield (k, weight, train_client(k)) in client order on every rank, torch's generator seeded client_seed(seed, rnd,
+    k) before client k. torchrun: client i trains on rank i mod K; its result (valid in the loop body) goes to all."""
     rank, world = rank_and_world()
     for first in progress(range(0, len(clients), world), f"round {rnd + 1}: clients by {world}"):
         wave, result = clients[first : first + world], None  # one client per rank; the last wave may leave ranks idle
@@ -747,10 +743,9 @@ class FineTuning:  # `epochs` of SGD on `part` (full | body | head; the rest fro
 
 
 def personalize(model, global_state, data, train_parts, test_parts, ft, forward=None):
-    """FedBABU's Algorithm 2 (Oh et al. 2022): for each client with a test set, load global_state into `model` (reused),
-    fine-tune ft.part on its data (the rest frozen, a frozen body in eval mode so its batch-norm statistics stay), test
-    it after each epoch of ft.eval_epochs (0: before) and ft.epochs. forward(model, x) -> logits. Returns {"acc_mean":
-    {epoch: mean}, "acc_std": {epoch: std, ddof 0}, "per_client": {epoch: [accuracy]}, "clients": [k]}."""
+    """FedBABU's Algorithm 2: each client with a test set loads global_state into `model` (reused), fine-tunes ft.part
+    (the rest frozen; a frozen body in eval mode keeps its batch-norm statistics), is tested after ft.eval_epochs (0:
+    before) and ft.epochs. Returns {"acc_mean"|"acc_std" (ddof 0)|"per_client": {epoch: ...}, "clients": [k]}."""
     forward = forward or (lambda m, x: m(x))
     points = sorted(set(ft.eval_epochs) | {ft.epochs})
     trainable = {id(p) for p in {"full": model, "body": model.body, "head": model.head}[ft.part].parameters()}
@@ -1060,9 +1055,7 @@ RUN_FILES = ("config.json", "partition.json", "metrics.jsonl", "checkpoint.pt", 
 RESUMABLE = ("rounds", "stop_after", "device", "data_dir")  # what --resume may change (a larger --rounds extends)
 
 
-def flag_type(cast, inside, span):
-    """An argparse type: cast(text), finite and inside(value); else exit 2, one line naming the flag and the span."""
-
+def flag_type(cast, inside, span):  # an argparse type: cast(text), finite and inside(value), else one line, span named
     def check(text):
         try:
             value = cast(text)
@@ -1120,8 +1113,7 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):  # fedfn.py: error: --lr: must be > 0, got -1; see --help (no usage block above it)
         if message.startswith("unrecognized arguments: "):
-            flags = [s for a in self._actions for s in a.option_strings]
-            close = difflib.get_close_matches(message.split()[2].split("=")[0], flags, 1)
+            close = difflib.get_close_matches(message.split()[2].split("=")[0], self._option_string_actions, 1)
             message += f" (did you mean {close[0]}?)" * bool(close)
         refuse(f"{message.removeprefix('argument ')}; see --help")
 
@@ -1133,8 +1125,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
 
 def finish_args(parser, args, script):
-    """After argparse: --resume DIR's config.json (with the RESUMABLE flags given), --data-seed, the device and the
-    CPU threads. What cannot run exits 2; a finished run, 0."""
+    """After argparse: --resume's config.json, --data-seed, the device, the CPU threads; what cannot run exits 2."""
     err, folder, given = parser.error, args.resume, parser.given
     if folder:
         try:
@@ -1170,10 +1161,9 @@ def finish_args(parser, args, script):
     gpus, mps = torch.cuda.device_count(), args.device == "mps" and torch.backends.mps.is_available()
     if args.device.startswith("cuda") and int(args.device[5:] or 0) >= gpus or args.device == "mps" and not mps:
         err(f"--device: {args.device} is not on this machine ({gpus} CUDA GPUs{', no MPS' * (not mps)})")
-    # the threads: OMP_NUM_THREADS, else the cores (shared among torchrun's processes): one command, one set of numbers
+    # the threads: OMP_NUM_THREADS (torchrun's: 1 a process), else the cores: one command, one set of numbers
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    share = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    args.threads = args.threads or int(os.environ.get("OMP_NUM_THREADS") or share)  # kept in config.json
+    args.threads = args.threads or int(os.environ.get("OMP_NUM_THREADS") or cores)  # kept in config.json
     return args
 
 
@@ -1274,17 +1264,15 @@ class Run:
         if scored := [row for row in self.rows if row.get("val_acc") is not None]:  # --val-frac: the papers' protocol
             top = max(scored, key=lambda row: row["val_acc"])  # the first best
             final.update(best_val_acc=top["val_acc"], best_val_round=top["round"], test_acc_at_best_val=top["test_acc"])
-        summary = self.write_summary({"final_round": self.args.rounds, **final, **extra})
+        self.write_summary(summary := {"final_round": self.args.rounds, **final, **extra})
         if model is not None and self.args.save_model:
             self.save(model.state_dict(), "model.pt")
         print(f"final test accuracy {summary['test_acc']:.4f} after {self.args.rounds} rounds; outputs in {self.dir}")
         return summary
 
-    def write_summary(self, summary):
-        summary = {**summary, "wall_time_s": round(self.elapsed, 3), "device": self.device, "torch": torch.__version__,
-                   "script": self.script, "processes": rank_and_world()[1]}  # fmt: skip
-        self.save(summary, "summary.json")
-        return summary
+    def write_summary(self, summary):  # summary.json: `summary` and what ran it, where, how long
+        self.save({**summary, "wall_time_s": round(self.elapsed, 3), "device": self.device, "torch": torch.__version__,
+                   "script": self.script, "processes": rank_and_world()[1]}, "summary.json")  # fmt: skip
 
     def save(self, obj, name):  # a run file written whole by rank 0; a write that fails ends the run in one line
         try:
@@ -1334,7 +1322,6 @@ def safe_load(path, flag, device="cpu"):  # torch.load that runs no code: tensor
 
 _json_safe = lambda obj: _map_leaves(obj, lambda v: None if isinstance(v, float) and not math.isfinite(v) else v)
 rank_and_world = lambda: (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-progress = lambda items, desc, total=None: tqdm(items, desc, total, False, disable=rank_and_world()[0] > 0, delay=5)
 _HELD = {}  # the run folders this process holds: path -> the locked descriptor
 jsonl = lambda rows: "".join(json.dumps(_json_safe(row), allow_nan=False) + "\n" for row in rows)  # metrics.jsonl
 _wire = lambda: torch.device(f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu")

@@ -230,7 +230,7 @@ if __name__ == "__main__":
             run.log({"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr})
         stop = not last and (rnd + 1 - start == args.stop_after or run.interrupted())  # --stop-after, Ctrl-C, SIGTERM
         if stop or last or (rnd + 1) % (args.checkpoint_every or args.eval_every) == 0:  # default: each evaluation
-            run.save({"model": model.state_dict(), **run.snapshot(rnd)}, "checkpoint.pt")  # + round, RNG, clock
+            run.save({"model": model.state_dict(), **run.snapshot(rnd)}, "checkpoint.pt")  # + round, sampler, clock
         if stop:
             run.end_stopped(rnd)  # one line: how to --resume it; exit 0, or 130 / 143 after Ctrl-C / SIGTERM
     # FedBABU: Algorithm 2 on the final global model, for every client: fine-tune, then test

@@ -357,7 +357,7 @@ if __name__ == "__main__":
             run.log(metrics)
         stop = not last and (rnd + 1 - start == args.stop_after or run.interrupted())  # --stop-after, Ctrl-C, SIGTERM
         if stop or last or (rnd + 1) % (args.checkpoint_every or args.eval_every) == 0:  # default: each evaluation
-            run.save({**state(), **run.snapshot(rnd)}, "checkpoint.pt")  # + round, RNG, clock
+            run.save({**state(), **run.snapshot(rnd)}, "checkpoint.pt")  # + round, sampler, clock
         if stop:
             run.end_stopped(rnd)  # one line: how to --resume it; exit 0, or 130 / 143 after Ctrl-C / SIGTERM
     model.load_state_dict(eval_model.state_dict())  # FedFN: the evaluated final model (FedEXP: averaged)

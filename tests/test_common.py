@@ -523,7 +523,8 @@ def test_lr_decays_at_fractions_of_the_run():
 
 def test_cpu_device_name_says_cores_and_torch_threads(tmp_path):
     os.makedirs(tmp_path / "r")
-    name = common.Run(run_args(tmp_path / "r")).write_summary({})["device"]
+    common.Run(run_args(tmp_path / "r")).write_summary({})
+    name = json.load(open(tmp_path / "r" / "summary.json"))["device"]
     assert f"{os.cpu_count()} cores" in name and f"{torch.get_num_threads()} torch threads" in name
 
 

@@ -27,7 +27,7 @@ import levers  # noqa: E402
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu.sh")
 METHODS = ["fedavg", "fedbabu", "fedfn", "fedln", "fednnnn", "anfr"]
 FILES = {"log.txt", "env.txt", "smoke.md", "times.md", "fedbabu.md", "summary.md", "runs.tar.gz"}
-ISSUE24 = ["env", "data", "smoke", "times", "fedbabu"]  # the stages of the first call, by name
+FIRST_CALL = ["env", "data", "smoke", "times", "fedbabu"]  # the stages of the first call, by name
 
 
 SETTINGS = {
@@ -83,7 +83,7 @@ def dry_commands(stdout):
 
 @pytest.mark.slow  # every command of gpu.sh through its parser
 def test_dry_run_prints_commands_each_parser_accepts(tmp_path, places, monkeypatch, capsys):  # noqa: F811
-    res = gpu_sh(tmp_path, *ISSUE24, "levers", "pair", MODE="dry", timeout=120)
+    res = gpu_sh(tmp_path, *FIRST_CALL, "levers", "pair", MODE="dry", timeout=120)
     assert res.returncode == 0, res.stderr
     assert not (tmp_path / "work").exists() and not (tmp_path / "out").exists()  # nothing ran, nothing written
     commands = dry_commands(res.stdout)
@@ -151,7 +151,7 @@ def test_dry_run_prints_commands_each_parser_accepts(tmp_path, places, monkeypat
 
 @pytest.mark.slow  # every stage of gpu.sh, each script several times
 def test_tiny_mode_runs_every_stage_end_to_end(tmp_path):
-    res = gpu_sh(tmp_path, *ISSUE24, MODE="tiny", DEVICE="cpu", timeout=600)
+    res = gpu_sh(tmp_path, *FIRST_CALL, MODE="tiny", DEVICE="cpu", timeout=600)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     out = tmp_path / "out"
     assert set(os.listdir(out)) == FILES and len(FILES) <= 8  # what the GPU call brings back

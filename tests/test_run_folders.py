@@ -306,10 +306,9 @@ def parse_threads(argv, monkeypatch):
     "cores,env,given,want",
     [
         (2, {}, [], 2),  # the machine's cores
-        (8, {"LOCAL_WORLD_SIZE": "2"}, [], 4),  # torchrun: 8 // 2 a process
+        (8, {"LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}, [], 1),  # torchrun sets OMP_NUM_THREADS=1 a process
         (8, {"OMP_NUM_THREADS": "3"}, [], 3),  # the user's (or torchrun's) OMP_NUM_THREADS
         (8, {"OMP_NUM_THREADS": "3"}, ["--threads", "4"], 4),  # --threads wins
-        (3, {"LOCAL_WORLD_SIZE": "4"}, [], 1),  # more processes than cores: one thread each, never none
     ],
 )
 def test_threads_are_the_machines_cores(cores, env, given, want, monkeypatch):
