@@ -20,6 +20,7 @@ import itertools
 import json
 import math
 import os
+import pathlib
 import platform
 import shutil
 import signal
@@ -101,8 +102,7 @@ def synthetic_dataset(args, n_train=3000, n_test=1000, num_classes=10, size=32):
         x = templates[y] * brightness + 0.35 * torch.randn(n, 3, size, size, generator=g)
         return (x.clamp(0, 1) * 255).round().to(torch.uint8), y
 
-    (x_tr, y_tr), (x_te, y_te) = draw(n_train), draw(n_test)
-    return {"x_train": x_tr, "y_train": y_tr, "x_test": x_te, "y_test": y_te}
+    return dict(zip(("x_train", "y_train", "x_test", "y_test"), (*draw(n_train), *draw(n_test))))
 
 
 @dataset("mnist", "fashionmnist", "emnist", "cifar10", "cifar100", "svhn")
@@ -149,8 +149,7 @@ def _listing(path):  # (sorted subfolders, sorted image files) of a folder
 
 def read_text(path):  # a text file's lines as UTF-8; anything else is refused, naming the file
     try:
-        with open(path, encoding="utf-8") as f:
-            return f.read().splitlines()
+        return pathlib.Path(path).read_text(encoding="utf-8").splitlines()
     except (UnicodeDecodeError, OSError) as e:
         refuse(f"--data-dir: cannot read {path} as UTF-8 text ({type(e).__name__})")
 
@@ -211,8 +210,7 @@ def image_folder(args):
 
 
 def class_order(root, found):
-    """Class names in label order: root/classes.txt's if there is one (a class folder it lacks is refused), else the
-    sorted names found."""
+    """Class names in label order: root/classes.txt's (a class folder it lacks is refused), else the sorted ones."""
     path = os.path.join(root, CLASSES_FILE)
     if not os.path.isfile(path):
         return sorted(found)
@@ -1129,8 +1127,7 @@ def finish_args(parser, args, script):
     err, folder, given = parser.error, args.resume, parser.given
     if folder:
         try:
-            with open(f"{folder}/config.json") as f:
-                saved = json.load(f)
+            saved = json.loads(pathlib.Path(f"{folder}/config.json").read_text())
         except (OSError, ValueError):
             err(f"--resume: {folder} has no readable config.json, so it holds no run to resume")
         if saved.get("script") != script:  # the script that wrote config.json
@@ -1191,6 +1188,12 @@ class Run:
             refuse(f"--resume: {self.dir}/config.json differs from the one its checkpoint was written with (in "
                    f"{', '.join(edited[:4])}); undo the edit, or start a new run with new flags")  # fmt: skip
         torch.set_num_threads(args.threads)
+        if hasattr(os, "sched_setaffinity") and args.threads == len(cpus := sorted(os.sched_getaffinity(0))) > 1:
+            before = set(os.listdir("/proc/self/task"))
+            torch.ones(args.threads << 15).add_(1)  # 2^15 a thread: OpenMP starts them all, then each on a core
+            if len(workers := sorted(set(os.listdir("/proc/self/task")) - before, key=int)) == args.threads - 1:
+                for cpu, tid in zip(cpus, [os.getpid(), *map(int, workers)]):
+                    os.sched_setaffinity(tid, {cpu})
         torch.manual_seed(args.seed)  # the models' init (Python's and numpy's global generators serve nothing here)
         self.sampler = np.random.default_rng(args.seed)  # client sampling, its own generator
         cpu = f"cpu ({platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
@@ -1220,8 +1223,7 @@ class Run:
                 "test": counts(data.y_test, partition.test), "classes": data.classes,
                 "val": counts(data.y_train, partition.val), "clients": partition.names}  # fmt: skip
         for f in () if args.resume or not self.main else RUN_FILES:  # (take_folder found the folder writable)
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(f"{self.dir}/{f}")
+            pathlib.Path(f"{self.dir}/{f}").unlink(missing_ok=True)
         self.save(jsonl(self.rows), "metrics.jsonl")
         self.save(self.config, "config.json")
         self.save({k: v for k, v in info.items() if v is not None}, "partition.json")
@@ -1308,8 +1310,7 @@ def _atomic_save(obj, path):  # torch.save (JSON for *.json, text for a str) to 
             os.fsync(f.fileno())  # on the disk before the rename: a crash leaves the old file or the new one
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):  # interrupted (or failed) before the rename
-            os.remove(tmp)
+        pathlib.Path(tmp).unlink(missing_ok=True)  # interrupted (or failed) before the rename
 
 
 def safe_load(path, flag, device="cpu"):  # torch.load that runs no code: tensors and plain types only, else one line
@@ -1340,8 +1341,7 @@ def take_folder(args):
                 made = True
                 break
         if (key := os.path.realpath(out)) not in _HELD:  # (a process may run runs in turn: tests/run_batch.py)
-            fcntl.flock(fd := os.open(out, os.O_RDONLY), fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until the process ends
-            _HELD[key] = fd
+            _HELD[key] = fcntl.flock(fd := os.open(out, os.O_RDONLY), fcntl.LOCK_EX | fcntl.LOCK_NB) or fd  # open: held
         os.rmdir(tempfile.mkdtemp(prefix=".cleanfl-probe", dir=out))  # a folder this process can write in
     except BlockingIOError:  # (a folder made here but locked first by another run is that run's: kept)
         refuse(f"{flag}: another run is using {out} now; wait for it to end, or choose another --out")

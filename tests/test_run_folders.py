@@ -321,6 +321,35 @@ def test_threads_are_the_machines_cores(cores, env, given, want, monkeypatch):
     assert parse_threads(given, monkeypatch) == want
 
 
+PINNING = """
+import argparse, json, os, sys
+import common
+args = argparse.Namespace(out=sys.argv[1], resume=None, rounds=1, save_model=False, device="cpu", seed=0,
+                          script="fedavg", dataset="synthetic", overwrite=False, threads=int(sys.argv[2]))
+common.Run(args)
+tasks = sorted(map(int, os.listdir("/proc/self/task")))
+print(json.dumps([sorted(os.sched_getaffinity(t)) for t in tasks]))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="2+ cores")
+@pytest.mark.parametrize("all_cores", [True, False])
+def test_threads_on_all_cores_are_pinned_one_a_core(all_cores, tmp_path):
+    """With the default (a thread a core), the main thread and each OpenMP worker get a core of their own, so a busy
+    core never holds two of them; with fewer threads nothing is pinned. (A process of its own: pinning is for life.)"""
+    cores = sorted(os.sched_getaffinity(0))
+    threads = len(cores) if all_cores else 1
+    proc = subprocess.run([sys.executable, "-c", PINNING, str(tmp_path / "r"), str(threads)], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    masks = json.loads(proc.stdout.strip().splitlines()[-1])
+    pinned = [m for m in masks if len(m) == 1]
+    if all_cores:
+        assert masks[0] == [cores[0]] and sorted(m[0] for m in pinned) == cores  # the main thread first
+    else:
+        assert pinned == [] and all(m == cores for m in masks)
+
+
 @pytest.mark.parametrize("value", ["0", "-1", "two", "1.5", ""])
 def test_a_bad_threads_value_is_one_line(value, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
