@@ -969,8 +969,8 @@ def test_readme_speed_figure_is_speed_mds():
 
 
 def test_speed_tables_are_their_runs():
-    """docs/speed.md's threads table (the six cases) and Flower table are
-    what benchmarks/threads.py and vs_flower.py print from the JSON they wrote (benchmarks/results-cpu/), cell for
+    """docs/speed.md's threads table (the six cases) and Flower table, and the threads evidence page's earlier table,
+    are what benchmarks/threads.py and vs_flower.py print from the JSON they wrote (benchmarks/results-cpu/), cell for
     cell; the README's torchrun figure is the threads table's."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import threads
@@ -998,3 +998,7 @@ def test_speed_tables_are_their_runs():
     rows = [row for row in threads.table(*[saved_threads[k] for k in ("runs", "args")]).splitlines()[2:]]
     best = max(float(row.split("|")[-2]) for row in rows)  # default / torchrun: torchrun's best speed-up
     assert f"(up to {best:.2f}x)" in " ".join(read("README.md").split())
+    with open(os.path.join(ROOT, "benchmarks", "results-cpu", "threads-controls", "spin-counts.json")) as f:
+        spin = json.load(f)  # the evidence page's earlier table, unpinned
+    shown = read("docs/evidence/threads.md").split("<!-- spin:start -->\n", 1)[1].split("\n<!-- spin:end -->", 1)[0]
+    assert shown.strip() == threads.table(spin["runs"], argparse.Namespace(**spin["args"])).strip()
