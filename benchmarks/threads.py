@@ -15,10 +15,10 @@ ways:
   torchrun 2x1   torchrun --nproc_per_node 2 SCRIPT ...   (torchrun sets OMP_NUM_THREADS=1 a rank)
 and two conditions: idle, and loaded (--load busy processes, `while True: pass`, started first; default: one a core).
 The default takes the machine's cores (a function of the machine alone: one command, one set of numbers). Each run
-evaluates after
-rounds R and 2R; its time per round is the difference of the two rows' elapsed_s over R (start-up, data loading and
-the first rounds' warm-up left out; one test-set evaluation in). The table gives the
-median over --cycles interleaved cycles and the threads the default picked (config.json).
+evaluates after rounds R and 2R; its time per round is the difference of the two rows' elapsed_s over R (start-up,
+data loading and the first rounds' warm-up left out; one test-set evaluation in). The table gives the median over
+--cycles interleaved cycles (every other one in reverse order: no way always runs first) and the threads the default
+picked (config.json).
 
     python benchmarks/threads.py --data-dir /path/to/cifar10                      # idle and loaded, 2 cycles
     python benchmarks/threads.py --data-dir D --conditions idle --workloads fedavg-cnn --cycles 1 --rounds 1
@@ -109,8 +109,9 @@ def run_once(args, workload, way, out):
     return (rows[-1]["elapsed_s"] - rows[-2]["elapsed_s"]) / args.rounds, threads, rows[-1]["test_acc"]
 
 
-def ways_of(args):
-    return [WAYS[0], *[f"default {env}" for env in args.envs], *WAYS[1:]]
+def ways_of(args, cycle=1):  # every other cycle in reverse: over two cycles each way runs at the same mean place
+    ways = [WAYS[0], *[f"default {env}" for env in args.envs], *WAYS[1:]]
+    return ways if cycle % 2 else ways[::-1]
 
 
 def table(runs, args):
@@ -148,7 +149,7 @@ if __name__ == "__main__":
             try:
                 for cycle in range(1, args.cycles + 1):
                     for workload in args.workloads:
-                        for way in ways_of(args):
+                        for way in ways_of(args, cycle):
                             load = os.getloadavg()[0]
                             out = os.path.join(tmp, f"{condition}-{cycle}-{workload}-{ways_of(args).index(way)}")
                             sec, threads, acc = run_once(args, workload, way, out)

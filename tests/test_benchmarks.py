@@ -927,6 +927,14 @@ def test_threads_table_takes_medians_says_timeouts_and_the_defaults_ratio_to_the
     assert row == "| fedavg-cnn | idle | 6.00 | 9.00 | timed out (900 s) | 4.00 | [2] threads | 0.67 | 1.50 |"
 
 
+def test_threads_ways_alternate_their_order_so_none_always_runs_first():
+    threads = importlib.import_module("threads")
+    args = argparse.Namespace(envs=["GOMP_SPINCOUNT=0"])
+    first, second = threads.ways_of(args, 1), threads.ways_of(args, 2)
+    assert first == ["default", "default GOMP_SPINCOUNT=0", "1 thread", "2 threads", "torchrun 2x1"]
+    assert second == first[::-1] and threads.ways_of(args, 3) == first
+
+
 @pytest.mark.parametrize(
     "flags,flag",
     [(["--data-dir", "no-such-folder"], "--data-dir"), (["--rounds", "0"], "--rounds"), (["--envs", "X"], "--envs")],
