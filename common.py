@@ -1205,8 +1205,7 @@ class Run:
     elapsed = property(lambda self: self.elapsed_before + time.time() - self.clock)
 
     def start(self, model, partition, data, name=None):
-        """config.json, partition.json, the start-up line; --resume: the same data, the sampler, clock and rows.
-        Returns the first round: 0, or the checkpoint's."""
+        """config.json, partition.json, start-up line; --resume: checks the data, restores sampler, clock, rows."""
         args, ckpt, sizes, self.rows = self.args, self.checkpoint, [len(p) for p in partition.train], []
         self.fingerprint, began = data.fingerprint, ckpt.get("data", data.fingerprint) or {}
         if differ := [k for k in began if began[k] != data.fingerprint.get(k)]:
@@ -1231,7 +1230,7 @@ class Run:
         print(f"{self.script}: {self.device} | model {name or args.model}, {params:,} parameters | {partition.scheme}: "
               f"{len(sizes)} clients, {min(sizes)}-{max(sizes)} training samples each | run folder {self.dir}"
               f"{' (resumed)' * bool(args.resume)}", flush=True)  # fmt: skip
-        return ckpt.get("round", 0)
+        return ckpt.get("round", 0)  # the first round: 0, or the checkpoint's
 
     def bar(self, rounds):  # the loop's rounds under a bar (rank 0's), with the latest test accuracy that log sets
         self._bar = tqdm(rounds, self.script, self.args.rounds, initial=rounds.start, disable=not self.main)
@@ -1341,7 +1340,8 @@ def take_folder(args):
                 made = True
                 break
         if (key := os.path.realpath(out)) not in _HELD:  # (a process may run runs in turn: tests/run_batch.py)
-            _HELD[key] = fcntl.flock(fd := os.open(out, os.O_RDONLY), fcntl.LOCK_EX | fcntl.LOCK_NB) or fd  # open: held
+            fcntl.flock(fd := os.open(out, os.O_RDONLY), fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until the process ends
+            _HELD[key] = fd  # (only once locked: a refused lock keeps nothing)
         os.rmdir(tempfile.mkdtemp(prefix=".cleanfl-probe", dir=out))  # a folder this process can write in
     except BlockingIOError:  # (a folder made here but locked first by another run is that run's: kept)
         refuse(f"{flag}: another run is using {out} now; wait for it to end, or choose another --out")

@@ -976,7 +976,7 @@ def test_speed_tables_are_their_runs():
     import threads
     import vs_flower
 
-    speed = read("docs/speed.md")
+    speed, readme = read("docs/speed.md"), " ".join(read("README.md").split())
     for name, module in (("threads", threads), ("vs_flower", vs_flower)):
         with open(os.path.join(ROOT, "benchmarks", "results-cpu", f"{name}.json")) as f:
             saved = json.load(f)
@@ -992,14 +992,14 @@ def test_speed_tables_are_their_runs():
             saved_threads = {"runs": saved["runs"], "args": args}
         elif name == "vs_flower":  # the README's ratio at each side's default
             ratio = next(row for row in made.splitlines() if row.startswith("| flower-default")).split("|")[-2].strip()
-            assert f"`fedavg.py` is {ratio} faster than Flower" in " ".join(read("README.md").split())
+            assert f"`fedavg.py` is {ratio} faster than Flower" in readme
             floor = saved["floor_s"]  # compute_floor's seconds at 2 threads and 1, as the page quotes them
             assert f"take {floor['2']:.2f} s at 2 threads and {floor['1']:.2f} s at one" in " ".join(speed.split())
     rows = [row for row in threads.table(*[saved_threads[k] for k in ("runs", "args")]).splitlines()[2:]]
     best = max(float(row.split("|")[-2]) for row in rows if "| loaded |" in row)  # torchrun's best, beside busy ones
-    assert f"(up to {best:.2f}x)" in " ".join(read("README.md").split())
+    assert f"(up to {best:.2f}x)" in readme
     loaded = sorted(float(row.split("|")[-3]) for row in rows if "| loaded |" in row)  # default / best thread count
-    assert f"{loaded[0]:.2f}-{loaded[-1]:.2f}x the best thread count" in " ".join(read("README.md").split())
+    assert f"{loaded[0]:.2f}-{loaded[-1]:.2f}x the best thread count" in readme
     with open(os.path.join(ROOT, "benchmarks", "results-cpu", "threads-controls", "spin-counts.json")) as f:
         spin = json.load(f)  # the evidence page's earlier table, unpinned
     shown = read("docs/evidence/threads.md").split("<!-- spin:start -->\n", 1)[1].split("\n<!-- spin:end -->", 1)[0]
