@@ -927,6 +927,25 @@ def test_threads_table_takes_medians_says_timeouts_and_the_defaults_ratio_to_the
     assert row == "| fedavg-cnn | idle | 6.00 | 9.00 | timed out (900 s) | 4.00 | [2] threads | 0.67 | 1.50 |"
 
 
+def test_threads_table_takes_the_idle_minimum_and_the_loaded_median_when_asked():
+    """--idle-statistic min (the default; written to the JSON's args before the first run) gives idle rows the fastest
+    of the cycles and loaded rows still their median; a JSON without it (measured before) keeps its medians."""
+    threads = importlib.import_module("threads")
+    secs = {"default": [5.0, 9.0, 6.0], "1 thread": [8.0, 7.5, 10.0], "2 threads": [4.0, 6.0, 12.0]}
+    secs["torchrun 2x1"] = [2.5, 5.0, 3.0]
+    runs = [
+        dict(workload="fedfn-small", condition=c, way=way, s_per_round=s, threads=2 if way == "default" else 1)
+        for c in ("idle", "loaded")
+        for way, ss in secs.items()
+        for s in ss
+    ]
+    args = argparse.Namespace(workloads=["fedfn-small"], conditions=["idle", "loaded"], run_timeout=900)
+    idle, loaded = threads.table(runs, argparse.Namespace(**vars(args), idle_statistic="min")).splitlines()[2:]
+    assert idle == "| fedfn-small | idle | 5.00 | 7.50 | 4.00 | 2.50 | [2] threads | 1.25 | 2.00 |"
+    assert loaded == "| fedfn-small | loaded | 6.00 | 8.00 | 6.00 | 3.00 | [2] threads | 1.00 | 2.00 |"
+    assert threads.table(runs, args).splitlines()[2] == loaded.replace("loaded", "idle")
+
+
 def test_threads_ways_alternate_their_order_so_none_always_runs_first():
     threads = importlib.import_module("threads")
     args = argparse.Namespace(envs=["GOMP_SPINCOUNT=0"])
