@@ -969,7 +969,7 @@ def test_readme_speed_figure_is_speed_mds():
 
 
 def test_speed_tables_are_their_runs():
-    """docs/speed.md's threads table (the six cases) and Flower table, and the threads evidence page's earlier table,
+    """docs/speed.md's threads tables (idle, loaded) and Flower table, and the threads evidence page's earlier table,
     are what benchmarks/threads.py and vs_flower.py print from the JSON they wrote (benchmarks/results-cpu/), cell for
     cell; the README's loaded figures (torchrun's gain, the default against the best count) are the threads table's."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -977,18 +977,23 @@ def test_speed_tables_are_their_runs():
     import vs_flower
 
     speed, readme = read("docs/speed.md"), " ".join(read("README.md").split())
-    for name, module in (("threads", threads), ("vs_flower", vs_flower)):
+    for name, module in (("threads-idle", threads), ("threads", threads), ("vs_flower", vs_flower)):
         with open(os.path.join(ROOT, "benchmarks", "results-cpu", f"{name}.json")) as f:
             saved = json.load(f)
         shown = speed.split(f"<!-- {name}:start -->\n", 1)[1].split(f"\n<!-- {name}:end -->", 1)[0]
         args = argparse.Namespace(**saved["args"])
+        if name == "threads":  # speed.md shows its loaded rows; its idle rows are the evidence page's
+            args.conditions = ["loaded"]
         made = (
             threads.table(saved["runs"], args)
             if module is threads
             else vs_flower.table(saved["runs"], args.configs, args.rounds)
         )
         assert shown.strip() == made.strip(), f"docs/speed.md's {name} table is not its JSON's"
-        if name == "threads":
+        if name == "threads-idle":  # the bottom line's idle ratios, default against the best thread count
+            idle = sorted(float(row.split("|")[-3]) for row in made.splitlines()[2:])
+            assert f"Idle, {idle[0]:.2f}-{idle[-1]:.2f}x the best" in " ".join(speed.split())
+        elif name == "threads":
             saved_threads = {"runs": saved["runs"], "args": args}
         elif name == "vs_flower":  # the README's ratio at each side's default
             ratio = next(row for row in made.splitlines() if row.startswith("| flower-default")).split("|")[-2].strip()
