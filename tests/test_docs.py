@@ -995,6 +995,10 @@ def test_speed_tables_are_their_runs():
             assert f"Idle, {idle[0]:.2f}-{idle[-1]:.2f}x the best" in " ".join(speed.split())
         elif name == "threads":
             saved_threads = {"runs": saved["runs"], "args": args}
+            made = threads.table(saved["runs"], argparse.Namespace(**{**saved["args"], "conditions": ["idle"]}))
+            idle = sorted(float(row.split("|")[-3]) for row in made.splitlines()[2:])  # its idle rows, as quoted
+            for page in ("docs/speed.md", "docs/evidence/threads.md"):
+                assert f"{idle[0]:.2f}-{idle[-1]:.2f}" in read(page)
         elif name == "vs_flower":  # the README's ratio at each side's default
             ratio = next(row for row in made.splitlines() if row.startswith("| flower-default")).split("|")[-2].strip()
             assert f"`fedavg.py` is {ratio} faster than Flower" in readme
