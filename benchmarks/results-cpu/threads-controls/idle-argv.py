@@ -12,6 +12,8 @@ import types
 
 if len(sys.argv) != 2 or not all(os.path.isdir(os.path.join(sys.argv[1], s)) for s in ("train", "test")):
     sys.exit(f"usage: python {sys.argv[0]} DATA_DIR (a CIFAR-10 image folder with train/ and test/)")
+if os.path.exists("idle-argv.json"):  # the JSON goes to the current folder: never over an earlier one
+    sys.exit("idle-argv.json is here already: move it away, or run from another folder")
 sys.path.insert(0, "benchmarks")
 import threads  # noqa: E402
 
@@ -29,5 +31,5 @@ with tempfile.TemporaryDirectory() as tmp:
             rows.append(dict(cycle=cycle, argv=f"{workload} {way}", s_per_round=sec, threads=thr, test_acc=acc))
             rows[-1]["config"] = hash(json.dumps(config, sort_keys=True))  # one value: the same settings each run
             print(rows[-1], flush=True)
-            with open(os.path.join(os.path.dirname(__file__), "idle-argv.json"), "w") as f:
+            with open("idle-argv.json", "w") as f:
                 json.dump(rows, f, indent=1)

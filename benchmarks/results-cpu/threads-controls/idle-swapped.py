@@ -11,6 +11,8 @@ import types
 
 if len(sys.argv) != 2 or not all(os.path.isdir(os.path.join(sys.argv[1], s)) for s in ("train", "test")):
     sys.exit(f"usage: python {sys.argv[0]} DATA_DIR (a CIFAR-10 image folder with train/ and test/)")
+if os.path.exists("idle-swapped.json"):  # the JSON goes to the current folder: never over an earlier one
+    sys.exit("idle-swapped.json is here already: move it away, or run from another folder")
 sys.path.insert(0, "benchmarks")
 import threads  # noqa: E402
 
@@ -23,5 +25,5 @@ with tempfile.TemporaryDirectory() as tmp:
                 sec, thr, acc = threads.run_once(args, workload, way, os.path.join(tmp, f"{cycle}-{workload}-{way}"))
                 rows.append(dict(cycle=cycle, workload=workload, way=way, s_per_round=sec, threads=thr, test_acc=acc))
                 print(rows[-1], flush=True)
-                with open(os.path.join(os.path.dirname(__file__), "idle-swapped.json"), "w") as f:
+                with open("idle-swapped.json", "w") as f:
                     json.dump(rows, f, indent=1)
