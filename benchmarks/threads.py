@@ -85,7 +85,7 @@ def run_once(args, workload, way, out):
         "--rounds",
         str(2 * args.rounds),
         "--eval-every",
-        str(args.rounds),
+        str(getattr(args, "eval_every", args.rounds)),  # R; a control can ask for every round
         "--checkpoint-every",
         str(2 * args.rounds),
     ]
@@ -108,7 +108,8 @@ def run_once(args, workload, way, out):
         rows = [json.loads(line) for line in f if line.strip()]
     with open(os.path.join(out, "config.json")) as f:
         threads = json.load(f).get("threads")
-    return (rows[-1]["elapsed_s"] - rows[-2]["elapsed_s"]) / args.rounds, threads, rows[-1]["test_acc"]
+    after_warmup = next(row for row in rows if row["round"] == args.rounds)
+    return (rows[-1]["elapsed_s"] - after_warmup["elapsed_s"]) / args.rounds, threads, rows[-1]["test_acc"]
 
 
 def ways_of(args, cycle=1):  # every other cycle in reverse: over two cycles each way runs at the same mean place
