@@ -6,7 +6,7 @@ cycles, every block's order reversed every other cycle; the JSON goes to idle-CO
   drift    fedfn-small, --threads 1 then the default, 30 rounds each, evaluated every round: every round's seconds
            (the same work each round: 10 clients of 500 images, one test-set evaluation) and the VM's steal time
 
-    python benchmarks/results-cpu/threads-controls/idle_controls.py swapped /path/to/cifar10   # from the repo root
+    python benchmarks/results-cpu/threads-controls/idle_controls.py swapped /path/to/cifar10   # from any folder
 """
 
 import json
@@ -21,7 +21,7 @@ if len(sys.argv) != 3 or sys.argv[1] not in CONTROLS or not os.path.isdir(os.pat
 control, out_json = sys.argv[1], f"idle-{sys.argv[1]}.json"
 if os.path.exists(out_json):  # never over an earlier one
     sys.exit(f"{out_json} is here already: move it away, or run from another folder")
-sys.path.insert(0, "benchmarks")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # benchmarks/
 import threads  # noqa: E402
 
 base = threads.WORKLOADS["fedfn-small"]
