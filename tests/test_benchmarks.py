@@ -912,6 +912,26 @@ def test_threads_ways_launch_as_named_and_time_between_evaluations(way, launcher
     assert cmd[cmd.index("--rounds") + 1] == "6" and cmd[cmd.index("--eval-every") + 1] == "3"
 
 
+def test_threads_run_once_evaluated_every_round_times_rounds_r_plus_1_to_2r(tmp_path, monkeypatch):
+    """A control's eval_every=1 (every round logged): s/round is still rounds R+1..2R, from the row of round R."""
+    threads = importlib.import_module("threads")
+    elapsed = {1: 5.0, 2: 6.0, 3: 8.0, 4: 11.0, 5: 15.0, 6: 20.0}  # rounds 4-6 take 3, 4, 5 s
+
+    def fake_run(cmd, cwd, env, **kw):
+        assert cmd[cmd.index("--eval-every") + 1] == "1" and cmd[cmd.index("--rounds") + 1] == "6"
+        out = cmd[cmd.index("--out") + 1]
+        os.makedirs(out)
+        with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+            f.writelines(json.dumps({"round": r, "test_acc": 0.1, "elapsed_s": e}) + "\n" for r, e in elapsed.items())
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump({"threads": 1}, f)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(threads.subprocess, "run", fake_run)
+    args = argparse.Namespace(data_dir="/d", rounds=3, eval_every=1, run_timeout=60)
+    assert threads.run_once(args, "fedfn-small", "1 thread", str(tmp_path / "r")) == (4.0, 1, 0.1)
+
+
 def test_threads_table_takes_medians_says_timeouts_and_the_defaults_ratio_to_the_best():
     threads = importlib.import_module("threads")
     secs = {"default": [5.0, 7.0, 6.0], "1 thread": [8.0, 9.0, 10.0], "2 threads": [None, None, 3.0]}

@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shlex
+import statistics
 import sys
 
 import pytest
@@ -1013,3 +1014,30 @@ def test_speed_tables_are_their_runs():
         spin = json.load(f)  # the evidence page's earlier table, unpinned
     shown = read("docs/evidence/threads.md").split("<!-- spin:start -->\n", 1)[1].split("\n<!-- spin:end -->", 1)[0]
     assert shown.strip() == threads.table(spin["runs"], argparse.Namespace(**spin["args"])).strip()
+
+
+def test_threads_drift_table_is_its_run():
+    """The evidence page's drift table is idle-drift.json's rounds (fastest, median, slowest, their ratio; steal
+    ticks at 100 a second), and the one-thread spreads the pages quote are its one-thread runs'."""
+    with open(os.path.join(ROOT, "benchmarks", "results-cpu", "threads-controls", "idle-drift.json")) as f:
+        runs = json.load(f)
+    lines = ["| cycle | way | threads | fastest round | median | slowest | slowest / fastest | steal time, s |"]
+    lines.append("|---|---|---|---|---|---|---|---|")
+    for r in runs:
+        s = r["round_s"]
+        cells = [min(s), statistics.median(s), max(s), max(s) / min(s), r["steal_ticks"] / 100]
+        lines.append(f"| {r['cycle']} | {r['way']} | {r['threads']} | " + " | ".join(f"{x:.2f}" for x in cells) + " |")
+    evidence = read("docs/evidence/threads.md")
+    assert evidence.split("<!-- drift:start -->\n", 1)[1].split("\n<!-- drift:end -->", 1)[0] == "\n".join(lines)
+    one = [r["round_s"] for r in runs if r["threads"] == 1]
+    spreads = sorted(max(s) / min(s) for s in one)
+    widest = max(one, key=lambda s: max(s) / min(s))
+    text = " ".join(evidence.split())
+    assert f"spread by {spreads[0]:.2f}-{spreads[-1]:.2f}x" in text
+    assert f"at most {max(r['steal_ticks'] for r in runs) / 100:.2f} s" in text
+    accs = {t: {r["test_acc"] for r in runs if r["threads"] == t} for t in (1, 2)}
+    assert all(len(a) == 1 for a in accs.values())  # each run reached its twin's accuracy
+    assert f"({min(accs[1]):.4f} at one thread, {min(accs[2]):.4f} at two)" in text
+    assert f"rounds of the same work took {min(widest):.2f}-{max(widest):.2f} s" in " ".join(
+        read("docs/speed.md").split()
+    )
