@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Everything one call on a lent GPU machine runs (about 9 minutes; benchmarks/gpu_call.md).
 #
-#   bash benchmarks/gpu.sh                         # MODE=full: the GPU call (stages env data levers pair)
+#   bash benchmarks/gpu.sh                         # MODE=full: the call (stages env data threads levers)
 #   MODE=dry bash benchmarks/gpu.sh                # print every command, run none
 #   MODE=tiny DEVICE=cpu bash benchmarks/gpu.sh    # CI: every default stage at toy size on the CPU
 #   bash benchmarks/gpu.sh env data smoke times fedbabu   # only these stages (then the collect step)
 #
 # Stages, in this order; each is independent: a failing or timed-out stage is reported and the next one
 # still runs. The exit status is 0 only if every stage passed. Stage timings are printed and kept.
-# Without stage names: env data levers pair (the speed call); smoke, times and fedbabu run by name.
+# Without stage names: env data threads levers (the speed call); smoke, times, fedbabu and pair run by name.
 #   env      card, driver, torch, CUDA and cuDNN versions, CPUs (OUT/env.txt)
 #   data     unpack DATA_ARCHIVE into DATA_DIR if DATA_DIR/train is missing, decode it once into its
 #            cache (DATA_DIR/.cleanfl-cache.pt) so the parallel runs below only read the cache
@@ -19,13 +19,17 @@
 #            (benchmarks/gpu_times.py, with benchmarks/round_time.py for fedavg.py; OUT/times.md)
 #   fedbabu  FedBABU Table 13 at paper scale: benchmarks/reproduce/fedbabu.sh paper (variants fedavg,
 #            fedbabu; SEEDS), JOBS runs at a time on the one GPU; resumable (lib.sh)
+#   threads  the CPU threads table on this machine's cores, the GPU left alone: benchmarks/threads.py, idle (2
+#            cycles, in 5/8 of the stage's cap) then beside a busy process on each core (1 cycle), the default
+#            against --threads 2, 4 and 8 for fedfn-small, then fedbabu-small (THREADS_FLAGS; threads/tables.md)
 #   levers   s/round of the five paper configurations under today's loop and each lever alone and combined
 #            (torchrun K on the one GPU, --amp, anfr's --channels-last --tf32, benchmarks/together.py), the
 #            FLOPs and floors: benchmarks/levers.py measure, by priority within the stage's cap (OUT/speed.md)
 #   pair     FedFN's Table 1 pair at s=2 (FedFN, FedAvg; seed 0) at once with measure's fastest fp32 lever,
 #            --stop-after sized to end inside the stage's cap: benchmarks/levers.py pair (OUT/speed.md)
 # Then, always: collect (OUT/fedbabu.md from benchmarks/collect.py, OUT/summary.md, OUT/runs.tar.gz).
-# OUT ends with at most 8 files: log.txt env.txt smoke.md times.md fedbabu.md speed.md summary.md runs.tar.gz.
+# OUT ends with at most 8 files: log.txt env.txt smoke.md times.md fedbabu.md speed.md summary.md runs.tar.gz
+# (the threads tables in summary.md; they and their JSONs in runs.tar.gz, threads/).
 #
 # Environment (defaults in brackets):
 #   MODE          full | dry | tiny [full]
@@ -43,9 +47,12 @@
 #                 torch import per run) [tiny 1, else 0: a fresh process per run, as on the GPU]
 #   TIMES_FLAGS   extra flags of benchmarks/gpu_times.py, e.g. "--variants all --fedavg-precisions fp32 amp"
 #   LEVERS_FLAGS  extra flags of benchmarks/levers.py measure, e.g. "--claims fedfn anfr"
+#   THREADS_FLAGS flags of both benchmarks/threads.py runs ["--workloads fedfn-small fedbabu-small --thread-counts
+#                 2 4 8 --no-torchrun --rounds 2"; tiny: fedfn-small, --thread-counts 1, R=1, idle only]
 #   DEADLINE      seconds for all stages; each stage's cap is cut to what is left [full 540; tiny 900]
-#   CAP_ENV CAP_DATA CAP_SMOKE CAP_TIMES CAP_FEDBABU CAP_LEVERS CAP_PAIR   per-stage caps in seconds [60 90 90
-#                 200 (tiny: smoke and times 300); fedbabu: the rest of DEADLINE; levers 250; pair: the rest].
+#   CAP_ENV CAP_DATA CAP_SMOKE CAP_TIMES CAP_FEDBABU CAP_THREADS CAP_LEVERS CAP_PAIR   per-stage caps in seconds
+#                 [60 90 90 200 (tiny: smoke and times 300); fedbabu: the rest of DEADLINE; threads 240; levers
+#                 250; pair: the rest].
 #                 A stage over its cap is stopped (timeout, whole process group); levers and pair read their
 #                 cap (STAGE_CAP) and end inside it.
 #   PYTHON        [python3, else python]
@@ -82,12 +89,18 @@ else
   SEEDS=${SEEDS:-"0 1 2"}; JOBS=${JOBS:-6}; SMOKE_JOBS=${SMOKE_JOBS:-6}; SMOKE_BATCH=${SMOKE_BATCH:-0}; DEADLINE=${DEADLINE:-540}
 fi
 TIMES_FLAGS=${TIMES_FLAGS:-}; LEVERS_FLAGS=${LEVERS_FLAGS:-}
+if [ "$MODE" = tiny ]; then
+  THREADS_FLAGS=${THREADS_FLAGS:-"--workloads fedfn-small --thread-counts 1 --no-torchrun --rounds 1"}
+else
+  THREADS_FLAGS=${THREADS_FLAGS:-"--workloads fedfn-small fedbabu-small --thread-counts 2 4 8 --no-torchrun --rounds 2"}
+fi
 CAP_ENV=${CAP_ENV:-60}; CAP_DATA=${CAP_DATA:-90}; CAP_SMOKE=${CAP_SMOKE:-90}; CAP_TIMES=${CAP_TIMES:-200}; CAP_FEDBABU=${CAP_FEDBABU:-0}
-CAP_LEVERS=${CAP_LEVERS:-250}; CAP_PAIR=${CAP_PAIR:-0}
-export MODE DEVICE WORK OUT DATA_DIR DATA_ARCHIVE FEDBABU_RUNS SEEDS JOBS SMOKE_JOBS SMOKE_BATCH TIMES_FLAGS LEVERS_FLAGS PYTHON
+CAP_THREADS=${CAP_THREADS:-240}; CAP_LEVERS=${CAP_LEVERS:-250}; CAP_PAIR=${CAP_PAIR:-0}
+export MODE DEVICE WORK OUT DATA_DIR DATA_ARCHIVE FEDBABU_RUNS SEEDS JOBS SMOKE_JOBS SMOKE_BATCH TIMES_FLAGS LEVERS_FLAGS
+export THREADS_FLAGS PYTHON
 export PYTHONUNBUFFERED=1
-STAGES_ALL="env data smoke times fedbabu levers pair"
-STAGES_DEFAULT="env data levers pair"  # the speed call; smoke, times and fedbabu by name
+STAGES_ALL="env data smoke times fedbabu threads levers pair"
+STAGES_DEFAULT="env data threads levers"  # the speed call; smoke, times, fedbabu and pair by name
 SCRIPTS=(fedavg fedbabu fedfn fedln fednnnn anfr)
 
 # show CMD...: the command, shell-quoted, on one line (what MODE=dry prints for every command).
@@ -358,6 +371,43 @@ stage_fedbabu() {
 }
 
 # ------------------------------------------------------------------------------------------------
+# threads: docs/speed.md's CPU threads table on this machine's cores (benchmarks/threads.py)
+# ------------------------------------------------------------------------------------------------
+THREADS_TABLE='import argparse, json, os, sys; sys.path.insert(0, "benchmarks"); import threads
+for name in ("threads-idle", "threads"):
+    path = os.path.join(sys.argv[1], f"{name}.json")
+    if not os.path.exists(path):
+        print(f"{name}.json: not written (not run, or stopped before its first run ended)\n")
+        continue
+    saved = json.load(open(path))
+    a, n, cores = saved["args"], len(saved["runs"]), saved["cpu_count"]
+    conditions, rounds = " ".join(a["conditions"]), a["rounds"]
+    print(f"{name}.json: {n} runs on {cores} cores, {conditions}, R={rounds}")
+    print(threads.table(saved["runs"], argparse.Namespace(**a)) + "\n")'
+
+stage_threads() {
+  local rc=0 idle loaded cycles=2
+  [ "$MODE" = tiny ] && cycles=1
+  # shellcheck disable=SC2206  # the flags are plain words
+  idle=("$PYTHON" benchmarks/threads.py --data-dir "$DATA_DIR" $THREADS_FLAGS --conditions idle --cycles "$cycles"
+    --out "$WORK/threads/threads-idle.json")
+  # shellcheck disable=SC2206
+  loaded=("$PYTHON" benchmarks/threads.py --data-dir "$DATA_DIR" $THREADS_FLAGS --conditions loaded --cycles 1
+    --out "$WORK/threads/threads.json")
+  if [ "$MODE" = dry ]; then
+    show "${idle[@]}"; "${idle[@]}" --dry
+    show "${loaded[@]}"; "${loaded[@]}" --dry
+    return 0
+  fi
+  mkdir -p "$WORK/threads"
+  timeout -k 5 $(( ${STAGE_CAP:-240} * 5 / 8 )) "${idle[@]}" || rc=$?  # idle first; its JSON holds every run ended
+  [ "$rc" = 124 ] && echo "threads: the idle runs stopped at 5/8 of the stage's cap" && rc=0
+  [ "$MODE" = tiny ] || "${loaded[@]}" || rc=$?  # the stage's cap ends it; its JSON likewise
+  "$PYTHON" -c "$THREADS_TABLE" "$WORK/threads" | tee "$WORK/threads/tables.md"
+  return "$rc"
+}
+
+# ------------------------------------------------------------------------------------------------
 # levers and pair: the speed call (benchmarks/levers.py)
 # ------------------------------------------------------------------------------------------------
 # levers_cmd measure|pair: the command line of a levers.py stage (its seconds: the stage's cap less 10)
@@ -380,7 +430,10 @@ stage_levers() {
 }
 
 stage_pair() {
-  [ "$MODE" = dry ] && STAGE_CAP=$((DEADLINE - 5 - 30 - CAP_LEVERS))  # what the stages before it leave, about
+  if [ "$MODE" = dry ]; then  # about what the stages before it leave
+    STAGE_CAP=$((DEADLINE - 5 - 30 - CAP_LEVERS))
+    case " $STAGES " in *" threads "*) STAGE_CAP=$((STAGE_CAP - CAP_THREADS)) ;; esac
+  fi
   levers_cmd pair pair
   run_or_show -a "$OUT/speed.md" -- "${LCMD[@]}"
 }
@@ -401,6 +454,9 @@ collect() {
   # smoke and times run folders without their checkpoints (up to 8 MB each, of no further use); the
   # fedbabu runs with theirs (0.5 MB each), so that a cut-off stage can be resumed by a later call
   # speed.md again from levers.json and the pair's folders: a stage stopped at its cap has not printed its table
+  if [ -d "$WORK/threads" ]; then  # again: a threads stage stopped at its cap has not written its tables
+    "$PYTHON" -c "$THREADS_TABLE" "$WORK/threads" > "$WORK/threads/tables.md" 2>&1 || rc=1
+  fi
   if [ -d "$WORK/levers" ] || [ -d "$WORK/pair" ]; then
     : > "$OUT/speed.md"
     if [ -d "$WORK/levers" ]; then levers_cmd measure levers; "${LCMD[@]}" --report >> "$OUT/speed.md" 2>&1 || rc=1; fi
@@ -409,7 +465,7 @@ collect() {
   # smoke, times, levers and pair run folders without their checkpoints (up to 8 MB each for smoke and times,
   # 37 MB for the pair's VGG11: over what comes back); the fedbabu runs with theirs (0.5 MB each), so that a
   # cut-off stage can be resumed by a later call
-  for p in smoke times levers pair; do [ -d "$WORK/$p" ] && parts+=(-C "$WORK" "$p"); done
+  for p in smoke times threads levers pair; do [ -d "$WORK/$p" ] && parts+=(-C "$WORK" "$p"); done
   [ -d "$FEDBABU_RUNS" ] && parts+=(-C "$(dirname "$FEDBABU_RUNS")" "$(basename "$FEDBABU_RUNS")")
   if [ "${#parts[@]}" -gt 0 ]; then
     tar -czf "$OUT/runs.tar.gz" --exclude='smoke/*/checkpoint.pt' --exclude='times/*/checkpoint.pt' \
@@ -421,11 +477,12 @@ collect() {
     echo "| stage | result | seconds |"
     echo "|---|---|---|"
     cat "$WORK/.stages"
-    for f in env.txt smoke.md times.md fedbabu.md speed.md; do
+    for f in env.txt smoke.md times.md fedbabu.md threads/tables.md speed.md; do
       echo
       echo "## $f"
       echo
       if [ "$f" = env.txt ]; then echo '```'; fi
+      if [ "$f" = threads/tables.md ]; then cat "$WORK/$f" 2>/dev/null || echo "(threads: not run)"; continue; fi
       cat "$OUT/$f" 2>/dev/null || echo "(missing)"
       if [ "$f" = env.txt ]; then echo '```'; fi
     done
@@ -471,7 +528,7 @@ FAILED=0
 for s in $STAGES; do
   case $s in
     env) cap=$CAP_ENV ;; data) cap=$CAP_DATA ;; smoke) cap=$CAP_SMOKE ;; times) cap=$CAP_TIMES ;; fedbabu) cap=$CAP_FEDBABU ;;
-    levers) cap=$CAP_LEVERS ;; pair) cap=$CAP_PAIR ;;
+    threads) cap=$CAP_THREADS ;; levers) cap=$CAP_LEVERS ;; pair) cap=$CAP_PAIR ;;
   esac
   left=$((DEADLINE - (SECONDS - START)))
   if [ "$cap" -le 0 ] || [ "$cap" -gt "$left" ]; then cap=$left; fi

@@ -1,6 +1,6 @@
 """Time per round on the CPU at each thread setting, on an idle machine and beside a busy process.
 
-Three workloads, each run four ways:
+Three workloads, each run these ways:
   fedavg-cnn     fedavg.py, McMahan's CNN, IID over N=100, 10 a round, E=1, B=50, SGD 0.01 momentum 0.5 (the Flower
                  comparison's work, benchmarks/vs_flower.py)
   fedbabu-small  fedbabu.py at benchmarks/reproduce/fedbabu.sh small (convnet4-tiny, s=10, tau=10)
@@ -10,9 +10,9 @@ ways:
                  (and their GOMP_SPINCOUNT, which OpenMP reads as torch loads it)
   default ENV    the same with the environment variable(s) of --envs set, e.g. GOMP_SPINCOUNT=300000 (libgomp's
                  own default, the scripts' before they set one) or OMP_WAIT_POLICY=PASSIVE
-  1 thread       python SCRIPT ... --threads 1
-  2 threads      python SCRIPT ... --threads 2
-  torchrun 2x1   torchrun --nproc_per_node 2 SCRIPT ...   (torchrun sets OMP_NUM_THREADS=1 a rank)
+  N threads      python SCRIPT ... --threads N, for each N of --thread-counts (default: the powers of two below the
+                 cores, and the cores: 1 and 2 on two cores; 1 2 4 8 16 on sixteen); the best of them is the bound's
+  torchrun 2x1   torchrun --nproc_per_node 2 SCRIPT ...   (torchrun sets OMP_NUM_THREADS=1 a rank; --no-torchrun: not)
 and two conditions: idle, and loaded (--load busy processes, `while True: pass`, started first; default: one a core).
 The default takes the machine's cores (a function of the machine alone: one command, one set of numbers). Each run
 evaluates after rounds R and 2R; its time per round is the difference of the two rows' elapsed_s over R (start-up,
@@ -23,6 +23,7 @@ adds time, so the fastest of identical runs is the machine's speed), and the thr
 
     python benchmarks/threads.py --data-dir /path/to/cifar10                      # idle and loaded, 2 cycles
     python benchmarks/threads.py --data-dir D --conditions idle --workloads fedavg-cnn --cycles 1 --rounds 1
+    python benchmarks/threads.py --data-dir D --thread-counts 2 4 8 --no-torchrun --dry     # print the runs' commands
 
 Stop other work on the machine first (the idle rows assume it). Every number goes to --out as it is measured.
 """
@@ -30,6 +31,7 @@ Stop other work on the machine first (the idle rows assume it). Every number goe
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -43,7 +45,6 @@ WORKLOADS = {
     "--ft-epochs 0 --ft-eval-epochs",
     "fedfn-small": "fedfn.py --model convnet4-tiny --num-clients 100 --frac 0.1 --local-epochs 5 --shards 2 --lr 0.03",
 }
-WAYS = ["default", "1 thread", "2 threads", "torchrun 2x1"]  # and "default ENV" for each of --envs
 
 
 def parse_args():
@@ -53,7 +54,8 @@ def parse_args():
     p.add_argument("--data-dir", required=True, help="CIFAR-10 image folder (train/<class>/*, test/<class>/*)")
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS), help="a subset")
     p.add_argument("--conditions", nargs="+", default=["idle", "loaded"], choices=["idle", "loaded"], help="a subset")
-    p.add_argument("--load", type=int, default=os.cpu_count(), help="busy processes of the loaded condition")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # as common.py
+    p.add_argument("--load", type=int, default=cores, help="busy processes of the loaded condition [the cores]")
     p.add_argument(
         "--envs",
         nargs="*",
@@ -61,24 +63,32 @@ def parse_args():
         metavar="NAME=VALUE[,NAME=VALUE]",
         help="more ways: the default with these environment variables set",
     )
+    p.add_argument("--thread-counts", type=int, nargs="+", help="N of the --threads N ways [the cores' powers of two]")
+    p.add_argument("--no-torchrun", action="store_true", help="leave out the torchrun 2x1 way")
     p.add_argument("--rounds", type=int, default=3, help="R: rounds timed, after R warm-up rounds")
     p.add_argument("--cycles", type=int, default=2, help="interleaved repetitions of the ways")
     p.add_argument("--idle-statistic", default="min", choices=["min", "median"], help="over cycles, idle rows")
     p.add_argument("--run-timeout", type=float, default=900, help="seconds a run may take (then: timed out)")
     p.add_argument("--out", default=os.path.join("runs", "threads", "results.json"), help="JSON of every run")
+    p.add_argument("--dry", action="store_true", help="print each run's command, run none")
     args = p.parse_args()
     if args.rounds < 1 or args.cycles < 1 or args.load < 1:
         p.error("--rounds, --cycles and --load must be at least 1")
+    args.thread_counts = args.thread_counts or [*[2**i for i in range(cores.bit_length()) if 2**i < cores], cores]
+    if min(args.thread_counts) < 1:
+        p.error("--thread-counts must be at least 1")
+    if os.path.exists(args.out) and not args.dry:  # never over an earlier measurement
+        p.error(f"--out: {args.out} exists; name a new file")
     if not all("=" in pair for env in args.envs for pair in env.split(",")):
         p.error("--envs: each is NAME=VALUE, or several joined by commas")
     args.data_dir = os.path.abspath(args.data_dir)
-    if not all(os.path.isdir(os.path.join(args.data_dir, split)) for split in ("train", "test")):
+    if not args.dry and not all(os.path.isdir(os.path.join(args.data_dir, split)) for split in ("train", "test")):
         p.error(f"--data-dir: {args.data_dir} is not an image folder with train/ and test/")
     return args
 
 
-def run_once(args, workload, way, out):
-    """One run; (seconds a round, the threads a process used, final test accuracy)."""
+def command(args, workload, way, out):
+    """The command line and environment of one run."""
     script, *flags = WORKLOADS[workload].split()
     flags += ["--dataset", "folder", "--data-dir", args.data_dir, "--device", "cpu", "--out", out]
     flags += [
@@ -97,7 +107,12 @@ def run_once(args, workload, way, out):
         flags += ["--threads", way.split()[0]]
     elif way.startswith("torchrun"):
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    cmd = [*launcher, os.path.join(ROOT, script), *flags]
+    return [*launcher, os.path.join(ROOT, script), *flags], env
+
+
+def run_once(args, workload, way, out):
+    """One run; (seconds a round, the threads a process used, final test accuracy)."""
+    cmd, env = command(args, workload, way, out)
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.run_timeout)
     except subprocess.TimeoutExpired:  # oversubscribed threads can be tens of times slower: a row, not a stall
@@ -113,7 +128,9 @@ def run_once(args, workload, way, out):
 
 
 def ways_of(args, cycle=1):  # every other cycle in reverse: over two cycles each way runs at the same mean place
-    ways = [WAYS[0], *[f"default {env}" for env in args.envs], *WAYS[1:]]
+    counts = [f"{n} thread{'s' * (n > 1)}" for n in getattr(args, "thread_counts", [1, 2])]
+    torchrun = [] if getattr(args, "no_torchrun", False) else ["torchrun 2x1"]
+    ways = ["default", *[f"default {env}" for env in args.envs], *counts, *torchrun]
     return ways if cycle % 2 else ways[::-1]
 
 
@@ -135,14 +152,24 @@ def table(runs, args):
             secs = {way: stat(r["s_per_round"] or inf for r in rs) for way, rs in sel.items()}
             picked = "".join(f" | {sorted({r['threads'] for r in sel[way] if r['threads']})} threads" for way in picks)
             cells = [f"{secs[w_]:.2f}" if secs[w_] < inf else f"timed out ({args.run_timeout:.0f} s)" for w_ in ways]
-            best = min(secs[way] for way in ways if way.endswith(("thread", "threads")))  # --threads 1, --threads 2
-            ratios = f"{secs['default'] / best:.2f} | {secs['default'] / secs['torchrun 2x1']:.2f}"
+            counts = [secs[way] for way in ways if way.endswith(("thread", "threads"))]  # over --thread-counts
+            best = f"{secs['default'] / min(counts):.2f}" if counts else "-"  # "-": a way not measured
+            torchrun = f"{secs['default'] / secs['torchrun 2x1']:.2f}" if "torchrun 2x1" in secs else "-"
+            ratios = f"{best} | {torchrun}"
             lines.append(f"| {w} | {c} | " + " | ".join(cells) + f"{picked} | {ratios} |")
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
     args = parse_args()
+    if args.dry:
+        print(f"# {args.cycles} cycles of {args.conditions}, each these runs (every other cycle in reverse)")
+        for workload in args.workloads:
+            for way in ways_of(args):
+                cmd, env = command(args, workload, way, os.path.join("TMP", f"{workload}-{way.replace(' ', '-')}"))
+                changed = [f"{k}={v}" for k, v in env.items() if os.environ.get(k) != v]
+                print(shlex.join([*changed, os.path.basename(cmd[0]), *cmd[1:]]))
+        sys.exit(0)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     runs = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -974,9 +974,55 @@ def test_threads_ways_alternate_their_order_so_none_always_runs_first():
     assert second == first[::-1] and threads.ways_of(args, 3) == first
 
 
+def test_threads_counts_default_to_the_cores_powers_of_two_and_the_cores(monkeypatch):
+    """--thread-counts: 1 2 on two cores, 1 2 4 8 on eight, 1 2 4 8 12 on twelve (the cores: the affinity, as
+    common.py counts them); the ways run each count, then torchrun 2x1 unless --no-torchrun."""
+    threads = importlib.import_module("threads")
+    got = {}
+    for cores in (1, 2, 8, 12):
+        monkeypatch.setattr(threads.os, "sched_getaffinity", lambda _, n=cores: set(range(n)), raising=False)
+        monkeypatch.setattr(sys, "argv", ["threads.py", "--data-dir", "/nowhere", "--dry"])
+        got[cores] = threads.parse_args().thread_counts
+    assert got == {1: [1], 2: [1, 2], 8: [1, 2, 4, 8], 12: [1, 2, 4, 8, 12]}
+    args = argparse.Namespace(envs=[], thread_counts=[2, 4], no_torchrun=True)
+    assert threads.ways_of(args, 1) == ["default", "2 threads", "4 threads"]
+    assert threads.ways_of(argparse.Namespace(envs=[], thread_counts=[1]), 2) == ["torchrun 2x1", "1 thread", "default"]
+
+
+def test_threads_table_takes_the_best_of_every_count_and_says_what_was_not_measured():
+    threads = importlib.import_module("threads")
+    secs = {"default": [5.0], "2 threads": [6.0], "4 threads": [4.0], "8 threads": [4.5]}
+    runs = [dict(workload="fedfn-small", condition="idle", way=w, s_per_round=s[0], threads=8) for w, s in secs.items()]
+    args = argparse.Namespace(workloads=["fedfn-small"], conditions=["idle"], run_timeout=900)
+    assert threads.table(runs, args).splitlines()[2] == (
+        "| fedfn-small | idle | 5.00 | 6.00 | 4.00 | 4.50 | [8] threads | 1.25 | - |"  # 5 / 4, the best: 4 threads
+    )
+    alone = threads.table(runs[:1], args).splitlines()[2]  # a run cut short after its default
+    assert alone == "| fedfn-small | idle | 5.00 | [8] threads | - | - |"
+
+
+def test_threads_dry_prints_each_runs_command_and_runs_none(tmp_path):
+    out = tmp_path / "t.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "threads.py"), "--data-dir", str(tmp_path / "none")]
+    cmd += ["--workloads", "fedfn-small", "--thread-counts", "2", "4", "--no-torchrun", "--out", str(out), "--dry"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and not out.exists(), res.stderr
+    runs = [shlex.split(line) for line in res.stdout.splitlines() if not line.startswith("#")]
+    assert [a[a.index("--threads") + 1] if "--threads" in a else None for a in runs] == [None, "2", "4"]
+    assert all(a[1].endswith("fedfn.py") and a[a.index("--device") + 1] == "cpu" for a in runs)
+    out.write_text("{}")  # an earlier measurement: refused, not overwritten
+    res = subprocess.run([*cmd[:-1]], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "--out" in res.stderr.strip().splitlines()[-1] and out.read_text() == "{}"
+
+
 @pytest.mark.parametrize(
     "flags,flag",
-    [(["--data-dir", "no-such-folder"], "--data-dir"), (["--rounds", "0"], "--rounds"), (["--envs", "X"], "--envs")],
+    [
+        (["--data-dir", "no-such-folder"], "--data-dir"),
+        (["--rounds", "0"], "--rounds"),
+        (["--envs", "X"], "--envs"),
+        (["--thread-counts", "0"], "--thread-counts"),
+    ],
 )
 def test_threads_refuses_bad_input_in_one_line(flags, flag, tmp_path):
     base = ["--data-dir", str(tmp_path)]

@@ -1,7 +1,7 @@
 """benchmarks/gpu.sh, the one script a lent GPU machine runs: MODE=dry prints commands that each script's own
 parser accepts; MODE=tiny runs every stage end to end on the CPU at toy size (the first call's stages, smoke,
-times and fedbabu, about 1.5 min on one thread; the default ones, levers and pair, about 30 s) and leaves the
-files the GPU call brings back; a failing stage is reported and the next one still runs. Also
+times and fedbabu, about 1.5 min on one thread; the speed call's, threads and levers, and pair, about 40 s) and
+leaves the files the GPU call brings back; a failing stage is reported and the next one still runs. Also
 benchmarks/levers.py's arithmetic: FLOPs and floors of the five paper configurations against the expected ones, the
 projection of a timed slice to the paper's round, the pair's choice of lever."""
 
@@ -83,7 +83,7 @@ def dry_commands(stdout):
 
 @pytest.mark.slow  # every command of gpu.sh through its parser
 def test_dry_run_prints_commands_each_parser_accepts(tmp_path, places, monkeypatch, capsys):  # noqa: F811
-    res = gpu_sh(tmp_path, *FIRST_CALL, "levers", "pair", MODE="dry", timeout=120)
+    res = gpu_sh(tmp_path, *FIRST_CALL, "threads", "levers", "pair", MODE="dry", timeout=120)
     assert res.returncode == 0, res.stderr
     assert not (tmp_path / "work").exists() and not (tmp_path / "out").exists()  # nothing ran, nothing written
     commands = dry_commands(res.stdout)
@@ -147,6 +147,14 @@ def test_dry_run_prints_commands_each_parser_accepts(tmp_path, places, monkeypat
     assert sorted(a[a.index("--resume") + 1] for a in pair if "--resume" in a) == sorted(
         a[a.index("--out") + 1] for a in firsts
     )
+    # threads: idle then loaded, each the default and --threads 2, 4, 8 of fedbabu-small and fedfn-small on the CPU
+    tables = [a for _, a in commands if a[1] == "benchmarks/threads.py"]
+    assert [a[a.index("--conditions") + 1] for a in tables] == ["idle", "loaded"]
+    for m in ["fedbabu", "fedfn"]:
+        runs = [a for _, a in commands if a[1].endswith(f"/{m}.py") and "TMP/" in " ".join(a)]  # threads.py --dry
+        assert all(a[a.index("--device") + 1] == "cpu" for a in runs), m
+        got = [a[a.index("--threads") + 1] if "--threads" in a else "default" for a in runs]
+        assert got == ["default", "2", "4", "8"] * 2, (m, got)
 
 
 @pytest.mark.slow  # every stage of gpu.sh, each script several times
@@ -181,6 +189,12 @@ def test_tiny_mode_runs_every_stage_end_to_end(tmp_path):
     assert "##### stage times: ok" in (out / "log.txt").read_text()
 
 
+def test_the_default_call_is_env_data_threads_levers(tmp_path):
+    res = gpu_sh(tmp_path, MODE="dry", timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert re.findall(r"^# ---- stage (\w+)$", res.stdout, re.M) == ["env", "data", "threads", "levers"]
+
+
 def test_a_failing_stage_is_reported_and_the_next_still_runs(tmp_path):
     res = gpu_sh(
         tmp_path,
@@ -205,14 +219,15 @@ def test_a_failing_stage_is_reported_and_the_next_still_runs(tmp_path):
 
 @pytest.mark.slow  # torchrun and six script processes (about 30 s)
 def test_tiny_levers_and_pair_end_to_end(tmp_path):
-    """The default stages (levers and pair) at toy size: the levers table with today, torchrun 2 and together
-    timed, the FLOP table of all five configurations, the pair run side by side, stopped and resumed."""
-    res = gpu_sh(tmp_path, MODE="tiny", DEVICE="cpu", timeout=300)
+    """The speed call's stages (threads, levers; pair by name) at toy size: the idle threads table, the levers
+    table with today, torchrun 2 and together timed, the FLOP table of all five configurations, the pair run side
+    by side, stopped and resumed."""
+    res = gpu_sh(tmp_path, "env", "data", "threads", "levers", "pair", MODE="tiny", DEVICE="cpu", timeout=300)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     out = tmp_path / "out"
     assert set(os.listdir(out)) == {"log.txt", "env.txt", "fedbabu.md", "speed.md", "summary.md", "runs.tar.gz"}
     summary = (out / "summary.md").read_text()
-    for stage in ["env", "data", "levers", "pair"]:
+    for stage in ["env", "data", "threads", "levers", "pair"]:
         assert re.search(rf"^\| {stage} \| ok \| \d+ \|$", summary, re.M), summary
     speed = (out / "speed.md").read_text()
     for lever in ["today", "torchrun 2", "together", "today (in-process)"]:
@@ -227,7 +242,14 @@ def test_tiny_levers_and_pair_end_to_end(tmp_path):
         assert re.search(r"\| 4 \| 0\.\d+ \| [\d.]+ \| partial", row), row  # 2 rounds, then 2 more resumed
     with tarfile.open(out / "runs.tar.gz") as tar:
         names = tar.getnames()
-    assert "levers/levers.json" in names and "pair/pair.json" in names
+    assert "levers/levers.json" in names and "pair/pair.json" in names and "threads/threads-idle.json" in names
+    assert "threads/tables.md" in names
+    with tarfile.open(out / "runs.tar.gz") as tar:
+        idle = {r["way"]: r["s_per_round"] for r in json.load(tar.extractfile("threads/threads-idle.json"))["runs"]}
+    assert set(idle) == {"default", "1 thread"}  # the default against --threads 1, on the CPU, no torchrun
+    cores = len(os.sched_getaffinity(0))  # the default's threads
+    row = f"| fedfn-small | idle | {idle['default']:.2f} | {idle['1 thread']:.2f} | [{cores}] threads | "
+    assert row + f"{idle['default'] / idle['1 thread']:.2f} | - |" in summary.splitlines(), summary
     assert "pair/fedfn/metrics.jsonl" in names and "pair/fedavg/config.json" in names
     assert not any(n.endswith(".pt") for n in names)  # checkpoints stay behind (37 MB each for VGG11)
 
