@@ -77,8 +77,6 @@ def parse_args():
     args.thread_counts = args.thread_counts or [*[2**i for i in range(cores.bit_length()) if 2**i < cores], cores]
     if min(args.thread_counts) < 1:
         p.error("--thread-counts must be at least 1")
-    if os.path.exists(args.out) and not args.dry:  # never over an earlier measurement
-        p.error(f"--out: {args.out} exists; name a new file")
     if not all("=" in pair for env in args.envs for pair in env.split(",")):
         p.error("--envs: each is NAME=VALUE, or several joined by commas")
     args.data_dir = os.path.abspath(args.data_dir)
@@ -170,6 +168,9 @@ if __name__ == "__main__":
                 changed = [f"{k}={v}" for k, v in env.items() if os.environ.get(k) != v]
                 print(shlex.join([*changed, os.path.basename(cmd[0]), *cmd[1:]]))
         sys.exit(0)
+    if os.path.exists(args.out):  # never over an earlier measurement
+        print(f"threads.py: error: --out: {args.out} exists; name a new file", file=sys.stderr)
+        sys.exit(2)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     runs = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -1011,6 +1011,8 @@ def test_threads_dry_prints_each_runs_command_and_runs_none(tmp_path):
     assert [a[a.index("--threads") + 1] if "--threads" in a else None for a in runs] == [None, "2", "4"]
     assert all(a[1].endswith("fedfn.py") and a[a.index("--device") + 1] == "cpu" for a in runs)
     out.write_text("{}")  # an earlier measurement: refused, not overwritten
+    for split in ("train", "test"):
+        (tmp_path / "none" / split).mkdir(parents=True)
     res = subprocess.run([*cmd[:-1]], capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "--out" in res.stderr.strip().splitlines()[-1] and out.read_text() == "{}"
 
