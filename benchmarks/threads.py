@@ -11,7 +11,7 @@ ways:
   default ENV    the same with the environment variable(s) of --envs set, e.g. GOMP_SPINCOUNT=300000 (libgomp's
                  own default, the scripts' before they set one) or OMP_WAIT_POLICY=PASSIVE
   N threads      python SCRIPT ... --threads N, for each N of --thread-counts (default: the powers of two below the
-                 cores, and the cores: 1 and 2 on two cores; 1 2 4 8 16 on sixteen); the best of them is the bound's
+                 cores, and the cores: 1 and 2 on two cores; 1 2 4 8 16 on sixteen); the best: the bounds' yardstick
   torchrun 2x1   torchrun --nproc_per_node 2 SCRIPT ...   (torchrun sets OMP_NUM_THREADS=1 a rank; --no-torchrun: not)
 and two conditions: idle, and loaded (--load busy processes, `while True: pass`, started first; default: one a core).
 The default takes the machine's cores (a function of the machine alone: one command, one set of numbers). Each run
