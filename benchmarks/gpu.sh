@@ -137,6 +137,9 @@ stage_env() {
   {
     echo "date: $(date -u +%FT%TZ); host: $(uname -srm); CPUs: $(nproc --all); memory: $(free -g 2>/dev/null | awk '/Mem:/ {print $2 " GiB"}')"
     echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo '?') $(git status --porcelain 2>/dev/null | wc -l | tr -d ' ') changed files"
+    # the CPUs the threads stage runs on: hardware threads a core (two: 16 CPUs are 8 cores), this process's share
+    lscpu 2>/dev/null | grep -E '^(Model name|Thread\(s\) per core|Core\(s\) per socket|Socket\(s\)):' || true
+    echo "CPUs this process may use (the scripts' default threads): $("$PYTHON" -c 'import os; print(len(os.sched_getaffinity(0)))')"
     if command -v nvidia-smi > /dev/null; then
       nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit --format=csv || true
       nvidia-smi || true

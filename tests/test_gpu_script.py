@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -242,12 +243,15 @@ def test_tiny_levers_and_pair_end_to_end(tmp_path):
         assert re.search(r"\| 4 \| 0\.\d+ \| [\d.]+ \| partial", row), row  # 2 rounds, then 2 more resumed
     with tarfile.open(out / "runs.tar.gz") as tar:
         names = tar.getnames()
+    cores = len(os.sched_getaffinity(0))  # the default's threads, which env.txt names beside the CPU's topology
+    env_txt = (out / "env.txt").read_text()
+    assert f"default threads): {cores}\n" in env_txt
+    assert ("Thread(s) per core:" in env_txt) == bool(shutil.which("lscpu"))
     assert "levers/levers.json" in names and "pair/pair.json" in names and "threads/threads-idle.json" in names
     assert "threads/tables.md" in names
     with tarfile.open(out / "runs.tar.gz") as tar:
         idle = {r["way"]: r["s_per_round"] for r in json.load(tar.extractfile("threads/threads-idle.json"))["runs"]}
     assert set(idle) == {"default", "1 thread"}  # the default against --threads 1, on the CPU, no torchrun
-    cores = len(os.sched_getaffinity(0))  # the default's threads
     row = f"| fedfn-small | idle | {idle['default']:.2f} | {idle['1 thread']:.2f} | [{cores}] threads | "
     assert row + f"{idle['default'] / idle['1 thread']:.2f} | - |" in summary.splitlines(), summary
     assert "pair/fedfn/metrics.jsonl" in names and "pair/fedavg/config.json" in names
