@@ -383,7 +383,7 @@ for name in ("threads-idle", "threads"):
         print(f"{name}.json: not written (not run, or stopped before its first run ended)\n")
         continue
     saved = json.load(open(path))
-    a, n, cores = saved["args"], len(saved["runs"]), saved["cpu_count"]
+    a, n, cores = saved["args"], len(saved["runs"]), saved.get("cores", saved["cpu_count"])
     conditions, rounds = " ".join(a["conditions"]), a["rounds"]
     print(f"{name}.json: {n} runs on {cores} cores, {conditions}, R={rounds}")
     print(threads.table(saved["runs"], argparse.Namespace(**a)) + "\n")'

@@ -47,6 +47,10 @@ WORKLOADS = {
 }
 
 
+def cores():  # the CPUs this process may use, as common.py counts them for the scripts' default threads
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
 def parse_args():
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -54,8 +58,7 @@ def parse_args():
     p.add_argument("--data-dir", required=True, help="CIFAR-10 image folder (train/<class>/*, test/<class>/*)")
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS), help="a subset")
     p.add_argument("--conditions", nargs="+", default=["idle", "loaded"], choices=["idle", "loaded"], help="a subset")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # as common.py
-    p.add_argument("--load", type=int, default=cores, help="busy processes of the loaded condition [the cores]")
+    p.add_argument("--load", type=int, default=cores(), help="busy processes of the loaded condition [the cores]")
     p.add_argument(
         "--envs",
         nargs="*",
@@ -74,7 +77,8 @@ def parse_args():
     args = p.parse_args()
     if args.rounds < 1 or args.cycles < 1 or args.load < 1:
         p.error("--rounds, --cycles and --load must be at least 1")
-    args.thread_counts = args.thread_counts or [*[2**i for i in range(cores.bit_length()) if 2**i < cores], cores]
+    n = cores()
+    args.thread_counts = args.thread_counts or [*[2**i for i in range(n.bit_length()) if 2**i < n], n]
     if min(args.thread_counts) < 1:
         p.error("--thread-counts must be at least 1")
     if not all("=" in pair for env in args.envs for pair in env.split(",")):
@@ -190,13 +194,19 @@ if __name__ == "__main__":
                             said = f"{sec:.2f} s/round, threads {threads}, acc {acc:.4f}" if sec else "timed out"
                             print(f"{condition} {cycle} {workload} {way}: {said}, load before {load:.2f}", flush=True)
                             with open(args.out, "w") as f:
-                                json.dump({"args": vars(args), "cpu_count": os.cpu_count(), "runs": runs}, f, indent=1)
+                                saved = {
+                                    "args": vars(args),
+                                    "cpu_count": os.cpu_count(),
+                                    "cores": cores(),
+                                    "runs": runs,
+                                }
+                                json.dump(saved, f, indent=1)
             finally:
                 for proc in busy:
                     proc.terminate()
                     proc.wait()
     print(
-        f"\n{os.cpu_count()} cores; s/round: over {args.cycles} cycles ({args.idle_statistic} idle, median loaded) of "
+        f"\n{cores()} cores; s/round: over {args.cycles} cycles ({args.idle_statistic} idle, median loaded) of "
         f"rounds {args.rounds + 1}-{2 * args.rounds} (one test-set evaluation in each R)"
     )
     print(table(runs, args))

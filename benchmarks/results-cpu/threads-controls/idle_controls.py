@@ -46,7 +46,7 @@ with tempfile.TemporaryDirectory() as tmp:
     for cycle in range(1, cycles + 1):
         for workload, way in [pair for block in blocks for pair in (block if cycle % 2 else block[::-1])]:
             out = os.path.join(tmp, f"{cycle}-{workload}-{way}")
-            steal_before = steal()
+            steal_before = steal() if control == "drift" else None  # Linux's /proc/stat
             sec, thr, acc = threads.run_once(args, workload, way, out)
             rows.append(dict(cycle=cycle, workload=workload, way=way, s_per_round=sec, threads=thr, test_acc=acc))
             if control == "drift":  # each round's seconds from the second (the first holds start-up)
