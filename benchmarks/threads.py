@@ -193,14 +193,10 @@ if __name__ == "__main__":
                             runs.append({**row, "threads": threads, "test_acc": acc, "loadavg_before": load})
                             said = f"{sec:.2f} s/round, threads {threads}, acc {acc:.4f}" if sec else "timed out"
                             print(f"{condition} {cycle} {workload} {way}: {said}, load before {load:.2f}", flush=True)
-                            with open(args.out, "w") as f:
-                                saved = {
-                                    "args": vars(args),
-                                    "cpu_count": os.cpu_count(),
-                                    "cores": cores(),
-                                    "runs": runs,
-                                }
+                            saved = {"args": vars(args), "cpu_count": os.cpu_count(), "cores": cores(), "runs": runs}
+                            with open(args.out + ".part", "w") as f:  # then renamed: a stop mid-write leaves the last
                                 json.dump(saved, f, indent=1)
+                            os.replace(args.out + ".part", args.out)
             finally:
                 for proc in busy:
                     proc.terminate()
