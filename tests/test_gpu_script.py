@@ -243,14 +243,13 @@ def test_tiny_levers_and_pair_end_to_end(tmp_path):
         assert re.search(r"\| 4 \| 0\.\d+ \| [\d.]+ \| partial", row), row  # 2 rounds, then 2 more resumed
     with tarfile.open(out / "runs.tar.gz") as tar:
         names = tar.getnames()
+        idle = {r["way"]: r["s_per_round"] for r in json.load(tar.extractfile("threads/threads-idle.json"))["runs"]}
     cores = len(os.sched_getaffinity(0))  # the default's threads, which env.txt names beside the CPU's topology
     env_txt = (out / "env.txt").read_text()
     assert f"default threads): {cores}\n" in env_txt
     assert ("Thread(s) per core:" in env_txt) == bool(shutil.which("lscpu"))
     assert "levers/levers.json" in names and "pair/pair.json" in names and "threads/threads-idle.json" in names
     assert "threads/tables.md" in names
-    with tarfile.open(out / "runs.tar.gz") as tar:
-        idle = {r["way"]: r["s_per_round"] for r in json.load(tar.extractfile("threads/threads-idle.json"))["runs"]}
     assert set(idle) == {"default", "1 thread"}  # the default against --threads 1, on the CPU, no torchrun
     row = f"| fedfn-small | idle | {idle['default']:.2f} | {idle['1 thread']:.2f} | [{cores}] threads | "
     assert row + f"{idle['default'] / idle['1 thread']:.2f} | - |" in summary.splitlines(), summary
