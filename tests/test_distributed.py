@@ -477,7 +477,7 @@ def test_torchrun_bad_flag_refusal_and_ctrl_c_are_one_line_each(tmp_path):
     os.killpg(job.pid, signal.SIGINT)
     stdout, err = job.communicate(timeout=120)
     assert not rank_frames(err) and err.count("SIGINT: finishing this round, then a checkpoint") == 1, err[-3000:]
-    assert stdout.count(f"continue with: python fedavg.py --resume {out}") == 1, stdout[-1000:]
+    assert stdout.count(f"continue with: python fedavg.py --resume {out}") == 1, stdout[-1000:] + err[-3000:]
     assert 1 <= len(metrics(out)) < 300 and not (out / "summary.json").exists()
     finish(start(torchrun_cmd(2, "fedavg.py", "--resume", out)), whole)
     assert_same_run(tmp_path / "whole", out)
