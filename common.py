@@ -2,9 +2,8 @@
 device) and evaluation, partitions, aggregation math (FedProx, SCAFFOLD), personalization, models; then one short
 block of run helpers (flags, the run folder, checkpoints, Ctrl-C, torchrun), which is not federated learning.
 
-A script imports what it needs and keeps its own training loop: one script plus this file is all a reader copies.
-Datasets, partitions and models are registered by name (@dataset, @partition, @register_model): a reader follows
-only the ones a run uses.
+A script keeps its own training loop: one script plus this file is all a reader copies. Datasets, partitions and
+models are registered by name (@dataset, @partition, @register_model): a reader follows only the ones a run uses.
 """
 
 import argparse
@@ -195,8 +194,7 @@ def image_folder(args):
     names = class_order(root, seen := sorted({c for found in train_found.values() for c in found}))
     per_group = grouped and set(_listing(test)[0]) == set(groups)
     test_found = {g: classes(f"{test}/{g}", some=False) for g in groups} if per_group else {"": classes(test, seen)}
-    extra = [f"{g}/{c}".lstrip("/") for g, found in test_found.items() for c in found if c not in names]
-    if extra:
+    if extra := [f"{g}/{c}".lstrip("/") for g, found in test_found.items() for c in found if c not in names]:
         refuse(f"--data-dir: {test} has class folder(s) {', '.join(extra[:3])} of no class in {train}")
     if empty_tests:
         print(f"note: {len(empty_tests)} test class folder(s) hold no images, e.g. {empty_tests[0]}", file=sys.stderr)
@@ -526,8 +524,7 @@ def make_partition(args, data):
         scheme = scheme if natural else f"{len(data.groups)} domains x {m} clients, {scheme}"
     else:
         parts, scheme = split(np.arange(len(labels)), args.num_clients)
-    empty = [k for k, p in enumerate(parts) if len(p) == 0]
-    if empty:
+    if empty := [k for k, p in enumerate(parts) if len(p) == 0]:
         more = f" (and {len(empty) - 1} more)" * (len(empty) > 1)
         refuse(f"{'--clients-per-domain' if m else '--num-clients'}: client {empty[0]} of {len(parts)}{more} received "
                f"no training data under {scheme} ({len(labels)} training samples); use fewer clients")  # fmt: skip
@@ -1158,9 +1155,8 @@ def finish_args(parser, args, script):
     gpus, mps = torch.cuda.device_count(), args.device == "mps" and torch.backends.mps.is_available()
     if args.device.startswith("cuda") and int(args.device[5:] or 0) >= gpus or args.device == "mps" and not mps:
         err(f"--device: {args.device} is not on this machine ({gpus} CUDA GPUs{', no MPS' * (not mps)})")
-    # the threads: OMP_NUM_THREADS (torchrun's: 1 a process), else the cores: one command, one set of numbers
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    args.threads = args.threads or int(os.environ.get("OMP_NUM_THREADS") or cores)  # kept in config.json
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # usable ones
+    args.threads = args.threads or int(os.environ.get("OMP_NUM_THREADS") or cores)  # torchrun's 1, else the cores
     return args
 
 
@@ -1241,12 +1237,12 @@ class Run:
                 "settings": self.settings, "data": self.fingerprint}  # fmt: skip
 
     def interrupted(self):  # whether Ctrl-C or SIGTERM came (under torchrun: to any rank, so all stop together)
-        self.stop_signal = agree(self.stop_signal)
-        return self.stop_signal > 0
+        return agree(self.stop_signal) > 0
 
     def end_stopped(self, rnd):  # ends the run after round rnd: one line with the command that continues it
         self._bar.close()
-        print(f"stopped after round {rnd + 1}; continue with: python {self.script}.py --resume {self.dir}")
+        if self._bar.leave:  # else a stop signal's line gave it, in case a kill ended the round (_on_signal)
+            print(f"stopped after round {rnd + 1}; continue with: python {self.script}.py --resume {self.dir}")
         raise SystemExit(128 + self.stop_signal if self.stop_signal else 0)  # 130: Ctrl-C, 143: SIGTERM
 
     def end_diverged(self, rnd, train_loss):  # ends the run with exit 1: summary.json says it diverged
@@ -1285,14 +1281,16 @@ class Run:
 
     def _on_signal(self, signum, _):  # in the rounds: the loop stops after this one; before them, or again: at once
         if self.stop_signal and rank_and_world()[1] > 1:
-            return  # torchrun passes the terminal's Ctrl-C on to its ranks: the same stop
+            return  # a scheduler signals torchrun's agent and its ranks, and the agent passes it on: the same stop
         at_once, self.stop_signal = self._bar is None or self.stop_signal, signum
         if self.main:  # before the rounds (rows None) nothing was written; after, the last checkpoint stands
             kept = "nothing was written" if self.rows is None else "the run folder keeps what was saved (--resume)"
             print(f"\ninterrupted; {kept}" if at_once else f"\n{signal.Signals(signum).name}: finishing this round, "
-                  "then a checkpoint (again: at once)", file=sys.stderr)  # fmt: skip
+                  f"then a checkpoint (again: at once); continue with: python {self.script}.py --resume {self.dir}",
+                  file=sys.stderr if at_once else sys.stdout, flush=True)  # fmt: skip
         if at_once:
             raise SystemExit(128 + signum)
+        self._bar.leave = False  # the command said now, before a kill (a container's 10 s, torchrun's 30 s), stays last
 
 
 def _atomic_save(obj, path):  # torch.save (JSON for *.json, text for a str) to a temporary file, renamed: whole or none
@@ -1354,9 +1352,8 @@ def take_folder(args):
     return out
 
 
-# --- `torchrun --nproc_per_node K script.py`: K ranks share a round's clients; bit for bit one process (same threads)
 def setup_distributed(args):
-    """Under torchrun: join the process group, each rank on its GPU (NCCL), or ranks sharing GPUs or CPUs (gloo)."""
+    """Under `torchrun --nproc_per_node K`: joins the group; K ranks share each round's clients, bit for bit one run."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 or dist.is_initialized():
         return
     if cuda := args.device.startswith("cuda"):  # more ranks than GPUs (4 on one GPU): they share them, round-robin

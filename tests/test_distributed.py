@@ -443,41 +443,65 @@ def rank_frames(err):  # traceback lines that come from our code: torchrun's own
     return [line for line in err.splitlines() if line.strip().startswith('File "') and ROOT in line]
 
 
-def test_torchrun_bad_flag_refusal_and_ctrl_c_are_one_line_each(tmp_path):
-    """Under torchrun: a bad flag is printed once; a second job into a run folder in use is refused in one line and
-    its other rank exits quietly (no rank prints a traceback: what follows is torchrun's own report); Ctrl-C to the
-    job (SIGINT to its process group, as a terminal sends it) finishes the round, prints the --resume line once, and
-    --resume under torchrun ends as the uninterrupted one-process run."""
+def job(cmd, **env):  # a torchrun job in its own process group, as a terminal's foreground job
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    return subprocess.Popen([str(a) for a in cmd], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)  # fmt: skip
+
+
+def ctrl_c_after_round_1(proc, out):  # SIGINT to the job's process group once round 1 is in metrics.jsonl
     import signal
     import time
 
-    bad = start(torchrun_cmd(2, "fedavg.py", "--lr", "-1"))
-    _, err = bad.communicate(timeout=120)
-    assert bad.returncode != 0 and err.count("error: --lr: must be > 0, got -1") == 1 and not rank_frames(err), err
-    flags = [*CASES["fedavg"], "--local-steps", "1", "--rounds", "300"]
-    out = tmp_path / "run"
-    whole = start([sys.executable, "fedavg.py", *flags, "--out", tmp_path / "whole"])  # meanwhile, the reference
-    job = subprocess.Popen(
-        [str(a) for a in torchrun_cmd(2, "fedavg.py", *flags, "--out", out)],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        start_new_session=True,  # its own process group, as a terminal's foreground job
-    )
     deadline = time.time() + 120
     while time.time() < deadline and not ((out / "metrics.jsonl").exists() and metrics(out)):
         time.sleep(0.05)
-    second = start(torchrun_cmd(2, "fedavg.py", *flags, "--out", out))
+    os.killpg(proc.pid, signal.SIGINT)
+    return proc.communicate(timeout=120)
+
+
+def test_torchrun_bad_flag_refusal_and_ctrl_c_are_one_line_each(tmp_path):
+    """Under torchrun: a bad flag is printed once; a job into a run folder in use is refused in one line and its
+    other rank exits quietly (no rank prints a traceback: what follows is torchrun's own report); Ctrl-C to the job
+    (SIGINT to its process group, as a terminal sends it) prints the --resume line once, finishes the round, and
+    --resume under torchrun ends as the uninterrupted one-process run."""
+    import fcntl
+
+    held = tmp_path / "held"  # a run folder in use: locked as a running run locks its folder
+    held.mkdir()
+    fcntl.flock(lock := os.open(held, os.O_RDONLY), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    flags, out = [*CASES["fedavg"], "--local-steps", "1", "--rounds", "40"], tmp_path / "run"
+    bad, second = (
+        start(torchrun_cmd(2, "fedavg.py", "--lr", "-1")),
+        start(torchrun_cmd(2, "fedavg.py", *flags, "--out", held)),
+    )
+    whole = start([sys.executable, "fedavg.py", *flags, "--out", tmp_path / "whole"])  # meanwhile, the reference
+    stdout, err = ctrl_c_after_round_1(job(torchrun_cmd(2, "fedavg.py", *flags, "--out", out)), out)
+    assert not rank_frames(err) and "Traceback" not in stdout, err[-3000:]
+    said = "SIGINT: finishing this round, then a checkpoint (again: at once); continue with: python fedavg.py --resume"
+    assert stdout.count(f"{said} {out}\n") == 1 and stdout.count("--resume") == 1, stdout[-1000:] + err[-3000:]
+    assert 1 <= len(metrics(out)) < 40 and not (out / "summary.json").exists()
+    _, err = bad.communicate(timeout=120)
+    assert bad.returncode != 0 and err.count("error: --lr: must be > 0, got -1") == 1 and not rank_frames(err), err
     _, err = second.communicate(timeout=120)
+    os.close(lock)
     assert second.returncode != 0 and not rank_frames(err), err[-3000:]
-    assert err.count(f"fedavg.py: error: --out: another run is using {out} now") == 1, err[-3000:]
-    assert "fedavg.py: error" not in err.replace(f"fedavg.py: error: --out: another run is using {out} now", "")
-    os.killpg(job.pid, signal.SIGINT)
-    stdout, err = job.communicate(timeout=120)
-    assert not rank_frames(err) and err.count("SIGINT: finishing this round, then a checkpoint") == 1, err[-3000:]
-    assert stdout.count(f"continue with: python fedavg.py --resume {out}") == 1, stdout[-1000:] + err[-3000:]
-    assert 1 <= len(metrics(out)) < 300 and not (out / "summary.json").exists()
+    assert err.count(f"fedavg.py: error: --out: another run is using {held} now") == 1, err[-3000:]
+    assert "fedavg.py: error" not in err.replace(f"fedavg.py: error: --out: another run is using {held} now", "")
+    finish(start(torchrun_cmd(2, "fedavg.py", "--resume", out)), whole)
+    assert_same_run(tmp_path / "whole", out)
+
+
+def test_torchrun_killing_its_ranks_mid_round_leaves_the_line_and_the_last_checkpoint(tmp_path):
+    """torchrun SIGKILLs its ranks a grace after passing them a stop (30 s; here TORCH_ELASTIC_SHUTDOWN_TIMEOUT=2),
+    which a long round outlasts: the --resume line, printed at the signal, is there once; the round is lost, the
+    checkpoint of the one before stands, and --resume under torchrun ends as the uninterrupted run."""
+    flags, out = [*CASES["fedavg"], "--local-steps", "100", "--rounds", "3"], tmp_path / "run"  # rounds of seconds
+    whole = start([sys.executable, "fedavg.py", *flags, "--out", tmp_path / "whole"])
+    proc = job(torchrun_cmd(2, "fedavg.py", *flags, "--out", out), TORCH_ELASTIC_SHUTDOWN_TIMEOUT="2")
+    stdout, err = ctrl_c_after_round_1(proc, out)
+    assert not rank_frames(err) and stdout.count(f"continue with: python fedavg.py --resume {out}\n") == 1, err[-3000:]
+    assert len(metrics(out)) == torch.load(out / "checkpoint.pt", weights_only=False)["round"] == 1  # round 2: cut
+    assert sorted(os.listdir(out)) == ["checkpoint.pt", "config.json", "metrics.jsonl", "partition.json"]
     finish(start(torchrun_cmd(2, "fedavg.py", "--resume", out)), whole)
     assert_same_run(tmp_path / "whole", out)

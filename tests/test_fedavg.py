@@ -247,20 +247,25 @@ def test_stop_and_resume_equals_uninterrupted(runs):
 
 
 @pytest.mark.slow  # a run interrupted and resumed
-@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGKILL, -9)])
 def test_ctrl_c_or_sigterm_writes_checkpoint_and_resume_is_the_whole_run(sig, code, tmp_path):
-    """Ctrl-C, or SIGTERM (a scheduler's preemption): the round ends, a checkpoint, one line with the --resume
-    command, exit 128 + the signal; --resume then ends as the uninterrupted run, bit for bit."""
+    """Ctrl-C, or SIGTERM (a scheduler's preemption): one line with the --resume command at once, then the round
+    ends, a checkpoint, exit 128 + the signal. SIGKILL: SIGTERM, then a kill once that line is out (a container's
+    stop after its grace): the line stays, and so does the last checkpoint. --resume then ends as the uninterrupted
+    run, bit for bit."""
     out, flags = tmp_path / "run", [*TINY, "--iid", "--rounds", "60", "--local-steps", "1", "--save-model"]
     whole = start_script("fedavg.py", *flags, "--out", tmp_path / "whole")
     proc = start_script("fedavg.py", *flags, "--out", out)
     deadline = time.time() + 120
     while time.time() < deadline and not (os.path.exists(out / "metrics.jsonl") and metrics(out)):
         time.sleep(0.05)
-    proc.send_signal(sig)
+    proc.send_signal(signal.SIGTERM if sig == signal.SIGKILL else sig)
+    said = [proc.stdout.readline() for _ in range(3)]  # the start line, an empty one, the signal's line
+    if sig == signal.SIGKILL:
+        proc.kill()
     stdout, err = proc.communicate(timeout=120)
     assert proc.returncode == code and "Traceback" not in err, err[-2000:]
-    assert stdout.strip().splitlines()[-1].endswith(f"continue with: python fedavg.py --resume {out}"), stdout
+    assert said[2].endswith(f"; continue with: python fedavg.py --resume {out}\n") and not stdout.strip(), said
     ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
     assert 1 <= ckpt["round"] < 60 and len(metrics(out)) == ckpt["round"]
     run_script("fedavg.py", "--resume", out)
