@@ -449,12 +449,12 @@ def job(cmd, **env):  # a torchrun job in its own process group, as a terminal's
                             env=env, start_new_session=True)  # fmt: skip
 
 
-def ctrl_c_after_round_1(proc, out):  # SIGINT to the job's process group once round 1 is in metrics.jsonl
+def ctrl_c_after_round_1(proc, out):  # SIGINT to the job's process group once round 1 is checkpointed
     import signal
     import time
 
     deadline = time.time() + 120
-    while time.time() < deadline and not ((out / "metrics.jsonl").exists() and metrics(out)):
+    while time.time() < deadline and not (out / "checkpoint.pt").exists():
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGINT)
     return proc.communicate(timeout=120)
