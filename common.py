@@ -1353,7 +1353,7 @@ def take_folder(args):
 
 
 def setup_distributed(args):
-    """Under `torchrun --nproc_per_node K`: joins the group; K ranks share each round's clients, bit for bit one run."""
+    """Joins torchrun's group: K ranks share each round's clients, bit for bit one process at the same threads."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 or dist.is_initialized():
         return
     if cuda := args.device.startswith("cuda"):  # more ranks than GPUs (4 on one GPU): they share them, round-robin
