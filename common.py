@@ -1230,7 +1230,8 @@ class Run:
 
     def bar(self, rounds):  # the loop's rounds under a bar (rank 0's), with the latest test accuracy that log sets
         self._bar = tqdm(rounds, self.script, self.args.rounds, initial=rounds.start, disable=not self.main)
-        return self._bar
+        yield from self._bar
+        self._bar = None  # after the rounds (fine-tuning, ...) a stop signal ends the run at once; --resume redoes it
 
     def snapshot(self, rnd):  # what --resume needs besides the server's state (and checks)
         return {"round": rnd + 1, "elapsed_s": self.elapsed, "sampler": self.sampler.bit_generator.state,
@@ -1241,7 +1242,7 @@ class Run:
 
     def end_stopped(self, rnd):  # ends the run after round rnd: one line with the command that continues it
         self._bar.close()
-        if self._bar.leave:  # else a stop signal's line gave it, in case a kill ended the round (_on_signal)
+        if not self.stop_signal:  # else this process's stop signal gave it, in case a kill ended the round (_on_signal)
             print(f"stopped after round {rnd + 1}; continue with: python {self.script}.py --resume {self.dir}")
         raise SystemExit(128 + self.stop_signal if self.stop_signal else 0)  # 130: Ctrl-C, 143: SIGTERM
 
@@ -1279,18 +1280,17 @@ class Run:
             whole = f"the files written before are whole: once that is fixed, --resume {self.dir} continues"
             sys.exit(f"{self.script}.py: error: cannot write {self.dir}/{name}: {e.strerror or e}; {whole}")
 
-    def _on_signal(self, signum, _):  # in the rounds: the loop stops after this one; before them, or again: at once
+    def _on_signal(self, signum, _):  # in the rounds: the loop stops after this one; outside them, or again: at once
         if self.stop_signal and rank_and_world()[1] > 1:
             return  # a scheduler signals torchrun's agent and its ranks, and the agent passes it on: the same stop
         at_once, self.stop_signal = self._bar is None or self.stop_signal, signum
-        if self.main:  # before the rounds (rows None) nothing was written; after, the last checkpoint stands
+        if self.main:  # in the rounds, the command now: a kill may end the round (a container's 10 s, torchrun's 30 s)
             kept = "nothing was written" if self.rows is None else "the run folder keeps what was saved (--resume)"
             print(f"\ninterrupted; {kept}" if at_once else f"\n{signal.Signals(signum).name}: finishing this round, "
                   f"then a checkpoint (again: at once); continue with: python {self.script}.py --resume {self.dir}",
                   file=sys.stderr if at_once else sys.stdout, flush=True)  # fmt: skip
         if at_once:
             raise SystemExit(128 + signum)
-        self._bar.leave = False  # the command said now, before a kill (a container's 10 s, torchrun's 30 s), stays last
 
 
 def _atomic_save(obj, path):  # torch.save (JSON for *.json, text for a str) to a temporary file, renamed: whole or none

@@ -690,8 +690,8 @@ def test_the_picked_threads_are_used_kept_and_said(tmp_path, monkeypatch):
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_before_the_rounds_ends_at_once_and_in_them_after_the_round(sig, code, tmp_path, capsys):
     """Ctrl-C or SIGTERM while the data is read: at once, saying nothing was written (after start: what was kept);
-    in the rounds: a note, the loop's run.interrupted() is true and end_stopped exits 128 + the signal; again: at
-    once."""
+    in the rounds: the line to --resume, the loop's run.interrupted() is true and end_stopped exits 128 + the signal
+    (the line not again); again: at once; after the rounds: at once."""
     args = argparse.Namespace(out=str(tmp_path / "r"), seed=0, script="fedavg", device="cpu", threads=1, resume=None,
                               overwrite=False, rounds=3)  # fmt: skip
     try:
@@ -716,6 +716,12 @@ def test_a_signal_before_the_rounds_ends_at_once_and_in_them_after_the_round(sig
                 run.end_stopped(rnd)
             assert e.value.code == code and capsys.readouterr().out == ""  # the line once
             break
+        run.stop_signal = 0
+        for _ in run.bar(range(2)):
+            pass
+        with pytest.raises(SystemExit) as e:
+            run._on_signal(sig, None)  # after the rounds (a script's fine-tuning): at once, the last checkpoint kept
+        assert e.value.code == code and "keeps what was saved" in capsys.readouterr().err
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
