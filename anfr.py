@@ -768,7 +768,7 @@ if __name__ == "__main__":
                 ]
                 metrics["dp_epsilon"], metrics["dp_epsilon_max"] = eps, max(eps)
             run.log(metrics)
-        stop = not last and (rnd + 1 - start == args.stop_after or run.interrupted())  # --stop-after, Ctrl-C, SIGTERM
+        stop = (rnd + 1 - start == args.stop_after and not last) or run.interrupted()  # --stop-after, Ctrl-C, SIGTERM
         if stop or last or (rnd + 1) % (args.checkpoint_every or args.eval_every) == 0:  # default: each evaluation
             run.save({**state(), **run.snapshot(rnd)}, "checkpoint.pt")  # + round, sampler, clock
         if stop:

@@ -228,7 +228,7 @@ if __name__ == "__main__":
             # FedBABU: client_test_acc_mean is the initial accuracy of this round's global model
             tests = eval_metrics(model, data, partition.test, args.balanced_acc, amp=args.amp, val=partition.val)
             run.log({"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr})
-        stop = not last and (rnd + 1 - start == args.stop_after or run.interrupted())  # --stop-after, Ctrl-C, SIGTERM
+        stop = (rnd + 1 - start == args.stop_after and not last) or run.interrupted()  # --stop-after, Ctrl-C, SIGTERM
         if stop or last or (rnd + 1) % (args.checkpoint_every or args.eval_every) == 0:  # default: each evaluation
             run.save({"model": model.state_dict(), **run.snapshot(rnd)}, "checkpoint.pt")  # + round, sampler, clock
         if stop:

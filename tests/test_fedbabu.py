@@ -6,6 +6,7 @@ import os
 import runpy
 import signal
 import sys
+import time
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch.nn as nn
 
 import fedbabu
 from common import MODELS, Classifier, Data, FineTuning, evaluate, personalize
-from helpers import ROOT, assert_same_model, metrics, run_script, set_state, summary
+from helpers import ROOT, assert_same_model, metrics, run_script, set_state, start_script, summary
 
 # 4 clients, 2 sampled per round; the 8-channel 4convNet keeps the whole file fast on a CPU.
 TINY = [
@@ -324,6 +325,28 @@ def test_stop_and_resume_equals_uninterrupted(full_run, tmp_path):
     assert_same_model(tmp_path / "cut", full_run)
     drop = lambda s: {k: v for k, v in s.items() if k not in ("wall_time_s", "elapsed_s")}
     assert drop(summary(tmp_path / "cut")) == drop(summary(full_run))  # the personalization results too
+
+
+@pytest.mark.slow  # two runs, one stopped in its last round and resumed
+def test_a_stop_in_the_last_round_comes_before_the_fine_tuning(tmp_path):
+    """SIGTERM in the last round: the line to --resume, then the round ends with its checkpoint and the run stops
+    (exit 143, no summary.json) before the personalization; --resume then fine-tunes and ends as the whole run."""
+    flags, out = [*TINY, "--local-steps", "150", "--rounds", "2", "--save-model"], tmp_path / "cut"  # seconds a round
+    whole = start_script("fedbabu.py", *flags, "--out", tmp_path / "whole")
+    proc = start_script("fedbabu.py", *flags, "--out", out)
+    deadline = time.time() + 120
+    while time.time() < deadline and not os.path.exists(out / "checkpoint.pt"):  # round 1's
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stdout, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and stdout.count(f"continue with: python fedbabu.py --resume {out}") == 1, err
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["round"] == 2 and not (out / "summary.json").exists()
+    run_script("fedbabu.py", "--resume", out)
+    whole.communicate(timeout=120)
+    assert metrics(out) == metrics(tmp_path / "whole")
+    assert_same_model(out, tmp_path / "whole")
+    drop = lambda s: {k: v for k, v in s.items() if k not in ("wall_time_s", "elapsed_s")}
+    assert drop(summary(out)) == drop(summary(tmp_path / "whole"))  # the personalization results too
 
 
 def test_fedprox_anchor_is_detached(tmp_path):

@@ -138,7 +138,7 @@ def test_the_loop_shows_its_rounds_its_stop_and_its_checkpoint(name):
     assert ast.unparse(loop.iter) == "run.bar(range(start, args.rounds))" and ast.unparse(loop.target) == "rnd"
     stops = [a for a in loop.body if isinstance(a, ast.Assign) and ast.unparse(a.targets[0]) == "stop"]
     assert [ast.unparse(a.value) for a in stops] == [
-        "not last and (rnd + 1 - start == args.stop_after or run.interrupted())"
+        "rnd + 1 - start == args.stop_after and (not last) or run.interrupted()"
     ]
     ends = [n for n in loop.body if isinstance(n, ast.If) and ast.unparse(n.test) == "stop"]
     assert [ast.unparse(n.body[0]) for n in ends] == ["run.end_stopped(rnd)"]
