@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -52,6 +53,12 @@ def prepare(script, argv, monkeypatch, capsys=None):
     except SystemExit as e:
         err = capsys.readouterr().err.strip().splitlines() if capsys else []
         return e.code, err[-1] if err else ""
+
+
+def wait_for_checkpoint(out, timeout=120):  # round 1's checkpoint.pt, written after its metrics row: a signal now
+    deadline = time.time() + timeout  # falls in a later round, and a kill leaves round 1 to resume from
+    while time.time() < deadline and not os.path.exists(os.path.join(out, "checkpoint.pt")):
+        time.sleep(0.05)
 
 
 def start_script(script, *flags):

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from helpers import ROOT, RUN_BATCH, assert_same_model, metrics, run_script, summary
+from helpers import ROOT, RUN_BATCH, assert_same_model, metrics, run_script, summary, wait_for_checkpoint
 from test_common import write_folder
 
 pytestmark = pytest.mark.slow  # torchrun: several processes per run (the fast tier leaves it out)
@@ -151,15 +151,16 @@ def torchrun_cmd(k, *args):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(k), *map(str, args)]
 
 
-def start(cmd):
+def start(cmd, own_group=False, **env):  # own_group: its own process group, as a terminal's foreground job
     return subprocess.Popen(
         [str(a) for a in cmd],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # one thread per rank, as torchrun sets
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},  # one thread per rank, as torchrun sets
+        start_new_session=own_group,
+    )
 
 
 def finish(*procs):
@@ -443,19 +444,10 @@ def rank_frames(err):  # traceback lines that come from our code: torchrun's own
     return [line for line in err.splitlines() if line.strip().startswith('File "') and ROOT in line]
 
 
-def job(cmd, **env):  # a torchrun job in its own process group, as a terminal's foreground job
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
-    return subprocess.Popen([str(a) for a in cmd], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)  # fmt: skip
-
-
 def ctrl_c_after_round_1(proc, out):  # SIGINT to the job's process group once round 1 is checkpointed
     import signal
-    import time
 
-    deadline = time.time() + 120
-    while time.time() < deadline and not (out / "checkpoint.pt").exists():
-        time.sleep(0.05)
+    wait_for_checkpoint(out)
     os.killpg(proc.pid, signal.SIGINT)
     return proc.communicate(timeout=120)
 
@@ -476,7 +468,7 @@ def test_torchrun_bad_flag_refusal_and_ctrl_c_are_one_line_each(tmp_path):
         start(torchrun_cmd(2, "fedavg.py", *flags, "--out", held)),
     )
     whole = start([sys.executable, "fedavg.py", *flags, "--out", tmp_path / "whole"])  # meanwhile, the reference
-    stdout, err = ctrl_c_after_round_1(job(torchrun_cmd(2, "fedavg.py", *flags, "--out", out)), out)
+    stdout, err = ctrl_c_after_round_1(start(torchrun_cmd(2, "fedavg.py", *flags, "--out", out), True), out)
     assert not rank_frames(err) and "Traceback" not in stdout, err[-3000:]
     said = "SIGINT: finishing this round, then a checkpoint (again: at once); continue with: python fedavg.py --resume"
     assert stdout.count(f"{said} {out}\n") == 1 and stdout.count("--resume") == 1, stdout[-1000:] + err[-3000:]
@@ -498,7 +490,7 @@ def test_torchrun_killing_its_ranks_mid_round_leaves_the_line_and_the_last_check
     checkpoint of the one before stands, and --resume under torchrun ends as the uninterrupted run."""
     flags, out = [*CASES["fedavg"], "--local-steps", "100", "--rounds", "3"], tmp_path / "run"  # rounds of seconds
     whole = start([sys.executable, "fedavg.py", *flags, "--out", tmp_path / "whole"])
-    proc = job(torchrun_cmd(2, "fedavg.py", *flags, "--out", out), TORCH_ELASTIC_SHUTDOWN_TIMEOUT="2")
+    proc = start(torchrun_cmd(2, "fedavg.py", *flags, "--out", out), True, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="2")
     stdout, err = ctrl_c_after_round_1(proc, out)
     assert not rank_frames(err) and stdout.count(f"continue with: python fedavg.py --resume {out}\n") == 1, err[-3000:]
     assert len(metrics(out)) == torch.load(out / "checkpoint.pt", weights_only=False)["round"] == 1  # round 2: cut

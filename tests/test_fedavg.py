@@ -5,7 +5,6 @@ import json
 import os
 import signal
 import sys
-import time
 
 import pytest
 import torch
@@ -13,7 +12,18 @@ import torch
 import common
 
 import fedavg
-from helpers import TINY, assert_same_model, metrics, prepare, run_batches, run_script, set_state, start_script, summary
+from helpers import (
+    TINY,
+    assert_same_model,
+    metrics,
+    prepare,
+    run_batches,
+    run_script,
+    set_state,
+    start_script,
+    summary,
+    wait_for_checkpoint,
+)
 
 
 def test_client_weights():
@@ -256,9 +266,7 @@ def test_ctrl_c_or_sigterm_writes_checkpoint_and_resume_is_the_whole_run(sig, co
     out, flags = tmp_path / "run", [*TINY, "--iid", "--rounds", "60", "--local-steps", "1", "--save-model"]
     whole = start_script("fedavg.py", *flags, "--out", tmp_path / "whole")
     proc = start_script("fedavg.py", *flags, "--out", out)
-    deadline = time.time() + 120
-    while time.time() < deadline and not os.path.exists(out / "checkpoint.pt"):  # round 1's (after its metrics row)
-        time.sleep(0.05)
+    wait_for_checkpoint(out)
     proc.send_signal(signal.SIGTERM if sig == signal.SIGKILL else sig)
     said = [proc.stdout.readline() for _ in range(3)]  # the start line, an empty one, the signal's line
     if sig == signal.SIGKILL:

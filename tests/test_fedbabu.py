@@ -6,7 +6,6 @@ import os
 import runpy
 import signal
 import sys
-import time
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ import torch.nn as nn
 
 import fedbabu
 from common import MODELS, Classifier, Data, FineTuning, evaluate, personalize
-from helpers import ROOT, assert_same_model, metrics, run_script, set_state, start_script, summary
+from helpers import ROOT, assert_same_model, metrics, run_script, set_state, start_script, summary, wait_for_checkpoint
 
 # 4 clients, 2 sampled per round; the 8-channel 4convNet keeps the whole file fast on a CPU.
 TINY = [
@@ -334,9 +333,7 @@ def test_a_stop_in_the_last_round_comes_before_the_fine_tuning(tmp_path):
     flags, out = [*TINY, "--local-steps", "150", "--rounds", "2", "--save-model"], tmp_path / "cut"  # seconds a round
     whole = start_script("fedbabu.py", *flags, "--out", tmp_path / "whole")
     proc = start_script("fedbabu.py", *flags, "--out", out)
-    deadline = time.time() + 120
-    while time.time() < deadline and not os.path.exists(out / "checkpoint.pt"):  # round 1's
-        time.sleep(0.05)
+    wait_for_checkpoint(out)
     proc.send_signal(signal.SIGTERM)
     stdout, err = proc.communicate(timeout=120)
     assert proc.returncode == 143 and stdout.count(f"continue with: python fedbabu.py --resume {out}") == 1, err
