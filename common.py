@@ -21,6 +21,7 @@ import math
 import os
 import pathlib
 import platform
+import re
 import shutil
 import signal
 import socket
@@ -1050,14 +1051,14 @@ RUN_FILES = ("config.json", "partition.json", "metrics.jsonl", "checkpoint.pt", 
 RESUMABLE = ("rounds", "stop_after", "device", "data_dir")  # what --resume may change (a larger --rounds extends)
 
 
-def flag_type(cast, inside, span):  # an argparse type: cast(text), finite and inside(value), else one line, span named
+def flag_type(cast, inside, span):  # an argparse type: cast(text), finite (a number) and inside(value), else one line
     def check(text):
         try:
             value = cast(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {'an integer' if cast is int else 'a number'}, got '{text}'")
-        if not (math.isfinite(value) and inside(value)):
-            raise argparse.ArgumentTypeError(f"must be {span if math.isfinite(value) else 'finite'}, got {text}")
+        if not ((finite := cast is str or math.isfinite(value)) and inside(value)):
+            raise argparse.ArgumentTypeError(f"must be {span if finite else 'finite'}, got {text}")
         return value
 
     return check
@@ -1071,18 +1072,13 @@ non_negative_float = flag_type(float, lambda v: v >= 0, ">= 0")  # weight decay,
 fraction = flag_type(float, lambda v: 0 < v <= 1, "in (0, 1]")  # --frac, --lr-decay
 decay_rate = flag_type(float, lambda v: 0 <= v < 1, "in [0, 1)")  # momentum and moment decays, --val-frac
 inner_fraction = flag_type(float, lambda v: 0 < v < 1, "in (0, 1)")  # --lr-decay-at
+device_flag = flag_type(str, lambda v: re.fullmatch(r"cpu|cuda|cuda:\d+|mps", v), "cpu, cuda, cuda:N or mps")
 
 
 def path_arg(text):  # a path flag: not empty; ~ expanded, also in --data-dir=~/cifar10 (which no shell expands)
     if not text.strip():
         raise argparse.ArgumentTypeError("expected a path, got ''")
     return os.path.expanduser(text)
-
-
-def device_flag(text):
-    if text in ("cpu", "cuda", "mps") or (text.startswith("cuda:") and text[5:].isdigit()):
-        return text
-    raise argparse.ArgumentTypeError(f"expected cpu, cuda, cuda:N or mps, got '{text}'")
 
 
 class Parser(argparse.ArgumentParser):
@@ -1156,6 +1152,10 @@ def finish_args(parser, args, script):
     if args.device.startswith("cuda") and int(args.device[5:] or 0) >= gpus or args.device == "mps" and not mps:
         err(f"--device: {args.device} is not on this machine ({gpus} CUDA GPUs{', no MPS' * (not mps)})")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # usable ones
+    for files in (["cpu.max"], ["cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us"]):  # cgroup v2, v1 ("max", -1: none)
+        with contextlib.suppress(OSError, ValueError):  # at most a container's CPU limit (docker --cpus, Kubernetes)
+            quota, period = " ".join(open(f"/sys/fs/cgroup/{f}").read() for f in files).split()
+            cores = min(cores, max(1, int(int(quota) / int(period) + 0.5))) if int(quota) > 0 else cores  # nearest
     args.threads = args.threads or int(os.environ.get("OMP_NUM_THREADS") or cores)  # torchrun's 1, else the cores
     return args
 

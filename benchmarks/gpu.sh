@@ -128,7 +128,8 @@ run_or_show() {
 # ------------------------------------------------------------------------------------------------
 # env
 # ------------------------------------------------------------------------------------------------
-CORES='import sys; sys.path.insert(0, "benchmarks"); import threads; print(threads.cores())'  # as the scripts count
+# the threads stage's default way: a script without --threads or OMP_NUM_THREADS (its cores, at most a CPU limit)
+CORES='import sys; sys.argv[1:] = ["--dataset", "synthetic"]; import fedavg; print(fedavg.parse_args().threads)'
 
 stage_env() {
   if [ "$MODE" = dry ]; then
@@ -141,7 +142,9 @@ stage_env() {
     echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo '?') $(git status --porcelain 2>/dev/null | wc -l | tr -d ' ') changed files"
     # the CPUs the threads stage runs on: hardware threads a core (two: 16 CPUs are 8 cores), this process's share
     lscpu 2>/dev/null | grep -E '^(Model name|Thread\(s\) per core|Core\(s\) per socket|Socket\(s\)):' || true
-    echo "CPUs this process may use (the scripts' default threads): $("$PYTHON" -c "$CORES")"
+    echo "CPUs this process may run on: $("$PYTHON" -c 'import os; print(len(os.sched_getaffinity(0)))')"
+    echo "CPU limit (cgroup v2 cpu.max, quota period): $(cat /sys/fs/cgroup/cpu.max 2>/dev/null || echo none)"
+    echo "the scripts' default threads: $(env -u OMP_NUM_THREADS "$PYTHON" -c "$CORES")"
     if command -v nvidia-smi > /dev/null; then
       nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit --format=csv || true
       nvidia-smi || true

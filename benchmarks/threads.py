@@ -7,7 +7,7 @@ Three workloads, each run these ways:
   fedfn-small    fedfn.py at benchmarks/reproduce/fedfn.sh small (convnet4-tiny, s=2, E=5, lr 0.03)
 ways:
   default        python SCRIPT ...               no --threads, no OMP_NUM_THREADS: the scripts' own choice, the cores
-                 (and their GOMP_SPINCOUNT, which OpenMP reads as torch loads it)
+                 (at most a container's CPU limit; and their GOMP_SPINCOUNT, which OpenMP reads as torch loads it)
   default ENV    the same with the environment variable(s) of --envs set, e.g. GOMP_SPINCOUNT=300000 (libgomp's
                  own default, the scripts' before they set one) or OMP_WAIT_POLICY=PASSIVE
   N threads      python SCRIPT ... --threads N, for each N of --thread-counts (default: the powers of two below the
@@ -47,7 +47,7 @@ WORKLOADS = {
 }
 
 
-def cores():  # the CPUs this process may use, as common.py counts them for the scripts' default threads
+def cores():  # the CPUs this process may run on (under a container's CPU limit the scripts' default takes fewer)
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 

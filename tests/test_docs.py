@@ -1016,6 +1016,30 @@ def test_speed_tables_are_their_runs():
     assert shown.strip() == threads.table(spin["runs"], argparse.Namespace(**spin["args"])).strip()
 
 
+def test_threads_quota_table_is_its_runs():
+    """The evidence page's CPU-limit table is the three JSONs' runs, cycle by cycle, and the ranges the pages quote
+    (two threads against one at 1 CPU and at a quarter) are theirs."""
+    lines, times = ["| CPU limit | way | threads | cycle 1 | cycle 2 | test acc |", "|---|---|---|---|---|---|"], {}
+    for name, limit in [("quota-1cpu", "1"), ("quota-1.5cpu", "1.5"), ("quota-quarter-cpu", "0.25")]:
+        with open(os.path.join(ROOT, "benchmarks", "results-cpu", "threads-controls", f"{name}.json")) as f:
+            runs = json.load(f)["runs"]
+        for way in dict.fromkeys(r["way"] for r in runs):
+            rows = sorted((r for r in runs if r["way"] == way), key=lambda r: r["cycle"])
+            cells = [limit, way, rows[0]["threads"], *(f"{r['s_per_round']:.2f}" for r in rows)]
+            lines.append(f"| {' | '.join(map(str, cells))} | {rows[0]['test_acc']:.4f} |")
+            if way != "torchrun 2x1":  # one process: its threads
+                times.setdefault(limit, {}).setdefault(rows[0]["threads"], []).extend(r["s_per_round"] for r in rows)
+    evidence = read("docs/evidence/threads.md")
+    assert evidence.split("<!-- quota:start -->\n", 1)[1].split("\n<!-- quota:end -->", 1)[0] == "\n".join(lines)
+    span = lambda xs: f"{min(xs):.2f}-{max(xs):.2f}"
+    text, speed = " ".join(evidence.split()), " ".join(read("docs/speed.md").split())
+    one, quarter = times["1"], times["0.25"]
+    assert f"At 1 CPU two threads took {span(one[2])} s a round against one thread's {span(one[1])}" in text
+    assert f"at a quarter {span(quarter[2])} against {span(quarter[1])}" in text
+    assert f"rounds took {span(one[2])} s at the earlier default (two threads) against {span(one[1])} at one" in speed
+    assert all(a < b for a, b in zip(times["1.5"][2], times["1.5"][1]))  # 1.5 CPUs: two threads faster each cycle
+
+
 def test_threads_drift_table_is_its_run():
     """The evidence page's drift table is idle-drift.json's rounds (fastest, median, slowest, their ratio; steal
     ticks at 100 a second), and the one-thread spreads the pages quote are its one-thread runs'."""

@@ -49,6 +49,17 @@ def test_a_bad_flag_is_one_line_naming_it_and_abbreviations_are_refused(name, mo
         assert (code, err) == (2, [line]), (argv, err)
 
 
+@pytest.mark.parametrize("value", ["cpu", "cuda", "cuda:0", "cuda:12", "mps", "gpu", "cuda:", "cuda:x", "CPU", "cpu0"])
+def test_device_is_cpu_cuda_cuda_n_or_mps(value, monkeypatch, capsys):
+    """--device: the four forms pass as typed (whether the machine has the device is checked after); else one line."""
+    monkeypatch.setattr(importlib.import_module("fedavg"), "finish_args", lambda parser, args, script: args)
+    args, code, err = parse("fedavg", ["--device", value], monkeypatch, capsys)
+    if value in ("cpu", "cuda", "cuda:0", "cuda:12", "mps"):
+        assert code is None and args.device == value
+    else:
+        assert err == [f"fedavg.py: error: --device: must be cpu, cuda, cuda:N or mps, got {value}; see --help"]
+
+
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_help_shows_every_default_and_none_for_a_switch(name, monkeypatch, capsys):
     parser = script_parser(name, monkeypatch)

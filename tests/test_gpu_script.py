@@ -246,7 +246,7 @@ def test_tiny_levers_and_pair_end_to_end(tmp_path):
         idle = {r["way"]: r["s_per_round"] for r in json.load(tar.extractfile("threads/threads-idle.json"))["runs"]}
     cores = len(os.sched_getaffinity(0))  # the default's threads, which env.txt names beside the CPU's topology
     env_txt = (out / "env.txt").read_text()
-    assert f"default threads): {cores}\n" in env_txt
+    assert f"the scripts' default threads: {cores}\n" in env_txt
     assert ("Thread(s) per core:" in env_txt) == bool(shutil.which("lscpu"))
     assert "levers/levers.json" in names and "pair/pair.json" in names and "threads/threads-idle.json" in names
     assert "threads/tables.md" in names

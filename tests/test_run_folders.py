@@ -295,7 +295,12 @@ def test_a_checkpoint_holds_tensors_and_plain_types_only(finished):
 
 
 # ---- one command, one set of numbers --------------------------------------------------------------------
-def parse_threads(argv, monkeypatch):
+def parse_threads(argv, monkeypatch, cgroup=None):
+    """The default threads of `fedavg.py --dataset synthetic ARGV`, on a machine whose /sys/fs/cgroup is `cgroup`
+    (a folder: faked; None: one with no CPU limit)."""
+    real_open, cgroup = open, cgroup or "/nonexistent"
+    fake = lambda path, *a, **k: real_open(str(path).replace("/sys/fs/cgroup", str(cgroup)), *a, **k)
+    monkeypatch.setattr(common, "open", fake, raising=False)  # finish_args reads /sys/fs/cgroup through it
     monkeypatch.setattr(sys, "argv", ["fedavg.py", "--dataset", "synthetic", *map(str, argv)])
     import fedavg
 
@@ -319,6 +324,33 @@ def test_threads_are_the_machines_cores(cores, env, given, want, monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(cores)))
     monkeypatch.setattr(os, "getloadavg", lambda: pytest.fail("the thread count looked at the load"))
     assert parse_threads(given, monkeypatch) == want
+
+
+@pytest.mark.parametrize(
+    "files,env,want",
+    [
+        ({"cpu.max": "200000 100000\n"}, {}, 2),  # docker --cpus 2 (cgroup v2): 2 of the 8 cores' time
+        ({"cpu.max": "150000 100000\n"}, {}, 2),  # 1.5 CPUs: to the nearest, half up (2 threads were faster)
+        ({"cpu.max": "140000 100000\n"}, {}, 1),
+        ({"cpu.max": "250000 100000\n"}, {}, 3),
+        ({"cpu.max": "20000 100000\n"}, {}, 1),  # a fifth of a CPU: still one thread
+        ({"cpu.max": "max 100000\n"}, {}, 8),  # no limit
+        ({"cpu.max": "1600000 100000\n"}, {}, 8),  # more than the cores: the cores
+        ({"cpu/cpu.cfs_quota_us": "400000\n", "cpu/cpu.cfs_period_us": "100000\n"}, {}, 4),  # cgroup v1
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, {}, 8),  # v1, no limit
+        ({"cpu.max": "200000 100000\n"}, {"OMP_NUM_THREADS": "3"}, 3),  # the user's count wins
+    ],
+)
+def test_threads_are_at_most_a_containers_cpu_limit(files, env, want, tmp_path, monkeypatch):
+    """docker --cpus or a Kubernetes limit is a CPU-time quota, not fewer cores: the affinity still shows all 8."""
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(8)))
+    assert parse_threads([], monkeypatch, cgroup=tmp_path) == want
 
 
 PINNING = """
