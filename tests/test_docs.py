@@ -1036,7 +1036,7 @@ def test_threads_quota_table_is_its_runs():
     one, quarter = times["1"], times["0.25"]
     assert f"At 1 CPU two threads took {span(one[2])} s a round against one thread's {span(one[1])}" in text
     assert f"at a quarter {span(quarter[2])} against {span(quarter[1])}" in text
-    assert f"rounds took {span(one[2])} s at the earlier default (two threads) against {span(one[1])} at one" in speed
+    assert f"rounds took {span(one[1])} s at one thread, the default there, against {span(one[2])} at two" in speed
     assert all(a < b for a, b in zip(times["1.5"][2], times["1.5"][1]))  # 1.5 CPUs: two threads faster each cycle
 
 
