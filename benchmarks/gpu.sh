@@ -130,6 +130,7 @@ run_or_show() {
 # ------------------------------------------------------------------------------------------------
 # the threads stage's default way: a script without --threads or OMP_NUM_THREADS (its cores, at most a CPU limit)
 CORES='import sys; sys.argv[1:] = ["--dataset", "synthetic"]; import fedavg; print(fedavg.parse_args().threads)'
+CPUS='import sys; sys.path.insert(0, "benchmarks"); import threads; print(threads.cores())'  # its affinity
 
 stage_env() {
   if [ "$MODE" = dry ]; then
@@ -142,7 +143,7 @@ stage_env() {
     echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo '?') $(git status --porcelain 2>/dev/null | wc -l | tr -d ' ') changed files"
     # the CPUs the threads stage runs on: hardware threads a core (two: 16 CPUs are 8 cores), this process's share
     lscpu 2>/dev/null | grep -E '^(Model name|Thread\(s\) per core|Core\(s\) per socket|Socket\(s\)):' || true
-    echo "CPUs this process may run on: $("$PYTHON" -c 'import os; print(len(os.sched_getaffinity(0)))')"
+    echo "CPUs this process may run on: $("$PYTHON" -c "$CPUS")"
     echo "CPU limit (cgroup v2 cpu.max, quota period): $(cat /sys/fs/cgroup/cpu.max 2>/dev/null || echo none)"
     echo "the scripts' default threads: $(env -u OMP_NUM_THREADS "$PYTHON" -c "$CORES")"
     if command -v nvidia-smi > /dev/null; then

@@ -295,9 +295,16 @@ def test_a_checkpoint_holds_tensors_and_plain_types_only(finished):
 
 
 # ---- one command, one set of numbers --------------------------------------------------------------------
-def parse_threads(argv, monkeypatch, cgroup=None):
-    """The default threads of `fedavg.py --dataset synthetic ARGV`, on a machine whose /sys/fs/cgroup is `cgroup`
-    (a folder: faked; None: one with no CPU limit)."""
+def parse_threads(argv, monkeypatch, cores=None, env=None, cgroup=None):
+    """The default threads of `fedavg.py --dataset synthetic ARGV`, on a machine of `cores` CPUs (None: this one's)
+    with only `env`'s OMP_NUM_THREADS (None: as it is), whose /sys/fs/cgroup is `cgroup` (a folder: faked; None: one
+    with no CPU limit)."""
+    if env is not None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+    if cores is not None:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(cores)))
     real_open, cgroup = open, cgroup or "/nonexistent"
     fake = lambda path, *a, **k: real_open(str(path).replace("/sys/fs/cgroup", str(cgroup)), *a, **k)
     monkeypatch.setattr(common, "open", fake, raising=False)  # finish_args reads /sys/fs/cgroup through it
@@ -318,12 +325,8 @@ def parse_threads(argv, monkeypatch, cgroup=None):
 )
 def test_threads_are_the_machines_cores(cores, env, given, want, monkeypatch):
     """A function of the machine alone, never of its load: one command, one set of numbers."""
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(cores)))
     monkeypatch.setattr(os, "getloadavg", lambda: pytest.fail("the thread count looked at the load"))
-    assert parse_threads(given, monkeypatch) == want
+    assert parse_threads(given, monkeypatch, cores=cores, env=env) == want
 
 
 @pytest.mark.parametrize(
@@ -346,11 +349,7 @@ def test_threads_are_at_most_a_containers_cpu_limit(files, env, want, tmp_path, 
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text(text)
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(8)))
-    assert parse_threads([], monkeypatch, cgroup=tmp_path) == want
+    assert parse_threads([], monkeypatch, cores=8, env=env, cgroup=tmp_path) == want
 
 
 PINNING = """
