@@ -1049,6 +1049,7 @@ register_model("resnet50")(functools.partial(resnet, depth=50))
 # ==== Run helpers, not federated learning: flags, the run folder, checkpoints, stops, several processes ============
 RUN_FILES = ("config.json", "partition.json", "metrics.jsonl", "checkpoint.pt", "summary.json", "model.pt")
 RESUMABLE = ("rounds", "stop_after", "device", "data_dir")  # what --resume may change (a larger --rounds extends)
+TORCH_THREADS = torch.get_num_threads()  # torch's default (none set yet): physical cores, not SMT; Apple: P-cores
 
 
 def flag_type(cast, inside, span):  # an argparse type: cast(text), finite (a number) and inside(value), else one line
@@ -1151,7 +1152,7 @@ def finish_args(parser, args, script):
     gpus, mps = torch.cuda.device_count(), args.device == "mps" and torch.backends.mps.is_available()
     if args.device.startswith("cuda") and int(args.device[5:] or 0) >= gpus or args.device == "mps" and not mps:
         err(f"--device: {args.device} is not on this machine ({gpus} CUDA GPUs{', no MPS' * (not mps)})")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # usable ones
+    cores = min(TORCH_THREADS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else TORCH_THREADS)
     for files in (["cpu.max"], ["cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us"]):  # cgroup v2, v1 ("max", -1: none)
         with contextlib.suppress(OSError, ValueError):  # at most a container's CPU limit (docker --cpus, Kubernetes)
             quota, period = " ".join(open(f"/sys/fs/cgroup/{f}").read() for f in files).split()

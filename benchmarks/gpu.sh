@@ -48,7 +48,8 @@
 #   TIMES_FLAGS   extra flags of benchmarks/gpu_times.py, e.g. "--variants all --fedavg-precisions fp32 amp"
 #   LEVERS_FLAGS  extra flags of benchmarks/levers.py measure, e.g. "--claims fedfn anfr"
 #   THREADS_FLAGS flags of both benchmarks/threads.py runs ["--workloads fedfn-small fedbabu-small --thread-counts
-#                 2 4 8 --no-torchrun --rounds 2"; tiny: fedfn-small, --thread-counts 1, R=1, idle only]
+#                 2 4 8 --no-torchrun --rounds 2", and every CPU among the counts where a core has two hardware
+#                 threads; tiny: fedfn-small, --thread-counts 1, R=1, idle only]
 #   DEADLINE      seconds for all stages; each stage's cap is cut to what is left [full 540; tiny 900]
 #   CAP_ENV CAP_DATA CAP_SMOKE CAP_TIMES CAP_FEDBABU CAP_THREADS CAP_LEVERS CAP_PAIR   per-stage caps in seconds
 #                 [60 90 90 200 (tiny: smoke and times 300); fedbabu: the rest of DEADLINE; threads 240; levers
@@ -91,8 +92,9 @@ fi
 TIMES_FLAGS=${TIMES_FLAGS:-}; LEVERS_FLAGS=${LEVERS_FLAGS:-}
 if [ "$MODE" = tiny ]; then
   THREADS_FLAGS=${THREADS_FLAGS:-"--workloads fedfn-small --thread-counts 1 --no-torchrun --rounds 1"}
-else
-  THREADS_FLAGS=${THREADS_FLAGS:-"--workloads fedfn-small fedbabu-small --thread-counts 2 4 8 --no-torchrun --rounds 2"}
+else  # with hardware threads (two a core) the default is a thread a core: then every CPU is timed too
+  SMT_CPUS=$(lscpu 2>/dev/null | awk -F: -v n="$(nproc)" '/^Thread\(s\) per core/ && $2 > 1 {print n}')
+  THREADS_FLAGS=${THREADS_FLAGS:-"--workloads fedfn-small fedbabu-small --thread-counts 2 4 8 $SMT_CPUS --no-torchrun --rounds 2"}
 fi
 CAP_ENV=${CAP_ENV:-60}; CAP_DATA=${CAP_DATA:-90}; CAP_SMOKE=${CAP_SMOKE:-90}; CAP_TIMES=${CAP_TIMES:-200}; CAP_FEDBABU=${CAP_FEDBABU:-0}
 CAP_THREADS=${CAP_THREADS:-240}; CAP_LEVERS=${CAP_LEVERS:-250}; CAP_PAIR=${CAP_PAIR:-0}
@@ -128,7 +130,7 @@ run_or_show() {
 # ------------------------------------------------------------------------------------------------
 # env
 # ------------------------------------------------------------------------------------------------
-# the threads stage's default way: a script without --threads or OMP_NUM_THREADS (its cores, at most a CPU limit)
+# the threads stage's default way: a script without --threads or OMP_NUM_THREADS (torch's cores, at most a CPU limit)
 CORES='import sys; sys.argv[1:] = ["--dataset", "synthetic"]; import fedavg; print(fedavg.parse_args().threads)'
 CPUS='import sys; sys.path.insert(0, "benchmarks"); import threads; print(threads.cores())'  # its affinity
 

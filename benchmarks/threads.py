@@ -6,20 +6,22 @@ Three workloads, each run these ways:
   fedbabu-small  fedbabu.py at benchmarks/reproduce/fedbabu.sh small (convnet4-tiny, s=10, tau=10)
   fedfn-small    fedfn.py at benchmarks/reproduce/fedfn.sh small (convnet4-tiny, s=2, E=5, lr 0.03)
 ways:
-  default        python SCRIPT ...               no --threads, no OMP_NUM_THREADS: the scripts' own choice, the cores
-                 (at most a container's CPU limit; and their GOMP_SPINCOUNT, which OpenMP reads as torch loads it)
+  default        python SCRIPT ...               no --threads, no OMP_NUM_THREADS: the scripts' own choice, torch's
+                 count of the cores (physical ones; at most a container's CPU limit; and their GOMP_SPINCOUNT, which
+                 OpenMP reads as torch loads it)
   default ENV    the same with the environment variable(s) of --envs set, e.g. GOMP_SPINCOUNT=300000 (libgomp's
                  own default, the scripts' before they set one) or OMP_WAIT_POLICY=PASSIVE
   N threads      python SCRIPT ... --threads N, for each N of --thread-counts (default: the powers of two below the
                  cores, and the cores: 1 and 2 on two cores; 1 2 4 8 16 on sixteen); the best: the bounds' yardstick
   torchrun 2x1   torchrun --nproc_per_node 2 SCRIPT ...   (torchrun sets OMP_NUM_THREADS=1 a rank; --no-torchrun: not)
 and two conditions: idle, and loaded (--load busy processes, `while True: pass`, started first; default: one a core).
-The default takes the machine's cores (a function of the machine alone: one command, one set of numbers). Each run
-evaluates after rounds R and 2R; its time per round is the difference of the two rows' elapsed_s over R (start-up,
-data loading and the first rounds' warm-up left out; one test-set evaluation in). The table gives, over --cycles
-interleaved cycles (every other one in reverse order: no way always runs first), the median of the loaded rows (there
-the interference is what is measured) and by default the minimum of the idle rows (timeit's rule: interference only
-adds time, so the fastest of identical runs is the machine's speed), and the threads the default picked (config.json).
+The default takes torch's count of the machine's cores (a function of the machine alone: one command, one set of
+numbers). Each run evaluates after rounds R and 2R; its time per round is the difference of the two rows' elapsed_s
+over R (start-up, data loading and the first rounds' warm-up left out; one test-set evaluation in). The table gives,
+over --cycles interleaved cycles (every other one in reverse order: no way always runs first), the median of the
+loaded rows (there the interference is what is measured) and by default the minimum of the idle rows (timeit's rule:
+interference only adds time, so the fastest of identical runs is the machine's speed), and the threads the default
+picked (config.json).
 
     python benchmarks/threads.py --data-dir /path/to/cifar10                      # idle and loaded, 2 cycles
     python benchmarks/threads.py --data-dir D --conditions idle --workloads fedavg-cnn --cycles 1 --rounds 1

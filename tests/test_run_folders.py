@@ -295,16 +295,22 @@ def test_a_checkpoint_holds_tensors_and_plain_types_only(finished):
 
 
 # ---- one command, one set of numbers --------------------------------------------------------------------
-def parse_threads(argv, monkeypatch, cores=None, env=None, cgroup=None):
-    """The default threads of `fedavg.py --dataset synthetic ARGV`, on a machine of `cores` CPUs (None: this one's)
-    with only `env`'s OMP_NUM_THREADS (None: as it is), whose /sys/fs/cgroup is `cgroup` (a folder: faked; None: one
-    with no CPU limit)."""
+def parse_threads(argv, monkeypatch, cores=None, env=None, cgroup=None, torch_threads=None):
+    """The default threads of `fedavg.py --dataset synthetic ARGV`, on a machine of `cores` CPUs (None: this one's;
+    0: a system without affinity, macOS or Windows) of which torch's own default counts `torch_threads` (None: all of
+    them, no hardware threads), with only `env`'s OMP_NUM_THREADS (None: as it is), whose /sys/fs/cgroup is `cgroup`
+    (a folder: faked; None: one with no CPU limit)."""
     if env is not None:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
         for k, v in env.items():
             monkeypatch.setenv(k, v)
-    if cores is not None:
+    if cores == 0:
+        monkeypatch.delattr(os, "sched_getaffinity")
+        monkeypatch.setattr(os, "cpu_count", lambda: 10)  # all the CPUs, which the default must not take
+    elif cores is not None:
         monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(cores)))
+    if cores is not None or torch_threads is not None:
+        monkeypatch.setattr(common, "TORCH_THREADS", torch_threads or cores)
     real_open, cgroup = open, cgroup or "/nonexistent"
     fake = lambda path, *a, **k: real_open(str(path).replace("/sys/fs/cgroup", str(cgroup)), *a, **k)
     monkeypatch.setattr(common, "open", fake, raising=False)  # finish_args reads /sys/fs/cgroup through it
@@ -327,6 +333,24 @@ def test_threads_are_the_machines_cores(cores, env, given, want, monkeypatch):
     """A function of the machine alone, never of its load: one command, one set of numbers."""
     monkeypatch.setattr(os, "getloadavg", lambda: pytest.fail("the thread count looked at the load"))
     assert parse_threads(given, monkeypatch, cores=cores, env=env) == want
+
+
+@pytest.mark.parametrize(
+    "cores,torch_threads,cgroup_cpus,want",
+    [
+        (16, 8, None, 8),  # 8 cores of two hardware threads (SMT): one thread a core, as torch's own default
+        (0, 8, None, 8),  # Apple silicon, 8 performance and 2 efficiency cores (no affinity): torch's 8
+        (4, 16, None, 4),  # taskset -c 0-3 where torch counts the whole machine's cores (cpuinfo): the 4
+        (16, 8, "300000 100000", 3),  # a CPU limit below torch's count: the limit
+    ],
+)
+def test_threads_are_torchs_count_of_usable_cores(cores, torch_threads, cgroup_cpus, want, tmp_path, monkeypatch):
+    """Hardware threads share a core's arithmetic units, and an efficiency core left with an equal share of every
+    parallel loop is the one the others wait for: torch's default counts neither, and the default keeps to it."""
+    if cgroup_cpus:
+        (tmp_path / "cpu.max").write_text(cgroup_cpus)
+    found = parse_threads([], monkeypatch, cores=cores, env={}, cgroup=tmp_path, torch_threads=torch_threads)
+    assert found == want
 
 
 @pytest.mark.parametrize(
