@@ -1040,6 +1040,34 @@ def test_threads_quota_table_is_its_runs():
     assert all(a < b for a, b in zip(times["1.5"][2], times["1.5"][1]))  # 1.5 CPUs: two threads faster each cycle
 
 
+def test_threads_busy_host_table_is_its_runs():
+    """The evidence page's table of a run in a cgroup of its own beside a busy host is the four JSONs' runs, cycle
+    by cycle, with each cycle's two-thread time over its one-thread time."""
+    lines = ["| the run's cgroup | CPU limit | 2 threads | 1 thread | 2 threads / 1 thread |", "|---|---|---|---|---|"]
+    lost = []
+    for name, where, limit in [("root", "root (the busy processes')", "none"), ("cgroup-nolimit", "a child", "none"),
+                               ("cgroup-1.5cpu", "a child", "1.5"), ("cgroup-1cpu", "a child", "1")]:  # fmt: skip
+        with open(os.path.join(ROOT, "benchmarks", "results-cpu", "threads-controls", f"busy-host-{name}.json")) as f:
+            runs = json.load(f)["runs"]
+        by = {
+            way: [r for c in (1, 2) for r in runs if r["way"] == way and r["cycle"] == c]
+            for way in ("default", "1 thread")
+        }
+        assert [r["threads"] for r in by["default"] + by["1 thread"]] == [2, 2, 1, 1]
+        two, one = ([r["s_per_round"] for r in by[way]] for way in ("default", "1 thread"))
+        ratios = sorted(a / b for a, b in zip(two, one))
+        cells = [where, limit, ", ".join(f"{x:.2f}" for x in two), ", ".join(f"{x:.2f}" for x in one)]
+        lines.append(f"| {' | '.join(cells)} | {ratios[0]:.2f}-{ratios[-1]:.2f} |")
+        lost += ratios if name in ("cgroup-nolimit", "cgroup-1.5cpu") else []  # where the default is two threads
+    speed, readme = " ".join(read("docs/speed.md").split()), " ".join(read("README.md").split())
+    assert f"its two threads took {min(lost):.2f}-{max(lost):.2f}x one thread's time" in speed
+    assert f"(up to {max(lost):.2f}x in a container on a busy host" in readme
+    evidence = read("docs/evidence/threads.md")
+    assert evidence.split("<!-- busy-host:start -->\n", 1)[1].split("\n<!-- busy-host:end -->", 1)[0] == "\n".join(
+        lines
+    )
+
+
 def test_threads_drift_table_is_its_run():
     """The evidence page's drift table is idle-drift.json's rounds (fastest, median, slowest, their ratio; steal
     ticks at 100 a second), and the one-thread spreads the pages quote are its one-thread runs'."""
