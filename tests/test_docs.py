@@ -1042,7 +1042,8 @@ def test_threads_quota_table_is_its_runs():
 
 def test_threads_busy_host_table_is_its_runs():
     """The evidence page's table of a run in a cgroup of its own beside a busy host is the four JSONs' runs, cycle
-    by cycle, with each cycle's two-thread time over its one-thread time."""
+    by cycle, with each cycle's two-thread time over its one-thread time; the figures quoted from it (speed.md, the
+    README) and the candidates' times (passive waiting, torchrun) are their JSONs'."""
     lines = ["| the run's cgroup | CPU limit | 2 threads | 1 thread | 2 threads / 1 thread |", "|---|---|---|---|---|"]
     lost = []
     for name, where, limit in [("root", "root (the busy processes')", "none"), ("cgroup-nolimit", "a child", "none"),
@@ -1063,6 +1064,19 @@ def test_threads_busy_host_table_is_its_runs():
     assert f"its two threads took {min(lost):.2f}-{max(lost):.2f}x one thread's time" in speed
     assert f"(up to {max(lost):.2f}x in a container on a busy host" in readme
     evidence = read("docs/evidence/threads.md")
+    with open(
+        os.path.join(ROOT, "benchmarks", "results-cpu", "threads-controls", "busy-host-cgroup-candidates.json")
+    ) as f:
+        runs = json.load(f)["runs"]
+    cycles = lambda way: [r for c in (1, 2) for r in runs if r["way"] == way and r["cycle"] == c]
+    ways = ("default", "default GOMP_SPINCOUNT=0", "1 thread", "torchrun 2x1")
+    times = {way: " and ".join(f"{r['s_per_round']:.2f}" for r in cycles(way)) for way in ways}
+    text = " ".join(evidence.split())
+    assert f"the default {times['default']} s, the default with `GOMP_SPINCOUNT=0`" in text
+    assert (
+        f"(threads that wait sleep at once) {times['default GOMP_SPINCOUNT=0']}, one thread {times['1 thread']}" in text
+    )
+    assert f"(one thread a process) {times['torchrun 2x1']}. Neither" in text
     assert evidence.split("<!-- busy-host:start -->\n", 1)[1].split("\n<!-- busy-host:end -->", 1)[0] == "\n".join(
         lines
     )
