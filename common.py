@@ -675,8 +675,7 @@ def lr_at(round_idx, args):
 
 def client_weights(sizes, weighting):
     """Aggregation weights of the sampled clients: n_k / n, or 1/m with --weighting uniform."""
-    sizes = torch.as_tensor(sizes, dtype=torch.float64)
-    w = torch.ones_like(sizes) if weighting == "uniform" else sizes
+    w = torch.as_tensor([1] * len(sizes) if weighting == "uniform" else sizes, dtype=torch.float64)
     return (w / w.sum()).tolist()
 
 
@@ -1058,8 +1057,8 @@ def flag_type(cast, inside, span):  # an argparse type: cast(text), finite (a nu
             value = cast(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {'an integer' if cast is int else 'a number'}, got '{text}'")
-        if not ((finite := cast is str or math.isfinite(value)) and inside(value)):
-            raise argparse.ArgumentTypeError(f"must be {span if finite else 'finite'}, got {text}")
+        if not ((finite := isinstance(value, str) or math.isfinite(value)) and inside(value)):
+            raise argparse.ArgumentTypeError(f"must be {span if finite else 'finite'}, got {text or repr(text)}")
         return value
 
     return check
@@ -1074,12 +1073,7 @@ fraction = flag_type(float, lambda v: 0 < v <= 1, "in (0, 1]")  # --frac, --lr-d
 decay_rate = flag_type(float, lambda v: 0 <= v < 1, "in [0, 1)")  # momentum and moment decays, --val-frac
 inner_fraction = flag_type(float, lambda v: 0 < v < 1, "in (0, 1)")  # --lr-decay-at
 device_flag = flag_type(str, lambda v: re.fullmatch(r"cpu|cuda|cuda:\d+|mps", v), "cpu, cuda, cuda:N or mps")
-
-
-def path_arg(text):  # a path flag: not empty; ~ expanded, also in --data-dir=~/cifar10 (which no shell expands)
-    if not text.strip():
-        raise argparse.ArgumentTypeError("expected a path, got ''")
-    return os.path.expanduser(text)
+path_arg = flag_type(os.path.expanduser, str.strip, "a path")  # ~ expanded, also in --data-dir=~/cifar10 (no shell)
 
 
 class Parser(argparse.ArgumentParser):
@@ -1153,10 +1147,15 @@ def finish_args(parser, args, script):
     if args.device.startswith("cuda") and int(args.device[5:] or 0) >= gpus or args.device == "mps" and not mps:
         err(f"--device: {args.device} is not on this machine ({gpus} CUDA GPUs{', no MPS' * (not mps)})")
     cores = min(TORCH_THREADS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else TORCH_THREADS)
-    for files in (["cpu.max"], ["cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us"]):  # cgroup v2, v1 ("max", -1: none)
-        with contextlib.suppress(OSError, ValueError):  # at most a container's CPU limit (docker --cpus, Kubernetes)
-            quota, period = " ".join(open(f"/sys/fs/cgroup/{f}").read() for f in files).split()
-            cores = min(cores, max(1, int(int(quota) / int(period) + 0.5))) if int(quota) > 0 else cores  # nearest
+    with contextlib.suppress(OSError):  # at most the tightest CPU limit of this process's cgroup and those above it
+        for _, controllers, path in (line.split(":", 2) for line in open("/proc/self/cgroup").read().splitlines()):
+            v1 = "cpu" in controllers.split(",")  # v1: "4:cpu,cpuacct:/a/b"; v2: "0::/a/b"
+            mount, files = ("cpu", ["cpu.cfs_quota_us", "cpu.cfs_period_us"]) if v1 else ("", ["cpu.max"])
+            for group in [path, *pathlib.PurePosixPath(path).parents]:  # a container's (docker --cpus, Kubernetes;
+                with contextlib.suppress(OSError, ValueError):  # it sees its group as the root), a service's, a user's
+                    folder = pathlib.Path("/sys/fs/cgroup", mount, str(group).lstrip("/"))
+                    quota, period = " ".join(open(folder / f).read() for f in files).split()  # "max", -1: none
+                    cores = min(cores, max(1, int(int(quota) / int(period) + 0.5))) if int(quota) > 0 else cores
     args.threads = args.threads or int(os.environ.get("OMP_NUM_THREADS") or cores)  # torchrun's 1, else the cores
     return args
 

@@ -41,7 +41,7 @@ def test_a_bad_flag_is_one_line_naming_it_and_abbreviations_are_refused(name, mo
             ["--clients", "3"],
             f"{name}.py: error: unrecognized arguments: --clients 3 (did you mean --num-clients?); see --help",
         ),  # fmt: skip
-        (["--out", ""], f"{name}.py: error: --out: expected a path, got ''; see --help"),
+        (["--out", ""], f"{name}.py: error: --out: must be a path, got ''; see --help"),
         (["--seed", "x"], f"{name}.py: error: --seed: expected an integer, got 'x'; see --help"),
         (["--threads", "two"], f"{name}.py: error: --threads: expected an integer, got 'two'; see --help"),
     ]:

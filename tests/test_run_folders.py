@@ -6,6 +6,7 @@ the machine's, whatever its load."""
 
 import argparse
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -295,11 +296,14 @@ def test_a_checkpoint_holds_tensors_and_plain_types_only(finished):
 
 
 # ---- one command, one set of numbers --------------------------------------------------------------------
-def parse_threads(argv, monkeypatch, cores=None, env=None, cgroup=None, torch_threads=None):
+ROOT_GROUPS = "4:cpu,cpuacct:/\n0::/\n"  # a container's view of its groups (v1's cpu controller, v2): the root
+
+
+def parse_threads(argv, monkeypatch, cores=None, env=None, cgroup=None, torch_threads=None, groups=ROOT_GROUPS):
     """The default threads of `fedavg.py --dataset synthetic ARGV`, on a machine of `cores` CPUs (None: this one's;
     0: a system without affinity, macOS or Windows) of which torch's own default counts `torch_threads` (None: all of
     them, no hardware threads), with only `env`'s OMP_NUM_THREADS (None: as it is), whose /sys/fs/cgroup is `cgroup`
-    (a folder: faked; None: one with no CPU limit)."""
+    (a folder: faked; None: one with no CPU limit) and the process's /proc/self/cgroup `groups`."""
     if env is not None:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
         for k, v in env.items():
@@ -312,8 +316,12 @@ def parse_threads(argv, monkeypatch, cores=None, env=None, cgroup=None, torch_th
     if cores is not None or torch_threads is not None:
         monkeypatch.setattr(common, "TORCH_THREADS", torch_threads or cores)
     real_open, cgroup = open, cgroup or "/nonexistent"
-    fake = lambda path, *a, **k: real_open(str(path).replace("/sys/fs/cgroup", str(cgroup)), *a, **k)
-    monkeypatch.setattr(common, "open", fake, raising=False)  # finish_args reads /sys/fs/cgroup through it
+    fake = lambda path, *a, **k: (
+        io.StringIO(groups)
+        if str(path) == "/proc/self/cgroup"
+        else real_open(str(path).replace("/sys/fs/cgroup", str(cgroup)), *a, **k)
+    )
+    monkeypatch.setattr(common, "open", fake, raising=False)  # finish_args reads the cgroup files through it
     monkeypatch.setattr(sys, "argv", ["fedavg.py", "--dataset", "synthetic", *map(str, argv)])
     import fedavg
 
@@ -374,6 +382,38 @@ def test_threads_are_at_most_a_containers_cpu_limit(files, env, want, tmp_path, 
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text(text)
     assert parse_threads([], monkeypatch, cores=8, env=env, cgroup=tmp_path) == want
+
+
+USER = "user.slice/user-1000.slice"  # a user's slice (a shared login node may limit it), above each login's scope
+SERVICE = "cpu/system.slice/train.service"  # a systemd service in cgroup v1's cpu hierarchy
+
+
+@pytest.mark.parametrize(
+    "groups,files,want",
+    [
+        (
+            f"0::/{USER}/session-2.scope",
+            {f"{USER}/cpu.max": "400000 100000", f"{USER}/session-2.scope/cpu.max": "max 100000"},
+            4,
+        ),
+        ("0::/a.slice/b.scope", {"a.slice/cpu.max": "300000 100000", "a.slice/b.scope/cpu.max": "600000 100000"}, 3),
+        ("0::/a.slice/b.scope", {"a.slice/cpu.max": "600000 100000", "a.slice/b.scope/cpu.max": "300000 100000"}, 3),
+        (
+            "4:cpu,cpuacct:/system.slice/train.service",
+            {f"{SERVICE}/cpu.cfs_quota_us": "200000", f"{SERVICE}/cpu.cfs_period_us": "100000"},
+            2,
+        ),  # a service's CPUQuota= in cgroup v1
+        # docker on cgroup v1: /proc names the host's group, the container sees its own as the root
+        ("4:cpu,cpuacct:/docker/0123abcd", {"cpu/cpu.cfs_quota_us": "100000", "cpu/cpu.cfs_period_us": "100000"}, 1),
+        ("3:cpuset:/few", {"cpu/few/cpu.cfs_quota_us": "100000", "cpu/few/cpu.cfs_period_us": "100000"}, 8),  # no cpu
+    ],
+)
+def test_threads_are_at_most_the_cpu_limit_of_a_group_above(groups, files, want, tmp_path, monkeypatch):
+    """A CPU limit may sit on a group above the process's own: systemd-run -p CPUQuota=, a service, a user slice."""
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text + "\n")
+    assert parse_threads([], monkeypatch, cores=8, env={}, cgroup=tmp_path, groups=groups + "\n") == want
 
 
 PINNING = """
