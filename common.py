@@ -1057,7 +1057,7 @@ def flag_type(cast, inside, span):  # an argparse type: cast(text), finite (a nu
             value = cast(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {'an integer' if cast is int else 'a number'}, got '{text}'")
-        if not ((finite := isinstance(value, str) or math.isfinite(value)) and inside(value)):
+        if not ((finite := not isinstance(value, float) or math.isfinite(value)) and inside(value)):  # an int: any size
             raise argparse.ArgumentTypeError(f"must be {span if finite else 'finite'}, got {text or repr(text)}")
         return value
 

@@ -43,6 +43,7 @@ def test_a_bad_flag_is_one_line_naming_it_and_abbreviations_are_refused(name, mo
         ),  # fmt: skip
         (["--out", ""], f"{name}.py: error: --out: must be a path, got ''; see --help"),
         (["--seed", "x"], f"{name}.py: error: --seed: expected an integer, got 'x'; see --help"),
+        (["--seed", "9" * 400], f"{name}.py: error: --seed: must be in [0, 4294967295], got {'9' * 400}; see --help"),
         (["--threads", "two"], f"{name}.py: error: --threads: expected an integer, got 'two'; see --help"),
     ]:
         args, code, err = parse(name, argv, monkeypatch, capsys)
