@@ -1040,6 +1040,40 @@ def test_threads_quota_table_is_its_runs():
     assert all(a < b for a, b in zip(times["1.5"][2], times["1.5"][1]))  # 1.5 CPUs: two threads faster each cycle
 
 
+def test_threads_torchrun_idle_tables_are_their_runs():
+    """The evidence page's idle torchrun table is what threads.py prints from its JSON, its unequal-clients table is
+    that JSON's runs cycle by cycle, and the ratios quoted (torchrun's fastest round over the default's) are theirs."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import threads
+
+    controls = os.path.join(ROOT, "benchmarks", "results-cpu", "threads-controls")
+    evidence, speed = read("docs/evidence/torchrun-cpu.md"), " ".join(read("docs/speed.md").split())
+    block = lambda name: evidence.split(f"<!-- {name}:start -->\n", 1)[1].split(f"\n<!-- {name}:end -->", 1)[0]
+    with open(os.path.join(controls, "torchrun-idle.json")) as f:
+        saved = json.load(f)
+    assert block("torchrun-idle") == threads.table(saved["runs"], argparse.Namespace(**saved["args"]))
+    fastest = lambda runs, way, w: min(r["s_per_round"] for r in runs if r["way"] == way and r["workload"] == w)
+    ratios = sorted(fastest(saved["runs"], "torchrun 2x1", w) / fastest(saved["runs"], "default", w)
+                    for w in saved["args"]["workloads"])  # fmt: skip
+    with open(os.path.join(controls, "idle-unequal-clients.json")) as f:
+        runs = json.load(f)["runs"]
+    lines = ["| way | cycle 1 | cycle 2 | cycle 3 | cycle 4 | fastest | test acc |", "|---|---|---|---|---|---|---|"]
+    for way in ("default", "torchrun 2x1"):
+        times = [r["s_per_round"] for c in (1, 2, 3, 4) for r in runs if r["way"] == way and r["cycle"] == c]
+        acc = {r["test_acc"] for r in runs if r["way"] == way}
+        assert len(times) == 4 and len(acc) == 1
+        lines.append(f"| {way} | {' | '.join(f'{x:.2f}' for x in times)} | {min(times):.2f} | {acc.pop():.4f} |")
+    assert block("unequal-clients") == "\n".join(lines)
+    unequal = fastest(runs, "torchrun 2x1", "fedavg-cnn-dirichlet") / fastest(runs, "default", "fedavg-cnn-dirichlet")
+    text = " ".join(evidence.split())
+    assert f"Idle, torchrun took {ratios[0]:.2f}-{ratios[-1]:.2f}x the default's time" in text
+    assert f"torchrun's fastest round took {unequal:.2f}x the default's" in text
+    assert (
+        f"idle it took {ratios[0]:.2f}-{ratios[-1]:.2f}x the default's time, with unequal clients {unequal:.2f}x"
+        in speed
+    )
+
+
 def test_threads_busy_host_table_is_its_runs():
     """The evidence page's table of a run in a cgroup of its own beside a busy host is the four JSONs' runs, cycle
     by cycle, with each cycle's two-thread time over its one-thread time; the figures quoted from it (speed.md, the
