@@ -131,8 +131,8 @@ MUTANTS = [
     (
         "client weights: uniform for samples",
         "common.py",
-        'w = torch.ones_like(sizes) if weighting == "uniform" else sizes',
-        "w = torch.ones_like(sizes)",
+        '[1] * len(sizes) if weighting == "uniform" else sizes',
+        "[1] * len(sizes)",
         "tests/test_fedavg.py -k client_weights",
     ),
     (
