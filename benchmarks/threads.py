@@ -1,6 +1,7 @@
 """Time per round on the CPU at each thread setting, on an idle machine and beside a busy process.
 
-Three workloads, each run these ways:
+Four workloads, each run these ways:
+  fedavg-mlp     fedavg.py, the README's first run: McMahan's 2NN, Dirichlet 0.5 over N=10, all a round, 20 local steps
   fedavg-cnn     fedavg.py, McMahan's CNN, IID over N=100, 10 a round, E=1, B=50, SGD 0.01 momentum 0.5 (the Flower
                  comparison's work, benchmarks/vs_flower.py)
   fedbabu-small  fedbabu.py at benchmarks/reproduce/fedbabu.sh small (convnet4-tiny, s=10, tau=10)
@@ -41,6 +42,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKLOADS = {
+    "fedavg-mlp": "fedavg.py --model mlp --alpha 0.5 --num-clients 10 --frac 1 --local-steps 20",
     "fedavg-cnn": "fedavg.py --model cnn --iid --num-clients 100 --frac 0.1 --local-epochs 1 --batch-size 50 "
     "--lr 0.01 --momentum 0.5 --weight-decay 0 --augment none",
     "fedbabu-small": "fedbabu.py --model convnet4-tiny --num-clients 100 --shards 10 --frac 0.1 --local-epochs 10 "
