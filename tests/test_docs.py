@@ -970,15 +970,21 @@ def test_readme_speed_figure_is_speed_mds():
 
 
 def test_speed_tables_are_their_runs():
-    """docs/speed.md's threads tables (idle, loaded) and Flower table, and the threads evidence page's earlier table,
-    are what benchmarks/threads.py and vs_flower.py print from the JSON they wrote (benchmarks/results-cpu/), cell for
-    cell; the README's loaded figures (torchrun's gain, the default against the best count) are the threads table's."""
+    """docs/speed.md's threads tables (idle, loaded, the README's first run) and Flower table, and the threads evidence
+    page's earlier table, are what benchmarks/threads.py and vs_flower.py print from the JSON they wrote
+    (benchmarks/results-cpu/), cell for cell; the README's loaded figures (torchrun's gain, the default against the best
+    count) are those of the loaded rows of both threads tables."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import threads
     import vs_flower
 
     speed, readme = read("docs/speed.md"), " ".join(read("README.md").split())
-    for name, module in (("threads-idle", threads), ("threads", threads), ("vs_flower", vs_flower)):
+    for name, module in (
+        ("threads-idle", threads),
+        ("threads", threads),
+        ("threads-mlp", threads),
+        ("vs_flower", vs_flower),
+    ):
         with open(os.path.join(ROOT, "benchmarks", "results-cpu", f"{name}.json")) as f:
             saved = json.load(f)
         shown = speed.split(f"<!-- {name}:start -->\n", 1)[1].split(f"\n<!-- {name}:end -->", 1)[0]
@@ -1005,7 +1011,11 @@ def test_speed_tables_are_their_runs():
             assert f"`fedavg.py` is {ratio} faster than Flower" in readme
             floor = saved["floor_s"]  # compute_floor's seconds at 2 threads and 1, as the page quotes them
             assert f"take {floor['2']:.2f} s at 2 threads and {floor['1']:.2f} s at one" in " ".join(speed.split())
-    rows = [row for row in threads.table(*[saved_threads[k] for k in ("runs", "args")]).splitlines()[2:]]
+        elif name == "threads-mlp":  # the bottom line's and the evidence page's loaded ratio, the MLP's table
+            mlp = made.splitlines()[2:]
+            loaded = next(float(row.split("|")[-3]) for row in mlp if "| loaded |" in row)
+            assert f"first run (an MLP): {loaded:.2f}x the best thread count" in " ".join(speed.split())
+    rows = [row for row in threads.table(*[saved_threads[k] for k in ("runs", "args")]).splitlines()[2:]] + mlp
     best = max(float(row.split("|")[-2]) for row in rows if "| loaded |" in row)  # torchrun's best, beside busy ones
     assert f"(up to {best:.2f}x)" in readme
     loaded = sorted(float(row.split("|")[-3]) for row in rows if "| loaded |" in row)  # default / best thread count
@@ -1072,6 +1082,52 @@ def test_threads_torchrun_idle_tables_are_their_runs():
         f"idle it took {ratios[0]:.2f}-{ratios[-1]:.2f}x the default's time, with unequal clients {unequal:.2f}x"
         in speed
     )
+
+
+def test_threads_mlp_evidence_is_its_runs():
+    """The MLP evidence page's whole-run table is its JSON's runs cycle by cycle, its levers table is what threads.py
+    prints from theirs, and the bottom line's ratios (over one thread's time, loaded; torchrun's idle) are theirs."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import threads
+
+    controls, page = os.path.join(ROOT, "benchmarks", "results-cpu"), read("docs/evidence/threads-mlp.md")
+    block = lambda name: page.split(f"<!-- {name}:start -->\n", 1)[1].split(f"\n<!-- {name}:end -->", 1)[0]
+    load = lambda name: json.load(open(os.path.join(controls, name)))
+    runs = load("threads-controls/first-run-wall.json")["runs"]
+    lines = ["| condition | default | 1 thread | default / 1 thread |", "|---|---|---|---|"]
+    for condition in ("idle", "loaded"):
+        key = lambda r: (r["condition"], r["way"], r["cycle"])
+        wall = {
+            w: [r["wall_s"] for c in (1, 2) for r in runs if key(r) == (condition, w, c)]
+            for w in ("default", "1 thread")
+        }
+        ratios = sorted(d / t for d, t in zip(*wall.values()))
+        cells = [", ".join(f"{x:.1f}" for x in wall[w]) for w in wall]
+        lines.append(f"| {condition} | {' | '.join(cells)} | {ratios[0]:.2f}-{ratios[-1]:.2f} |")
+    assert block("first-run-wall") == "\n".join(lines)
+    idle, loaded = load("threads-controls/mlp-levers-idle.json"), load("threads-controls/mlp-levers-loaded.json")
+    shown = [threads.table(x["runs"], argparse.Namespace(**x["args"])).splitlines() for x in (idle, loaded)]
+    assert block("mlp-levers") == "\n".join([*shown[0], shown[1][2]]) and shown[0][0] == shown[1][0]
+    mlp = load("threads-mlp.json")
+    median = lambda x, way, c: statistics.median(
+        r["s_per_round"] for r in x["runs"] if (r["way"], r["condition"]) == (way, c)
+    )
+    fastest = lambda x, way: min(r["s_per_round"] for r in x["runs"] if r["way"] == way and r["condition"] == "idle")
+    over_one = lambda x, way: median(x, way, "loaded") / median(x, "1 thread", "loaded")
+    text = " ".join(page.split())
+    assert f"two threads took {over_one(loaded, 'default'):.2f}-{over_one(mlp, 'default'):.2f}x one thread's" in text
+    assert f"passive waiting {over_one(loaded, 'default GOMP_SPINCOUNT=0'):.2f}x" in text
+    assert f"no pinning {over_one(loaded, 'default CLEANFL_NOPIN=1'):.2f}x" in text
+    torchrun = sorted(over_one(x, "torchrun 2x1") for x in (loaded, mlp))
+    assert f"took {torchrun[0]:.2f}-{torchrun[1]:.2f}x one thread's time there" in text
+    on_idle = sorted(fastest(x, "torchrun 2x1") / fastest(x, "default") for x in (idle, mlp))
+    assert f"idle {on_idle[0]:.2f}-{on_idle[1]:.2f}x the default's" in text
+    pooled = [
+        r["s_per_round"] for r in mlp["runs"] if r["condition"] == "loaded" and r["way"] in ("default", "2 threads")
+    ]
+    two, one = statistics.median(pooled), median(mlp, "1 thread", "loaded")  # --threads 2 is the default's code path
+    assert len(pooled) == 8 and f"median of {two:.2f} s/round against one thread's {one:.2f}: {two / one:.2f}x" in text
+    assert f"eight runs' median is {two / one:.2f}x" in " ".join(read("docs/speed.md").split())
 
 
 def test_threads_busy_host_table_is_its_runs():
