@@ -1085,8 +1085,9 @@ def test_threads_torchrun_idle_tables_are_their_runs():
 
 
 def test_threads_mlp_evidence_is_its_runs():
-    """The MLP evidence page's whole-run table is its JSON's runs cycle by cycle, its levers table is what threads.py
-    prints from theirs, and the bottom line's ratios (over one thread's time, loaded; torchrun's idle) are theirs."""
+    """The MLP evidence page's whole-run and pages tables are their JSONs' runs, its levers table is what threads.py
+    prints from theirs, and the ratios quoted there and in speed.md (over one thread's time, loaded; torchrun's idle)
+    are theirs."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import threads
 
@@ -1094,7 +1095,7 @@ def test_threads_mlp_evidence_is_its_runs():
     block = lambda name: page.split(f"<!-- {name}:start -->\n", 1)[1].split(f"\n<!-- {name}:end -->", 1)[0]
     load = lambda name: json.load(open(os.path.join(controls, name)))
     runs = load("threads-controls/first-run-wall.json")["runs"]
-    lines = ["| condition | default | 1 thread | default / 1 thread |", "|---|---|---|---|"]
+    lines, said = ["| condition | default | 1 thread | default / 1 thread |", "|---|---|---|---|"], {}
     for condition in ("idle", "loaded"):
         key = lambda r: (r["condition"], r["way"], r["cycle"])
         wall = {
@@ -1104,7 +1105,23 @@ def test_threads_mlp_evidence_is_its_runs():
         ratios = sorted(d / t for d, t in zip(*wall.values()))
         cells = [", ".join(f"{x:.1f}" for x in wall[w]) for w in wall]
         lines.append(f"| {condition} | {' | '.join(cells)} | {ratios[0]:.2f}-{ratios[-1]:.2f} |")
+        said[condition] = f"{ratios[0]:.2f}-{ratios[-1]:.2f}x"
     assert block("first-run-wall") == "\n".join(lines)
+    speed = " ".join(read("docs/speed.md").split())
+    assert f"took {said['loaded']} one thread's wall time loaded and {said['idle']} idle" in speed
+    pages = load("threads-controls/pages-loaded-wall.json")["runs"]
+    wall = {(r["page"], r["way"]): r["wall_s"] for r in pages}
+    names = ("fedbabu", "fedfn", "fedln", "fednnnn", "anfr")
+    ratios = [wall[p, "default"] / wall[p, "1 thread"] for p in names]
+    lines = ["| page | default | 1 thread | default / 1 thread |", "|---|---|---|---|"]
+    lines += [
+        f"| {p} | {wall[p, 'default']:.1f} | {wall[p, '1 thread']:.1f} | {x:.2f} |" for p, x in zip(names, ratios)
+    ]
+    assert len(pages) == 10 and block("pages-loaded-wall") == "\n".join(lines)
+    assert f"one-minute runs {min(ratios):.2f}-{max(ratios):.2f}x loaded (one cycle;" in speed
+    assert f"by {round(100 * min(ratios) - 100)}-{round(100 * max(ratios) - 100)}% in this one cycle" in " ".join(
+        page.split()
+    )
     idle, loaded = load("threads-controls/mlp-levers-idle.json"), load("threads-controls/mlp-levers-loaded.json")
     shown = [threads.table(x["runs"], argparse.Namespace(**x["args"])).splitlines() for x in (idle, loaded)]
     assert block("mlp-levers") == "\n".join([*shown[0], shown[1][2]]) and shown[0][0] == shown[1][0]
