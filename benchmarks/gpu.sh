@@ -21,7 +21,7 @@
 #            fedbabu; SEEDS), JOBS runs at a time on the one GPU; resumable (lib.sh)
 #   threads  the CPU threads table on this machine's cores, the GPU left alone: benchmarks/threads.py, idle (2
 #            cycles, in 5/8 of the stage's cap) then beside a busy process on each core (1 cycle), the default
-#            against --threads 2, 4 and 8 for fedfn-small, then fedbabu-small (THREADS_FLAGS; threads/tables.md)
+#            against --threads 2, 4 and 8 for fedavg-mlp, then fedfn-small (THREADS_FLAGS; threads/tables.md)
 #   levers   s/round of the five paper configurations under today's loop and each lever alone and combined
 #            (torchrun K on the one GPU, --amp, anfr's --channels-last --tf32, benchmarks/together.py), the
 #            FLOPs and floors: benchmarks/levers.py measure, by priority within the stage's cap (OUT/speed.md)
@@ -47,9 +47,9 @@
 #                 torch import per run) [tiny 1, else 0: a fresh process per run, as on the GPU]
 #   TIMES_FLAGS   extra flags of benchmarks/gpu_times.py, e.g. "--variants all --fedavg-precisions fp32 amp"
 #   LEVERS_FLAGS  extra flags of benchmarks/levers.py measure, e.g. "--claims fedfn anfr"
-#   THREADS_FLAGS flags of both benchmarks/threads.py runs ["--workloads fedfn-small fedbabu-small --thread-counts
-#                 2 4 8 --no-torchrun --rounds 2", and every CPU among the counts where a core has two hardware
-#                 threads; tiny: fedfn-small, --thread-counts 1, R=1, idle only]
+#   THREADS_FLAGS flags of both benchmarks/threads.py runs ["--workloads fedavg-mlp fedfn-small --thread-counts
+#                 2 4 8 --no-torchrun --rounds 2 --run-timeout 90", and every CPU among the counts where a core has
+#                 two hardware threads; tiny: fedfn-small, --thread-counts 1, R=1, idle only]
 #   DEADLINE      seconds for all stages; each stage's cap is cut to what is left [full 540; tiny 900]
 #   CAP_ENV CAP_DATA CAP_SMOKE CAP_TIMES CAP_FEDBABU CAP_THREADS CAP_LEVERS CAP_PAIR   per-stage caps in seconds
 #                 [60 90 90 200 (tiny: smoke and times 300); fedbabu: the rest of DEADLINE; threads 240; levers
@@ -94,7 +94,7 @@ if [ "$MODE" = tiny ]; then
   THREADS_FLAGS=${THREADS_FLAGS:-"--workloads fedfn-small --thread-counts 1 --no-torchrun --rounds 1"}
 else  # with hardware threads (two a core) the default is a thread a core: then every CPU is timed too
   SMT_CPUS=$(lscpu 2>/dev/null | awk -F: -v n="$(nproc)" '/^Thread\(s\) per core/ && $2 > 1 {print n}')
-  THREADS_FLAGS=${THREADS_FLAGS:-"--workloads fedfn-small fedbabu-small --thread-counts 2 4 8 $SMT_CPUS --no-torchrun --rounds 2"}
+  THREADS_FLAGS=${THREADS_FLAGS:-"--workloads fedavg-mlp fedfn-small --thread-counts 2 4 8 $SMT_CPUS --no-torchrun --rounds 2 --run-timeout 90"}
 fi
 CAP_ENV=${CAP_ENV:-60}; CAP_DATA=${CAP_DATA:-90}; CAP_SMOKE=${CAP_SMOKE:-90}; CAP_TIMES=${CAP_TIMES:-200}; CAP_FEDBABU=${CAP_FEDBABU:-0}
 CAP_THREADS=${CAP_THREADS:-240}; CAP_LEVERS=${CAP_LEVERS:-250}; CAP_PAIR=${CAP_PAIR:-0}

@@ -148,10 +148,10 @@ def test_dry_run_prints_commands_each_parser_accepts(tmp_path, places, monkeypat
     assert sorted(a[a.index("--resume") + 1] for a in pair if "--resume" in a) == sorted(
         a[a.index("--out") + 1] for a in firsts
     )
-    # threads: idle then loaded, each the default and --threads 2, 4, 8 of fedbabu-small and fedfn-small on the CPU
+    # threads: idle then loaded, each the default and --threads 2, 4, 8 of fedavg-mlp and fedfn-small on the CPU
     tables = [a for _, a in commands if a[1] == "benchmarks/threads.py"]
     assert [a[a.index("--conditions") + 1] for a in tables] == ["idle", "loaded"]
-    for m in ["fedbabu", "fedfn"]:
+    for m in ["fedavg", "fedfn"]:
         runs = [a for _, a in commands if a[1].endswith(f"/{m}.py") and "TMP/" in " ".join(a)]  # threads.py --dry
         assert all(a[a.index("--device") + 1] == "cpu" for a in runs), m
         got = [a[a.index("--threads") + 1] if "--threads" in a else "default" for a in runs]
