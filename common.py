@@ -17,6 +17,7 @@ import hashlib
 import io
 import itertools
 import json
+import logging
 import math
 import os
 import pathlib
@@ -34,8 +35,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401  before any group: its `group=WORLD` defaults bind now, to None
+import torch.distributed.run as torchrun
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.launcher.api import ChildFailedError, SignalException  # torchrun's (the CPU's default)
 from tqdm import tqdm
 
 
@@ -1121,8 +1124,7 @@ def finish_args(parser, args, script):
         if saved.get("script") != script:  # the script that wrote config.json
             err(f"--resume: {folder} holds a run of {saved.get('script', '?')}.py, not of {script}.py")
         if extra := given - {"resume", *RESUMABLE}:
-            err(f"--{min(extra).replace('_', '-')}: a resumed run keeps its config.json; give only --rounds (to "
-                "extend it), --stop-after, --device or --data-dir")  # fmt: skip
+            err(f"--{min(extra).replace('_', '-')}: --resume takes only --rounds, --stop-after, --device, --data-dir")
         if (rounds := args.rounds if "rounds" in given else saved["rounds"]) < saved["rounds"]:
             err(f"--rounds: the run in {folder} has {saved['rounds']} rounds; --resume can extend, not shorten it")
         summary = json.load(open(f"{folder}/summary.json")) if os.path.isfile(f"{folder}/summary.json") else {}
@@ -1156,7 +1158,9 @@ def finish_args(parser, args, script):
                     folder = pathlib.Path("/sys/fs/cgroup", mount, str(group).lstrip("/"))
                     quota, period = " ".join(open(folder / f).read() for f in files).split()  # "max", -1: none
                     cores = min(cores, max(1, int(int(quota) / int(period) + 0.5))) if int(quota) > 0 else cores
-    args.threads = args.threads or int(os.environ.get("OMP_NUM_THREADS") or cores)  # torchrun's 1, else the cores
+    alone = "threads" in given or args.device != "cpu" or {"OMP_NUM_THREADS", "WORLD_SIZE"} & os.environ.keys()
+    args.threads = args.threads or int(os.environ.get("OMP_NUM_THREADS") or (cores if alone else 1))  # torchrun's: 1
+    args.ranks = 1 if alone or args.threads > 1 else cores  # the CPU's default: a process a core, one thread each
     return args
 
 
@@ -1172,27 +1176,28 @@ class Run:
     """One run: its folder, ranks, threads, seeds, client sampler, stop signals, checkpoint; rank 0 writes its files."""
 
     def __init__(self, args):
+        if getattr(args, "ranks", 1) > 1:  # the CPU's default: this command again, a process a core (torchrun)
+            logging.disable(logging.ERROR)  # in this process, the launcher: the ranks say what went wrong, once
+            try:  # OMP_NUM_THREADS=1 each (torchrun's): a busy core delays one process, not every thread of a loop
+                torchrun.run(torchrun.parse_args(["--standalone", f"--nproc-per-node={args.ranks}", *sys.argv]))
+            except ChildFailedError as failed:  # a refusal, a crash, a stop: rank 0's exit code, else the first's
+                raise SystemExit(min(failed.failures.items())[1].exitcode)
+            except SignalException as stopped:  # SIGTERM or Ctrl-C to this process, passed on to the ranks
+                raise SystemExit(128 + stopped.sigval)
+            raise SystemExit(0)
         setup_distributed(args)
         self.args, self.script, self.main = args, args.script, rank_and_world()[0] == 0
-        self.dir = together(lambda: take_folder(args), self.main, share=True)  # a refusal on rank 0 ends every rank
-        self.config = {k: v for k, v in vars(args).items() if k not in ("resume", "stop_after", "overwrite")}
-        self.config["out"] = self.dir  # config.json; its settings, what --resume may not change, in its JSON types:
+        args.out = self.dir = together(lambda: take_folder(args), self.main, share=True)  # a refusal on rank 0: all
+        self.config = {k: v for k, v in vars(args).items() if k not in ("resume", "stop_after", "overwrite", "ranks")}
         self.settings = {k: v for k, v in json.loads(jsonl([self.config])).items() if k not in ("out", *RESUMABLE)}
         self.checkpoint = safe_load(f"{self.dir}/checkpoint.pt", "--resume", args.device) if args.resume else {}
         began = self.checkpoint.get("settings", self.settings)
         if edited := sorted(k for k in began.keys() | self.settings.keys() if began.get(k) != self.settings.get(k)):
-            refuse(f"--resume: {self.dir}/config.json differs from the one its checkpoint was written with (in "
-                   f"{', '.join(edited[:4])}); undo the edit, or start a new run with new flags")  # fmt: skip
+            refuse(f"--resume: {self.dir}/config.json was edited (in {', '.join(edited[:4])}); undo it, or start anew")
         torch.set_num_threads(args.threads)
-        if hasattr(os, "sched_setaffinity") and args.threads == len(cpus := sorted(os.sched_getaffinity(0))) > 1:
-            before = set(os.listdir("/proc/self/task"))
-            torch.ones(args.threads << 15).add_(1)  # 2^15 a thread: OpenMP starts them all, then each on a core
-            if len(workers := sorted(set(os.listdir("/proc/self/task")) - before, key=int)) == args.threads - 1:
-                for cpu, tid in zip(cpus, [os.getpid(), *map(int, workers)]):
-                    os.sched_setaffinity(tid, {cpu})
         torch.manual_seed(args.seed)  # the models' init (Python's and numpy's global generators serve nothing here)
         self.sampler = np.random.default_rng(args.seed)  # client sampling, its own generator
-        cpu = f"cpu ({platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+        cpu = f"cpu ({platform.machine()}, {os.cpu_count()} cores, {rank_and_world()[1]} x {args.threads} threads)"
         self.device = torch.cuda.get_device_name(args.device) if "cuda" in args.device else cpu
         self.clock, self.elapsed_before, self.rows, self.stop_signal, self._bar = time.time(), 0.0, None, 0, None
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -1205,8 +1210,7 @@ class Run:
         args, ckpt, sizes, self.rows = self.args, self.checkpoint, [len(p) for p in partition.train], []
         self.fingerprint, began = data.fingerprint, ckpt.get("data", data.fingerprint) or {}
         if differ := [k for k in began if began[k] != data.fingerprint.get(k)]:
-            refuse(f"--data-dir: {args.data_dir} holds other data than the run in {self.dir} began on (in its "
-                   f"{', '.join(differ)}); resume it on the same data")  # fmt: skip
+            refuse(f"--data-dir: {args.data_dir} holds other data than {self.dir} began on (its {', '.join(differ)})")
         for line in open(f"{self.dir}/metrics.jsonl") if ckpt and os.path.isfile(f"{self.dir}/metrics.jsonl") else ():
             with contextlib.suppress(ValueError):  # a line a crash cut short
                 self.rows += [row for row in [json.loads(line)] if row["round"] <= ckpt["round"]]
@@ -1248,8 +1252,7 @@ class Run:
 
     def end_diverged(self, rnd, train_loss):  # ends the run with exit 1: summary.json says it diverged
         self.write_summary({"diverged": True, "round": rnd + 1, "train_loss": train_loss})
-        why = f"diverged: training loss became {train_loss} in round {rnd + 1}; try a smaller --lr ({self.dir})"
-        raise SystemExit(why if self.main else 1)
+        raise SystemExit(f"diverged in round {rnd + 1}: loss {train_loss}; try a smaller --lr" if self.main else 1)
 
     def log(self, metrics):  # one more row (with elapsed_s) in metrics.jsonl, which is written whole (save)
         self.rows.append({**metrics, "elapsed_s": round(self.elapsed, 3)})

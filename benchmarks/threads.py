@@ -7,9 +7,9 @@ Four workloads, each run these ways:
   fedbabu-small  fedbabu.py at benchmarks/reproduce/fedbabu.sh small (convnet4-tiny, s=10, tau=10)
   fedfn-small    fedfn.py at benchmarks/reproduce/fedfn.sh small (convnet4-tiny, s=2, E=5, lr 0.03)
 ways:
-  default        python SCRIPT ...               no --threads, no OMP_NUM_THREADS: the scripts' own choice, torch's
-                 count of the cores (physical ones; at most a container's CPU limit; and their GOMP_SPINCOUNT, which
-                 OpenMP reads as torch loads it)
+  default        python SCRIPT ...               no --threads, no OMP_NUM_THREADS: the scripts' own choice, on the
+                 CPU a process a core of one thread each (torchrun started by the script; the cores: torch's count of
+                 physical ones, at most a container's CPU limit)
   default ENV    the same with the environment variable(s) of --envs set, e.g. GOMP_SPINCOUNT=300000 (libgomp's
                  own default, the scripts' before they set one) or OMP_WAIT_POLICY=PASSIVE
   N threads      python SCRIPT ... --threads N, for each N of --thread-counts (default: the powers of two below the
@@ -22,7 +22,7 @@ over R (start-up, data loading and the first rounds' warm-up left out; one test-
 over --cycles interleaved cycles (every other one in reverse order: no way always runs first), the median of the
 loaded rows (there the interference is what is measured) and by default the minimum of the idle rows (timeit's rule:
 interference only adds time, so the fastest of identical runs is the machine's speed), and the threads the default
-picked (config.json).
+picked (config.json; "P x T threads": P processes of T threads, from summary.json).
 
     python benchmarks/threads.py --data-dir /path/to/cifar10                      # idle and loaded, 2 cycles
     python benchmarks/threads.py --data-dir D --conditions idle --workloads fedavg-cnn --cycles 1 --rounds 1
@@ -156,7 +156,11 @@ def table(runs, args):
             inf = float("inf")  # a timed-out run
             stat = min if c == "idle" and getattr(args, "idle_statistic", "median") == "min" else statistics.median
             secs = {way: stat(r["s_per_round"] or inf for r in rs) for way, rs in sel.items()}
-            picked = "".join(f" | {sorted({r['threads'] for r in sel[way] if r['threads']})} threads" for way in picks)
+            procs = sorted({r.get("processes") or 1 for r in sel["default"]})  # (a JSON measured before: none)
+            times = f"{procs} x " * (procs != [1])
+            picked = "".join(
+                f" | {times}{sorted({r['threads'] for r in sel[way] if r['threads']})} threads" for way in picks
+            )
             cells = [f"{secs[w_]:.2f}" if secs[w_] < inf else f"timed out ({args.run_timeout:.0f} s)" for w_ in ways]
             counts = [secs[way] for way in ways if way.endswith(("thread", "threads"))]  # over --thread-counts
             best = f"{secs['default'] / min(counts):.2f}" if counts else "-"  # "-": a way not measured
@@ -194,7 +198,10 @@ if __name__ == "__main__":
                             out = os.path.join(tmp, f"{condition}-{cycle}-{workload}-{ways_of(args).index(way)}")
                             sec, threads, acc = run_once(args, workload, way, out)
                             row = dict(condition=condition, cycle=cycle, workload=workload, way=way, s_per_round=sec)
-                            runs.append({**row, "threads": threads, "test_acc": acc, "loadavg_before": load})
+                            summary = os.path.join(out, "summary.json")  # (a run timed out: none)
+                            processes = json.load(open(summary)).get("processes") if os.path.exists(summary) else None
+                            row.update(threads=threads, processes=processes, test_acc=acc, loadavg_before=load)
+                            runs.append(row)
                             said = f"{sec:.2f} s/round, threads {threads}, acc {acc:.4f}" if sec else "timed out"
                             print(f"{condition} {cycle} {workload} {way}: {said}, load before {load:.2f}", flush=True)
                             saved = {"args": vars(args), "cpu_count": os.cpu_count(), "cores": cores(), "runs": runs}

@@ -520,7 +520,7 @@ def test_reproduce_commands_parse(name, scale, fake_folder, monkeypatch):
         assert out[:2] == ["runs", "reproduce"] and out[2].endswith("-" + scale) and out[4] == f"seed{args.seed}"
         outs.add(args.out)
         # collect.py's command rebuilt from this config.json parses back to the same flags
-        cfg = {k: v for k, v in vars(args).items() if k not in ("resume", "stop_after")}
+        cfg = {k: v for k, v in vars(args).items() if k not in ("resume", "stop_after", "ranks")}  # as Run's
         rebuilt = shlex.split(
             collect.rebuild_command(os.path.splitext(argv[1])[0], cfg).replace('"$DATA_DIR"', shlex.quote(fake_folder))
         )
@@ -1033,3 +1033,21 @@ def test_threads_refuses_bad_input_in_one_line(flags, flag, tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "threads.py"), *base, *flags]
     res = subprocess.run(cmd, capture_output=True, text=True)
     assert res.returncode == 2 and flag in res.stderr.strip().splitlines()[-1]
+
+
+def test_threads_table_says_the_defaults_processes_from_summary_json():
+    """The default on the CPU is a process a core of one thread each: its cell says "[2] x [1] threads"; a JSON
+    measured before the runs said their processes keeps its "[2] threads"."""
+    threads = importlib.import_module("threads")
+    row = dict(workload="fedavg-mlp", condition="idle", threads=1)
+    runs = [
+        {**row, "way": "default", "s_per_round": 1.0, "processes": 2},
+        {**row, "way": "1 thread", "s_per_round": 2.0},
+    ]
+    args = argparse.Namespace(workloads=["fedavg-mlp"], conditions=["idle"], run_timeout=900)
+    assert (
+        threads.table(runs, args).splitlines()[2]
+        == "| fedavg-mlp | idle | 1.00 | 2.00 | [2] x [1] threads | 0.50 | - |"
+    )
+    old = [{k: v for k, v in r.items() if k != "processes"} for r in runs]
+    assert "| [1] threads |" in threads.table(old, args)

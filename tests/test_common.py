@@ -521,11 +521,11 @@ def test_lr_decays_at_fractions_of_the_run():
     assert common.lr_at(0, args) == 0.1
 
 
-def test_cpu_device_name_says_cores_and_torch_threads(tmp_path):
+def test_cpu_device_name_says_cores_processes_and_threads(tmp_path):
     os.makedirs(tmp_path / "r")
     common.Run(run_args(tmp_path / "r")).write_summary({})
     name = json.load(open(tmp_path / "r" / "summary.json"))["device"]
-    assert f"{os.cpu_count()} cores" in name and f"{torch.get_num_threads()} torch threads" in name
+    assert f"{os.cpu_count()} cores, 1 x {torch.get_num_threads()} threads)" in name  # one process of them
 
 
 # ------------------------------------------------------------------ storage order

@@ -4,6 +4,7 @@ and a failing rank stops the whole run with nothing half-written."""
 import importlib.util
 import json
 import os
+import platform
 import subprocess
 import sys
 
@@ -497,3 +498,42 @@ def test_torchrun_killing_its_ranks_mid_round_leaves_the_line_and_the_last_check
     assert sorted(os.listdir(out)) == ["checkpoint.pt", "config.json", "metrics.jsonl", "partition.json"]
     finish(start(torchrun_cmd(2, "fedavg.py", "--resume", out)), whole)
     assert_same_run(tmp_path / "whole", out)
+
+
+def test_the_cpu_default_is_a_process_a_core_with_one_threads_numbers(tmp_path):
+    """No --threads and no OMP_NUM_THREADS on the CPU: the command runs itself again under torchrun, a process a core
+    of one thread each, and says so. SIGTERM to the command (a scheduler's stop) and Ctrl-C (SIGINT to its process
+    group) each print the --resume line once and exit 143 and 130, with no traceback and no torchrun log; --resume
+    launches again and ends as one thread's run, bit for bit; a bad folder is one line, exit 2."""
+    import signal
+
+    bare = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # as a user's shell has it
+    count = "import common, sys; print(common.TORCH_THREADS, len(common.os.sched_getaffinity(0)))"  # (Linux)
+    cores = min(map(int, subprocess.check_output([sys.executable, "-c", count], cwd=ROOT, env=bare).split()))
+    if cores < 2:
+        pytest.skip("one core: the default is this process alone")
+    launched = lambda *flags: subprocess.Popen(  # noqa: E731
+        [sys.executable, "fedavg.py", *map(str, flags)], cwd=ROOT, env=bare, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+    flags = [*CASES["fedavg"], "--local-steps", "1", "--rounds", "40"]
+    whole = start([sys.executable, "fedavg.py", *flags, "--out", tmp_path / "whole"])  # one process, one thread
+    bad = launched("--dataset", "folder", "--data-dir", tmp_path / "none", "--out", tmp_path / "bad")
+    for sig, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
+        out = tmp_path / sig.name
+        proc = launched(*flags, "--out", out)
+        wait_for_checkpoint(out)
+        os.kill(proc.pid, sig) if sig == signal.SIGTERM else os.killpg(proc.pid, sig)
+        stdout, err = proc.communicate(timeout=120)
+        assert proc.returncode == code, err[-3000:]
+        assert f"fedavg: cpu ({platform.machine()}, {os.cpu_count()} cores, {cores} x 1 threads)" in stdout, stdout
+        assert stdout.count(f"{sig.name}: finishing this round") == stdout.count("--resume") == 1, stdout + err
+        assert "Traceback" not in err + stdout and "torch/distributed" not in err, err[-3000:]
+        assert 1 <= len(metrics(out)) < 40 and not (out / "summary.json").exists()
+    _, err = bad.communicate(timeout=120)
+    assert bad.returncode == 2 and len(err.strip().splitlines()) == 1 and "error: --data-dir:" in err, err[-3000:]
+    resumed = launched("--resume", tmp_path / "SIGTERM")
+    stdout, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0 and "Traceback" not in err, err[-3000:]
+    finish(whole)
+    assert_same_run(tmp_path / "whole", tmp_path / "SIGTERM")
+    assert summary(tmp_path / "SIGTERM")["processes"] == cores

@@ -300,7 +300,8 @@ ROOT_GROUPS = "4:cpu,cpuacct:/\n0::/\n"  # a container's view of its groups (v1'
 
 
 def parse_threads(argv, monkeypatch, cores=None, env=None, cgroup=None, torch_threads=None, groups=ROOT_GROUPS):
-    """The default threads of `fedavg.py --dataset synthetic ARGV`, on a machine of `cores` CPUs (None: this one's;
+    """The default (processes, threads a process) of `fedavg.py --dataset synthetic --device cpu ARGV`; on a machine of
+    `cores` CPUs (None: this one's;
     0: a system without affinity, macOS or Windows) of which torch's own default counts `torch_threads` (None: all of
     them, no hardware threads), with only `env`'s OMP_NUM_THREADS (None: as it is), whose /sys/fs/cgroup is `cgroup`
     (a folder: faked; None: one with no CPU limit) and the process's /proc/self/cgroup `groups`."""
@@ -322,31 +323,59 @@ def parse_threads(argv, monkeypatch, cores=None, env=None, cgroup=None, torch_th
         else real_open(str(path).replace("/sys/fs/cgroup", str(cgroup)), *a, **k)
     )
     monkeypatch.setattr(common, "open", fake, raising=False)  # finish_args reads the cgroup files through it
-    monkeypatch.setattr(sys, "argv", ["fedavg.py", "--dataset", "synthetic", *map(str, argv)])
+    data = [] if "--resume" in argv else ["--dataset", "synthetic"]  # a resumed run's is its config.json's
+    monkeypatch.setattr(sys, "argv", ["fedavg.py", *data, "--device", "cpu", *map(str, argv)])
     import fedavg
 
-    return fedavg.parse_args().threads
+    args = fedavg.parse_args()
+    return args.ranks, args.threads
+
+
+def cpus_used(*args, **kwargs):  # processes x threads: the CPUs a run takes
+    ranks, threads = parse_threads(*args, **kwargs)
+    return ranks * threads
 
 
 @pytest.mark.parametrize(
     "cores,env,given,want",
     [
-        (2, {}, [], 2),  # the machine's cores
-        (8, {"LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}, [], 1),  # torchrun sets OMP_NUM_THREADS=1 a process
-        (8, {"OMP_NUM_THREADS": "3"}, [], 3),  # the user's (or torchrun's) OMP_NUM_THREADS
-        (8, {"OMP_NUM_THREADS": "3"}, ["--threads", "4"], 4),  # --threads wins
+        (2, {}, [], (2, 1)),  # the CPU's default: a process a core, one thread each
+        (8, {}, [], (8, 1)),
+        (1, {}, [], (1, 1)),  # one core: this process alone
+        (8, {}, ["--threads", "1"], (1, 1)),  # a count given: one process of that many threads
+        (8, {}, ["--threads", "4"], (1, 4)),
+        (8, {"LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}, [], (1, 1)),  # under torchrun: its OMP_NUM_THREADS=1
+        (8, {"WORLD_SIZE": "1"}, [], (1, 8)),  # torchrun of one process: never a launcher inside it
+        (8, {"OMP_NUM_THREADS": "3"}, [], (1, 3)),  # the user's OMP_NUM_THREADS
+        (8, {"OMP_NUM_THREADS": "3"}, ["--threads", "4"], (1, 4)),  # --threads wins
     ],
 )
-def test_threads_are_the_machines_cores(cores, env, given, want, monkeypatch):
+def test_processes_and_threads_are_the_machines_cores(cores, env, given, want, monkeypatch):
     """A function of the machine alone, never of its load: one command, one set of numbers."""
     monkeypatch.setattr(os, "getloadavg", lambda: pytest.fail("the thread count looked at the load"))
     assert parse_threads(given, monkeypatch, cores=cores, env=env) == want
 
 
+def test_a_gpu_run_keeps_one_process_of_the_cores_threads(monkeypatch):
+    """Off the CPU the ranks are torchrun's to choose (a GPU each); this process's CPU threads are the cores."""
+    monkeypatch.setattr(common.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(common.torch.cuda, "device_count", lambda: 1)
+    assert parse_threads(["--device", "cuda"], monkeypatch, cores=4, env={}) == (1, 4)
+
+
+@pytest.mark.parametrize("threads,want", [(1, (4, 1)), (2, (1, 2))])
+def test_a_resumed_run_is_launched_as_it_began(threads, want, tmp_path, monkeypatch):
+    """The default's run (config.json: one thread) resumes on a process a core again, its numbers unchanged; a run
+    begun with --threads 2 resumes as one process of 2 threads."""
+    (tmp_path / "config.json").write_text(json.dumps({"script": "fedavg", "rounds": 3, "threads": threads}))
+    (tmp_path / "checkpoint.pt").write_bytes(b"")
+    assert parse_threads(["--resume", tmp_path], monkeypatch, cores=4, env={}) == want
+
+
 @pytest.mark.parametrize(
     "cores,torch_threads,cgroup_cpus,want",
     [
-        (16, 8, None, 8),  # 8 cores of two hardware threads (SMT): one thread a core, as torch's own default
+        (16, 8, None, 8),  # 8 cores of two hardware threads (SMT): a process a core, as torch counts them
         (0, 8, None, 8),  # Apple silicon, 8 performance and 2 efficiency cores (no affinity): torch's 8
         (4, 16, None, 4),  # taskset -c 0-3 where torch counts the whole machine's cores (cpuinfo): the 4
         (16, 8, "300000 100000", 3),  # a CPU limit below torch's count: the limit
@@ -358,7 +387,7 @@ def test_threads_are_torchs_count_of_usable_cores(cores, torch_threads, cgroup_c
     if cgroup_cpus:
         (tmp_path / "cpu.max").write_text(cgroup_cpus)
     found = parse_threads([], monkeypatch, cores=cores, env={}, cgroup=tmp_path, torch_threads=torch_threads)
-    assert found == want
+    assert found == (want, 1)
 
 
 @pytest.mark.parametrize(
@@ -381,7 +410,7 @@ def test_threads_are_at_most_a_containers_cpu_limit(files, env, want, tmp_path, 
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text(text)
-    assert parse_threads([], monkeypatch, cores=8, env=env, cgroup=tmp_path) == want
+    assert cpus_used([], monkeypatch, cores=8, env=env, cgroup=tmp_path) == want
 
 
 USER = "user.slice/user-1000.slice"  # a user's slice (a shared login node may limit it), above each login's scope
@@ -413,36 +442,7 @@ def test_threads_are_at_most_the_cpu_limit_of_a_group_above(groups, files, want,
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text + "\n")
-    assert parse_threads([], monkeypatch, cores=8, env={}, cgroup=tmp_path, groups=groups + "\n") == want
-
-
-PINNING = """
-import argparse, json, os, sys
-import common
-args = argparse.Namespace(out=sys.argv[1], resume=None, rounds=1, save_model=False, device="cpu", seed=0,
-                          script="fedavg", dataset="synthetic", overwrite=False, threads=int(sys.argv[2]))
-common.Run(args)
-tasks = sorted(map(int, os.listdir("/proc/self/task")))
-print(json.dumps([sorted(os.sched_getaffinity(t)) for t in tasks]))
-"""
-
-
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="2+ cores")
-@pytest.mark.parametrize("all_cores", [True, False])
-def test_threads_on_all_cores_are_pinned_one_a_core(all_cores, tmp_path):
-    """With the default (a thread a core), the main thread and each OpenMP worker get a core of their own, so a busy
-    core never holds two of them; with fewer threads nothing is pinned. (A process of its own: pinning is for life.)"""
-    cores = sorted(os.sched_getaffinity(0))
-    threads = len(cores) if all_cores else 1
-    proc = subprocess.run([sys.executable, "-c", PINNING, str(tmp_path / "r"), str(threads)], cwd=ROOT,
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    masks = json.loads(proc.stdout.strip().splitlines()[-1])
-    pinned = [m for m in masks if len(m) == 1]
-    if all_cores:
-        assert masks[0] == [cores[0]] and sorted(m[0] for m in pinned) == cores  # the main thread first
-    else:
-        assert pinned == [] and all(m == cores for m in masks)
+    assert cpus_used([], monkeypatch, cores=8, env={}, cgroup=tmp_path, groups=groups + "\n") == want
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "two", "1.5", ""])
