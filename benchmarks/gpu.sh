@@ -130,8 +130,9 @@ run_or_show() {
 # ------------------------------------------------------------------------------------------------
 # env
 # ------------------------------------------------------------------------------------------------
-# the threads stage's default way: a script without --threads or OMP_NUM_THREADS (torch's cores, at most a CPU limit)
-CORES='import sys; sys.argv[1:] = ["--dataset", "synthetic"]; import fedavg; print(fedavg.parse_args().threads)'
+# the threads stage's default way: a script without --threads or OMP_NUM_THREADS (a process a core of one thread)
+CORES='import sys; sys.argv[1:] = ["--dataset", "synthetic", "--device", "cpu"]; import fedavg; a = fedavg.parse_args()
+print(f"{a.ranks} processes x {a.threads} threads")'
 CPUS='import sys; sys.path.insert(0, "benchmarks"); import threads; print(threads.cores())'  # its affinity
 
 stage_env() {
@@ -147,7 +148,7 @@ stage_env() {
     lscpu 2>/dev/null | grep -E '^(Model name|Thread\(s\) per core|Core\(s\) per socket|Socket\(s\)):' || true
     echo "CPUs this process may run on: $("$PYTHON" -c "$CPUS")"
     echo "CPU limit (cgroup v2 cpu.max, quota period): $(cat /sys/fs/cgroup/cpu.max 2>/dev/null || echo none)"
-    echo "the scripts' default threads: $(env -u OMP_NUM_THREADS "$PYTHON" -c "$CORES")"
+    echo "the scripts' CPU default: $(env -u OMP_NUM_THREADS "$PYTHON" -c "$CORES")"
     if command -v nvidia-smi > /dev/null; then
       nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit --format=csv || true
       nvidia-smi || true

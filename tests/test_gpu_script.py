@@ -245,14 +245,16 @@ def test_tiny_levers_and_pair_end_to_end(tmp_path):
         names = tar.getnames()
         runs = json.load(tar.extractfile("threads/threads-idle.json"))["runs"]
     idle = {r["way"]: r["s_per_round"] for r in runs}
-    [cores] = {r["threads"] for r in runs if r["way"] == "default"}  # what the default run took (its config.json)
+    [threads] = {r["threads"] for r in runs if r["way"] == "default"}  # what the default run took (config.json)
+    [procs] = {r["processes"] for r in runs if r["way"] == "default"}  # and its processes (summary.json)
     env_txt = (out / "env.txt").read_text()
-    assert f"the scripts' default threads: {cores}\n" in env_txt
+    assert f"the scripts' CPU default: {procs} processes x {threads} threads\n" in env_txt
     assert ("Thread(s) per core:" in env_txt) == bool(shutil.which("lscpu"))
     assert "levers/levers.json" in names and "pair/pair.json" in names and "threads/threads-idle.json" in names
     assert "threads/tables.md" in names
     assert set(idle) == {"default", "1 thread"}  # the default against --threads 1, on the CPU, no torchrun
-    row = f"| fedfn-small | idle | {idle['default']:.2f} | {idle['1 thread']:.2f} | [{cores}] threads | "
+    picked = f"[{procs}] x [{threads}] threads" if procs > 1 else f"[{threads}] threads"
+    row = f"| fedfn-small | idle | {idle['default']:.2f} | {idle['1 thread']:.2f} | {picked} | "
     assert row + f"{idle['default'] / idle['1 thread']:.2f} | - |" in summary.splitlines(), summary
     assert "pair/fedfn/metrics.jsonl" in names and "pair/fedavg/config.json" in names
     assert not any(n.endswith(".pt") for n in names)  # checkpoints stay behind (37 MB each for VGG11)
