@@ -17,7 +17,7 @@ batch-norm averaging) and results: docs/anfr.md.
 
 import os
 
-os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # before torch loads OpenMP: brief spins, then sleep (docs/speed.md)
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # before torch loads OpenMP: short spins (docs/evidence/threads.md)
 
 import math
 import re

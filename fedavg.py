@@ -14,7 +14,7 @@ Usage, logged metrics, choices the paper leaves open and results: docs/fedavg.md
 
 import os
 
-os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # before torch loads OpenMP: brief spins, then sleep (docs/speed.md)
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # before torch loads OpenMP: short spins (docs/evidence/threads.md)
 
 import math
 

@@ -13,7 +13,7 @@ docs/fedbabu.md.
 
 import os
 
-os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # before torch loads OpenMP: brief spins, then sleep (docs/speed.md)
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # before torch loads OpenMP: short spins (docs/evidence/threads.md)
 
 import argparse
 import math

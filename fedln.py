@@ -15,7 +15,7 @@ CNN, FN's sqrt(d) scale, SCAFFOLD, FedYogi, Figure 3's measurements) and results
 
 import os
 
-os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # before torch loads OpenMP: brief spins, then sleep (docs/speed.md)
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # before torch loads OpenMP: short spins (docs/evidence/threads.md)
 
 import argparse
 import math  # FedLN: sqrt(d)
