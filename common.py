@@ -1180,8 +1180,9 @@ class Run:
             logging.disable(logging.ERROR)  # in this process, the launcher: the ranks say what went wrong, once
             try:  # OMP_NUM_THREADS=1 each (torchrun's): a busy core delays one process, not every thread of a loop
                 torchrun.run(torchrun.parse_args(["--standalone", f"--nproc-per-node={args.ranks}", *sys.argv]))
-            except ChildFailedError as failed:  # a refusal, a crash, a stop: rank 0's exit code, else the first's
-                raise SystemExit(min(failed.failures.items())[1].exitcode)
+            except ChildFailedError as failed:  # a refusal or crash: its code, not the ranks the launcher then stops
+                code = max(f.exitcode for f in failed.failures.values())  # a rank a signal N ended: -N
+                raise SystemExit(code if code > 0 else 128 - code)
             except SignalException as stopped:  # SIGTERM or Ctrl-C to this process, passed on to the ranks
                 raise SystemExit(128 + stopped.sigval)
             raise SystemExit(0)
@@ -1241,8 +1242,7 @@ class Run:
         return {"round": rnd + 1, "elapsed_s": self.elapsed, "sampler": self.sampler.bit_generator.state,
                 "settings": self.settings, "data": self.fingerprint}  # fmt: skip
 
-    def interrupted(self):  # whether Ctrl-C or SIGTERM came (under torchrun: to any rank, so all stop together)
-        return agree(self.stop_signal) > 0
+    interrupted = lambda self: agree(self.stop_signal) > 0  # Ctrl-C or SIGTERM came (to any rank: all stop together)
 
     def end_stopped(self, rnd):  # ends the run after round rnd: one line with the command that continues it
         self._bar.close()

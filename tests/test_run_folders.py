@@ -11,6 +11,7 @@ import json
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -361,6 +362,42 @@ def test_a_gpu_run_keeps_one_process_of_the_cores_threads(monkeypatch):
     monkeypatch.setattr(common.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(common.torch.cuda, "device_count", lambda: 1)
     assert parse_threads(["--device", "cuda"], monkeypatch, cores=4, env={}) == (1, 4)
+
+
+@pytest.mark.parametrize(
+    "ended,code",
+    [
+        (None, 0),  # every rank finished
+        ({0: -15, 1: 2}, 2),  # a refusal on rank 1 (2), rank 0 then stopped by the launcher (SIGTERM): 2, not 241
+        ({0: 2, 1: -15}, 2),
+        ({0: 1, 1: -15}, 1),  # a crash
+        ({0: -9, 1: -15}, 137),  # a rank killed (SIGKILL, the OOM killer): the shell's 128 + 9
+        (signal.SIGTERM, 143),  # SIGTERM or Ctrl-C to the command itself (its ranks finish the round)
+        (signal.SIGINT, 130),
+    ],
+)
+def test_the_cpu_defaults_launcher_exits_with_the_ranks_cause(ended, code, monkeypatch):
+    """The command's exit code under its own launcher: the cause (a refusal's 2, a crash's 1), not the SIGTERM of the
+    ranks the launcher stops after it, whichever rank ends first; a rank a signal ended, 128 + that signal."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    def launched(config):
+        assert config.nproc_per_node == "2" and config.standalone and config.training_script == "fedavg.py"
+        if isinstance(ended, dict):
+            failed = {
+                rank: ProcessFailure(rank, 100 + rank, exitcode, "/nonexistent") for rank, exitcode in ended.items()
+            }
+            raise ChildFailedError("fedavg.py", failed)
+        if ended is not None:
+            raise SignalException(f"Process got signal: {ended}", sigval=ended)
+
+    monkeypatch.setattr(common.torchrun, "run", launched)
+    monkeypatch.setattr(sys, "argv", ["fedavg.py", "--dataset", "synthetic"])
+    monkeypatch.setattr(common.logging, "disable", lambda level: None)  # (the launcher's logs: this process's own)
+    with pytest.raises(SystemExit) as e:
+        common.Run(argparse.Namespace(ranks=2))
+    assert e.value.code == code
 
 
 @pytest.mark.parametrize("threads,want", [(1, (4, 1)), (2, (1, 2))])
