@@ -76,7 +76,7 @@ def load_data(args):
     d = d if first else DATASETS[args.dataset](args)
     x_tr, y_tr, x_te, y_te = d["x_train"], d["y_train"], d["x_test"], d["y_test"]
     num_classes = max(int(max(y_tr.max(), y_te.max())) + 1, len(d.get("classes") or ()))  # classes.txt: all listed
-    xf = x_tr.float() / 255  # the std is floored at one grey level: a constant channel's 0 would divide by zero
+    xf = x_tr.float().div_(255)  # in place (one float copy); std floored at one grey level: a constant channel's is 0
     mean, std = xf.mean(dim=(0, 2, 3), keepdim=True), xf.std(dim=(0, 2, 3), keepdim=True).clamp_min(1 / 255)
     fingerprint = {"training images": len(y_tr), "test images": len(y_te), "image shape": list(x_tr.shape[1:]),
                    "classes": num_classes, "labels": digest(y_tr, y_te), "pixels": digest(x_tr, x_te)}  # fmt: skip

@@ -244,6 +244,27 @@ def test_client_batches_steps_and_no_lone_sample():
     assert len(list(client_batches(torch.arange(3), 8, steps=4))) == 4
 
 
+def test_load_data_normalizes_by_the_training_splits_channel_mean_and_std(monkeypatch):
+    """data.mean and data.std: per channel over the training images' pixels in [0, 1] (the test split left out), the
+    std unbiased (torch's), floored at one grey level where a channel is constant; checked in float64 by numpy."""
+    g = torch.Generator().manual_seed(0)
+    x_train = torch.randint(0, 256, (5, 3, 2, 3), dtype=torch.uint8, generator=g)
+    x_train[:, 2] = 7  # a constant channel: std 0 -> 1/255
+    x_test = torch.full((4, 3, 2, 3), 255, dtype=torch.uint8)  # never counted
+    reader = lambda args: {
+        "x_train": x_train,
+        "y_train": torch.arange(5) % 2,
+        "x_test": x_test,
+        "y_test": torch.zeros(4),
+    }
+    monkeypatch.setitem(common.DATASETS, "handmade", reader)
+    data = common.load_data(argparse.Namespace(dataset="handmade", data_dir=".", device="cpu", data_seed=0))
+    pixels = x_train.numpy().astype(np.float64).transpose(1, 0, 2, 3).reshape(3, -1) / 255  # [C, N * H * W]
+    assert data.mean.shape == data.std.shape == (1, 3, 1, 1)
+    assert np.allclose(data.mean.flatten().numpy(), pixels.mean(1), rtol=1e-6, atol=0)
+    assert np.allclose(data.std.flatten().numpy(), [*pixels.std(1, ddof=1)[:2], 1 / 255], rtol=1e-6, atol=0)
+
+
 def test_prepare_batch_normalizes_and_augments():
     data = fake_data()
     x = data.x_train[:64]
