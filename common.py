@@ -1178,8 +1178,9 @@ class Run:
     def __init__(self, args):
         if getattr(args, "ranks", 1) > 1:  # the CPU's default: this command again, a process a core (torchrun)
             logging.disable(logging.ERROR)  # in this process, the launcher: the ranks say what went wrong, once
+            local = ["--standalone", "--local-addr=127.0.0.1"]  # this machine, by loopback: a hostname may not resolve
             try:  # OMP_NUM_THREADS=1 each (torchrun's): a busy core delays one process, not every thread of a loop
-                torchrun.run(torchrun.parse_args(["--standalone", f"--nproc-per-node={args.ranks}", *sys.argv]))
+                torchrun.run(torchrun.parse_args([*local, f"--nproc-per-node={args.ranks}", *sys.argv]))
             except ChildFailedError as failed:  # a refusal or crash: its code, not the ranks the launcher then stops
                 code = max(f.exitcode for f in failed.failures.values())  # a rank a signal N ended: -N
                 raise SystemExit(code if code > 0 else 128 - code)
@@ -1200,11 +1201,11 @@ class Run:
         self.sampler = np.random.default_rng(args.seed)  # client sampling, its own generator
         cpu = f"cpu ({platform.machine()}, {os.cpu_count()} cores, {rank_and_world()[1]} x {args.threads} threads)"
         self.device = torch.cuda.get_device_name(args.device) if "cuda" in args.device else cpu
-        self.clock, self.elapsed_before, self.rows, self.stop_signal, self._bar = time.time(), 0.0, None, 0, None
+        self.clock, self.rows, self.stop_signal, self._bar = time.time(), None, 0, None
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
 
-    elapsed = property(lambda self: self.elapsed_before + time.time() - self.clock)
+    elapsed = property(lambda self: self.checkpoint.get("elapsed_s", 0.0) + time.time() - self.clock)  # resumed: goes on
 
     def start(self, model, partition, data, name=None):
         """config.json, partition.json, start-up line; --resume: checks the data, restores sampler, clock, rows."""
@@ -1217,7 +1218,6 @@ class Run:
                 self.rows += [row for row in [json.loads(line)] if row["round"] <= ckpt["round"]]
         if ckpt:  # the client sampler (an older checkpoint's: in rng); torch's generator needs none (each_client)
             self.sampler.bit_generator.state = ckpt.get("sampler") or ckpt["rng"]["numpy_sampler"]
-            self.elapsed_before = ckpt["elapsed_s"]
         counts = lambda y, parts: parts and [torch.bincount(y[p], minlength=data.num_classes).tolist() for p in parts]
         info = {"scheme": partition.scheme, "train": counts(data.y_train, partition.train),
                 "test": counts(data.y_test, partition.test), "classes": data.classes,

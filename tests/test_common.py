@@ -393,6 +393,25 @@ def test_summary_reports_the_test_accuracy_at_the_first_best_validation_round(tm
     assert again.checkpoint["round"] == 4 and again.finish()["best_val_round"] == 2
 
 
+def test_a_resumed_runs_clock_goes_on_from_its_checkpoint(tmp_path):
+    """elapsed_s and wall_time_s count the time before a stop: a resumed run's clock starts at the checkpoint's."""
+    args, data = run_args(tmp_path / "r", rounds=2), fake_data()
+    os.makedirs(args.out)
+    run = common.Run(args)
+    run.start(build_model("mlp", data), make_partition(part_args(shards=2), data), data, "mlp")
+    for rnd in run.bar(range(1)):
+        run.log({"round": rnd + 1, "test_acc": 0.1, "train_loss": 1.0})
+        run.save({**run.snapshot(rnd), "elapsed_s": 1000.0}, "checkpoint.pt")  # as if round 1 had taken 1000 s
+    assert run.elapsed < 60
+    again = common.Run(run_args(args.out, resume=args.out, rounds=2))
+    again.start(build_model("mlp", data), make_partition(part_args(shards=2), data), data, "mlp")
+    for rnd in again.bar(range(1, 2)):
+        again.log({"round": rnd + 1, "test_acc": 0.2, "train_loss": 1.0})
+    again.finish()
+    wall = json.loads((tmp_path / "r" / "summary.json").read_text())["wall_time_s"]
+    assert 1000 < again.rows[-1]["elapsed_s"] < 1060 and 1000 < wall < 1060
+
+
 def test_metrics_are_appended_and_a_resume_cuts_them_back_to_its_checkpoint(tmp_path):
     """One row appended per evaluation (the earlier rows' bytes untouched); a resume drops the rows after the
     checkpoint's round and a last line a crash cut short."""

@@ -537,3 +537,25 @@ def test_the_cpu_default_is_a_process_a_core_with_one_threads_numbers(tmp_path):
     finish(whole)
     assert_same_run(tmp_path / "whole", tmp_path / "SIGTERM")
     assert summary(tmp_path / "SIGTERM")["processes"] == cores
+
+
+def test_the_cpu_default_needs_no_hostname_that_resolves(tmp_path):
+    """The default's processes meet on the loopback: on a machine whose hostname has no address (no DNS for it, as on
+    some clouds and containers) the run ends as anywhere else, not in an endless wait for the hostname's address."""
+    bare = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    count = "import common, sys; print(common.TORCH_THREADS, len(common.os.sched_getaffinity(0)))"  # (Linux)
+    if min(map(int, subprocess.check_output([sys.executable, "-c", count], cwd=ROOT, env=bare).split())) < 2:
+        pytest.skip("one core: the default is this process alone")
+    if subprocess.run(["unshare", "--uts", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no unshare --uts here (it needs root): the hostname cannot be changed for one command")
+    renamed = 'hostname cleanfl-test.invalid && exec "$0" "$@"'  # .invalid never resolves (RFC 2606)
+    flags = [*CASES["fedavg"], "--rounds", "2", "--out", tmp_path / "run"]
+    proc = subprocess.Popen(["unshare", "--uts", "sh", "-c", renamed, sys.executable, "fedavg.py", *map(str, flags)],
+                            cwd=ROOT, env=bare, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)  # fmt: skip
+    try:
+        stdout, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # the launcher and its processes
+        pytest.fail("the default's processes never met: " + proc.communicate()[1][-2000:])
+    assert proc.returncode == 0 and "x 1 threads)" in stdout and len(metrics(tmp_path / "run")) == 2, err[-3000:]
