@@ -1205,7 +1205,7 @@ class Run:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
 
-    elapsed = property(lambda self: self.checkpoint.get("elapsed_s", 0.0) + time.time() - self.clock)  # resumed: goes on
+    elapsed = property(lambda self: self.checkpoint.get("elapsed_s", 0.0) + time.time() - self.clock)  # resumed: kept
 
     def start(self, model, partition, data, name=None):
         """config.json, partition.json, start-up line; --resume: checks the data, restores sampler, clock, rows."""
