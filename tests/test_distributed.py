@@ -500,6 +500,15 @@ def test_torchrun_killing_its_ranks_mid_round_leaves_the_line_and_the_last_check
     assert_same_run(tmp_path / "whole", out)
 
 
+BARE = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # as a user's shell has it: the CPU default
+
+
+def default_processes():  # the CPU default's processes here (a process a core); skips the test on one core
+    count = "import common, sys; print(common.TORCH_THREADS, len(common.os.sched_getaffinity(0)))"  # (Linux)
+    cores = min(map(int, subprocess.check_output([sys.executable, "-c", count], cwd=ROOT, env=BARE).split()))
+    return cores if cores >= 2 else pytest.skip("one core: the default is this process alone")
+
+
 def test_the_cpu_default_is_a_process_a_core_with_one_threads_numbers(tmp_path):
     """No --threads and no OMP_NUM_THREADS on the CPU: the command runs itself again under torchrun, a process a core
     of one thread each, and says so. SIGTERM to the command (a scheduler's stop) and Ctrl-C (SIGINT to its process
@@ -507,13 +516,9 @@ def test_the_cpu_default_is_a_process_a_core_with_one_threads_numbers(tmp_path):
     launches again and ends as one thread's run, bit for bit; a bad folder is one line, exit 2."""
     import signal
 
-    bare = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # as a user's shell has it
-    count = "import common, sys; print(common.TORCH_THREADS, len(common.os.sched_getaffinity(0)))"  # (Linux)
-    cores = min(map(int, subprocess.check_output([sys.executable, "-c", count], cwd=ROOT, env=bare).split()))
-    if cores < 2:
-        pytest.skip("one core: the default is this process alone")
+    cores = default_processes()
     launched = lambda *flags: subprocess.Popen(  # noqa: E731
-        [sys.executable, "fedavg.py", *map(str, flags)], cwd=ROOT, env=bare, text=True,
+        [sys.executable, "fedavg.py", *map(str, flags)], cwd=ROOT, env=BARE, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
     flags = [*CASES["fedavg"], "--local-steps", "1", "--rounds", "40"]
     whole = start([sys.executable, "fedavg.py", *flags, "--out", tmp_path / "whole"])  # one process, one thread
@@ -542,16 +547,13 @@ def test_the_cpu_default_is_a_process_a_core_with_one_threads_numbers(tmp_path):
 def test_the_cpu_default_needs_no_hostname_that_resolves(tmp_path):
     """The default's processes meet on the loopback: on a machine whose hostname has no address (no DNS for it, as on
     some clouds and containers) the run ends as anywhere else, not in an endless wait for the hostname's address."""
-    bare = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    count = "import common, sys; print(common.TORCH_THREADS, len(common.os.sched_getaffinity(0)))"  # (Linux)
-    if min(map(int, subprocess.check_output([sys.executable, "-c", count], cwd=ROOT, env=bare).split())) < 2:
-        pytest.skip("one core: the default is this process alone")
+    default_processes()
     if subprocess.run(["unshare", "--uts", "true"], capture_output=True).returncode != 0:
         pytest.skip("no unshare --uts here (it needs root): the hostname cannot be changed for one command")
     renamed = 'hostname cleanfl-test.invalid && exec "$0" "$@"'  # .invalid never resolves (RFC 2606)
     flags = [*CASES["fedavg"], "--rounds", "2", "--out", tmp_path / "run"]
     proc = subprocess.Popen(["unshare", "--uts", "sh", "-c", renamed, sys.executable, "fedavg.py", *map(str, flags)],
-                            cwd=ROOT, env=bare, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=ROOT, env=BARE, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)  # fmt: skip
     try:
         stdout, err = proc.communicate(timeout=120)
