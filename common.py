@@ -9,6 +9,7 @@ models are registered by name (@dataset, @partition, @register_model): a reader 
 import argparse
 import atexit
 import contextlib
+import ctypes
 import datetime
 import difflib
 import fcntl
@@ -1159,7 +1160,8 @@ def finish_args(parser, args, script):
                     quota, period = " ".join(open(folder / f).read() for f in files).split()  # "max", -1: none
                     cores = min(cores, max(1, int(int(quota) / int(period) + 0.5))) if int(quota) > 0 else cores
     alone = "threads" in given or args.device != "cpu" or {"OMP_NUM_THREADS", "WORLD_SIZE"} & os.environ.keys()
-    args.threads = args.threads or int(os.environ.get("OMP_NUM_THREADS") or (cores if alone else 1))  # torchrun's: 1
+    omp = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()  # torchrun's 1; "4,2": 4; "0", "abc": the cores
+    args.threads = args.threads or (int(omp) if omp.isdigit() and int(omp) > 0 else cores if alone else 1)
     args.ranks = 1 if alone or args.threads > 1 else cores  # the CPU's default: a process a core, one thread each
     return args
 
@@ -1178,7 +1180,8 @@ class Run:
     def __init__(self, args):
         if getattr(args, "ranks", 1) > 1:  # the CPU's default: this command again, a process a core (torchrun)
             logging.disable(logging.ERROR)  # in this process, the launcher: the ranks say what went wrong, once
-            local = ["--standalone", "--local-addr=127.0.0.1"]  # this machine, by loopback: a hostname may not resolve
+            # this machine, by loopback (a hostname may not resolve); a stop lets a round end, however long (not 30 s)
+            local = ["--standalone", "--local-addr=127.0.0.1", "--shutdown-timeout=86400"]
             try:  # OMP_NUM_THREADS=1 each (torchrun's): a busy core delays one process, not every thread of a loop
                 torchrun.run(torchrun.parse_args([*local, f"--nproc-per-node={args.ranks}", *sys.argv]))
             except ChildFailedError as failed:  # a refusal or crash: its code, not the ranks the launcher then stops
@@ -1187,7 +1190,18 @@ class Run:
             except SignalException as stopped:  # SIGTERM or Ctrl-C to this process, passed on to the ranks
                 raise SystemExit(128 + stopped.sigval)
             raise SystemExit(0)
-        setup_distributed(args)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():  # torchrun's: join its group
+            if cuda := args.device.startswith("cuda"):  # more ranks than GPUs (4 on one): they share them, round-robin
+                args.device = f"cuda:{int(os.environ['LOCAL_RANK']) % torch.cuda.device_count()}"
+                shared = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > torch.cuda.device_count()  # NCCL: a GPU each
+                torch.cuda.set_device(args.device)
+            if sys.platform == "linux":  # a rank ends with its launcher (`kill -9` of the command): no orphans
+                ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+            # a long timeout: ranks wait for rank 0's first download or decoding, and for a wave's slowest client
+            dist.init_process_group("nccl" if cuda and not shared else "gloo", timeout=datetime.timedelta(hours=6))
+            atexit.register(dist.destroy_process_group)
+            if dist.get_rank() != 0:
+                sys.stdout = open(os.devnull, "w")  # rank 0 prints; errors (stderr) still show from every rank
         self.args, self.script, self.main = args, args.script, rank_and_world()[0] == 0
         args.out = self.dir = together(lambda: take_folder(args), self.main, share=True)  # a refusal on rank 0: all
         self.config = {k: v for k, v in vars(args).items() if k not in ("resume", "stop_after", "overwrite", "ranks")}
@@ -1247,7 +1261,7 @@ class Run:
     def end_stopped(self, rnd):  # ends the run after round rnd: one line with the command that continues it
         self._bar.close()
         if not self.stop_signal:  # else this process's stop signal gave it, in case a kill ended the round (_on_signal)
-            print(f"stopped after round {rnd + 1}; continue with: python {self.script}.py --resume {self.dir}")
+            print(f"stopped after round {rnd + 1}; continue with: python {sys.argv[0]} --resume {self.dir}")
         raise SystemExit(128 + self.stop_signal if self.stop_signal else 0)  # 130: Ctrl-C, 143: SIGTERM
 
     def end_diverged(self, rnd, train_loss):  # ends the run with exit 1: summary.json says it diverged
@@ -1290,7 +1304,7 @@ class Run:
         if self.main:  # in the rounds, the command now: a kill may end the round (a container's 10 s, torchrun's 30 s)
             kept = "nothing was written" if self.rows is None else "the run folder keeps what was saved (--resume)"
             print(f"\ninterrupted; {kept}" if at_once else f"\n{signal.Signals(signum).name}: finishing this round, "
-                  f"then a checkpoint (again: at once); continue with: python {self.script}.py --resume {self.dir}",
+                  f"then a checkpoint (again: at once); continue with: python {sys.argv[0]} --resume {self.dir}",
                   file=sys.stderr if at_once else sys.stdout, flush=True)  # fmt: skip
         if at_once:
             raise SystemExit(128 + signum)
@@ -1353,21 +1367,6 @@ def take_folder(args):
     if flag == "--out" and not args.overwrite and any(os.path.exists(f"{out}/{f}") for f in RUN_FILES):
         refuse(f"--out: {out} holds a run; continue it with --resume {out}, or another --out or --overwrite")
     return out
-
-
-def setup_distributed(args):
-    """Joins torchrun's group: K ranks share each round's clients, bit for bit one process at the same threads."""
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or dist.is_initialized():
-        return
-    if cuda := args.device.startswith("cuda"):  # more ranks than GPUs (4 on one GPU): they share them, round-robin
-        args.device = f"cuda:{int(os.environ['LOCAL_RANK']) % torch.cuda.device_count()}"
-        shared = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > torch.cuda.device_count()  # gloo: NCCL needs a GPU each
-        torch.cuda.set_device(args.device)
-    # a long timeout: ranks wait for rank 0's first download or decoding, and for a wave's slowest client
-    dist.init_process_group("nccl" if cuda and not shared else "gloo", timeout=datetime.timedelta(hours=6))
-    atexit.register(dist.destroy_process_group)
-    if dist.get_rank() != 0:
-        sys.stdout = open(os.devnull, "w")  # rank 0 prints; errors (stderr) still show from every rank
 
 
 def agree(value):  # the largest of the ranks' integers (a stop signal, an exit code); alone: the value itself

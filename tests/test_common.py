@@ -993,18 +993,23 @@ def test_result_layout_survives_mapping_its_leaves():
     ],
 )
 def test_torchrun_ranks_share_the_gpus_there_are_over_gloo(visible, local_world, rank, device, backend, monkeypatch):
-    """setup_distributed with fewer visible GPUs than local ranks puts rank i on GPU i mod visible and joins gloo,
-    which (unlike NCCL) lets ranks share a device; with a GPU each it keeps NCCL."""
+    """A rank (Run) with fewer visible GPUs than local ranks goes on GPU rank mod visible and joins gloo, which
+    (unlike NCCL) lets ranks share a device; with a GPU each it keeps NCCL."""
     joined = {}
+
+    def join(backend, **kwargs):
+        joined.update(backend=backend)
+        raise InterruptedError  # joined: the rest of Run is other tests'
+
     env = {"WORLD_SIZE": str(max(local_world, 2)), "LOCAL_WORLD_SIZE": str(local_world), "LOCAL_RANK": str(rank)}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: joined.update(set_device=d))
     monkeypatch.setattr(common.dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(common.dist, "init_process_group", lambda backend, **k: joined.update(backend=backend))
-    monkeypatch.setattr(common.dist, "get_rank", lambda: 0)
-    monkeypatch.setattr(common.atexit, "register", lambda *a: None)
+    monkeypatch.setattr(common.dist, "init_process_group", join)
+    monkeypatch.setattr(common.ctypes, "CDLL", lambda _: argparse.Namespace(prctl=lambda *a: None))  # (not pytest's)
     args = argparse.Namespace(device="cuda")
-    common.setup_distributed(args)
+    with pytest.raises(InterruptedError):
+        common.Run(args)
     assert (args.device, joined["set_device"], joined["backend"]) == (device, device, backend)

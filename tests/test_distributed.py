@@ -561,3 +561,54 @@ def test_the_cpu_default_needs_no_hostname_that_resolves(tmp_path):
         os.killpg(proc.pid, 9)  # the launcher and its processes
         pytest.fail("the default's processes never met: " + proc.communicate()[1][-2000:])
     assert proc.returncode == 0 and "x 1 threads)" in stdout and len(metrics(tmp_path / "run")) == 2, err[-3000:]
+
+
+def test_kill_9_of_the_cpu_default_leaves_no_process_behind(tmp_path):
+    """`kill -9` of the command (a driver's proc.kill(), a timeout's): its processes end with it (Linux), so nothing
+    trains on unseen and --resume continues at once from the last checkpoint."""
+    import time
+
+    default_processes()
+    if sys.platform != "linux":
+        pytest.skip("the processes' end with their launcher is Linux's (prctl)")
+    out = tmp_path / "run"
+    flags = [*CASES["fedavg"], "--local-steps", "1", "--rounds", "5000", "--out", out]
+    proc = subprocess.Popen([sys.executable, "fedavg.py", *map(str, flags)], cwd=ROOT, env=BARE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    wait_for_checkpoint(out)
+    proc.kill()
+    proc.wait()
+    running = lambda: [p for p in os.listdir("/proc") if p.isdigit() and str(out).encode() in read_cmdline(p)]  # noqa
+    deadline = time.time() + 10
+    while running() and time.time() < deadline:
+        time.sleep(0.1)
+    assert not running(), "the killed command's processes run on"
+    resumed = subprocess.run([sys.executable, "fedavg.py", "--resume", out, "--stop-after", "1"], cwd=ROOT, env=BARE,
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert resumed.returncode == 0 and "(resumed)" in resumed.stdout, resumed.stderr[-3000:]
+
+
+def test_a_stop_of_the_cpu_default_lets_a_long_round_end(tmp_path):
+    """SIGTERM to the command: its processes finish the round in progress however long it takes, as the line they
+    print says (torchrun kills its processes 30 s after passing a stop on; its timeout is set to 1 s here to show it),
+    then checkpoint and exit 143."""
+    default_processes()
+    out = tmp_path / "run"
+    flags = [*CASES["fedavg"], "--local-steps", "300", "--rounds", "20", "--out", out]  # rounds of seconds
+    proc = subprocess.Popen([sys.executable, "fedavg.py", *map(str, flags)], cwd=ROOT, text=True,
+                            env={**BARE, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)  # fmt: skip
+    wait_for_checkpoint(out)  # round 1's: round 2 has just begun
+    before = len(metrics(out))
+    proc.terminate()
+    stdout, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and stdout.count("SIGTERM: finishing this round") == 1, err[-3000:]
+    assert len(metrics(out)) > before and torch.load(out / "checkpoint.pt")["round"] == len(metrics(out))
+
+
+def read_cmdline(pid):  # a process's command line (b"" if it ended meanwhile)
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""

@@ -687,10 +687,11 @@ def test_the_picked_threads_are_used_kept_and_said(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_a_signal_before_the_rounds_ends_at_once_and_in_them_after_the_round(sig, code, tmp_path, capsys):
+def test_a_signal_before_the_rounds_ends_at_once_and_in_them_after_the_round(sig, code, tmp_path, capsys, monkeypatch):
     """Ctrl-C or SIGTERM while the data is read: at once, saying nothing was written (after start: what was kept);
-    in the rounds: the line to --resume, the loop's run.interrupted() is true and end_stopped exits 128 + the signal
-    (the line not again); again: at once; after the rounds: at once."""
+    in the rounds: the line to --resume (the script as the command named it), the loop's run.interrupted() is true
+    and end_stopped exits 128 + the signal (the line not again); again: at once; after the rounds: at once."""
+    monkeypatch.setattr(sys, "argv", ["../CleanFL/fedavg.py"])  # run from another folder: the line still works there
     args = argparse.Namespace(out=str(tmp_path / "r"), seed=0, script="fedavg", device="cpu", threads=1, resume=None,
                               overwrite=False, rounds=3)  # fmt: skip
     try:
@@ -707,7 +708,7 @@ def test_a_signal_before_the_rounds_ends_at_once_and_in_them_after_the_round(sig
         for rnd in run.bar(range(3)):
             run._on_signal(sig, None)  # in the rounds: after this one; the line to continue now, before a kill can come
             said = f"{sig.name}: finishing this round, then a checkpoint (again: at once); continue with: python "
-            assert capsys.readouterr().out == f"\n{said}fedavg.py --resume {run.dir}\n" and run.interrupted()
+            assert capsys.readouterr().out == f"\n{said}../CleanFL/fedavg.py --resume {run.dir}\n" and run.interrupted()
             with pytest.raises(SystemExit) as e:
                 run._on_signal(sig, None)  # again: at once
             assert e.value.code == code

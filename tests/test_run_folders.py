@@ -349,6 +349,9 @@ def cpus_used(*args, **kwargs):  # processes x threads: the CPUs a run takes
         (8, {"WORLD_SIZE": "1"}, [], (1, 8)),  # torchrun of one process: never a launcher inside it
         (8, {"OMP_NUM_THREADS": "3"}, [], (1, 3)),  # the user's OMP_NUM_THREADS
         (8, {"OMP_NUM_THREADS": "3"}, ["--threads", "4"], (1, 4)),  # --threads wins
+        (8, {"OMP_NUM_THREADS": "4,2"}, [], (1, 4)),  # OpenMP's nested levels: the first
+        (8, {"OMP_NUM_THREADS": "abc"}, [], (1, 8)),  # a value libgomp refuses (it says so): as OpenMP, the cores
+        (8, {"OMP_NUM_THREADS": "0"}, [], (1, 8)),
     ],
 )
 def test_processes_and_threads_are_the_machines_cores(cores, env, given, want, monkeypatch):
