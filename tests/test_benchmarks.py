@@ -685,6 +685,22 @@ echo '{{"test_acc": 0.5}}' > "$out/summary.json"
     assert "bn/seed1" in res.stderr
 
 
+def test_reproduce_reads_torchvisions_download_as_the_readme_leaves_it(tmp_path):
+    """DATA_DIR holding cifar-10-batches-py/ (the README's first run's ./data): every run reads it with --dataset
+    cifar10, the command shown and saved says so; an image folder keeps --dataset folder (the test above)."""
+    log, fake = tmp_path / "calls.txt", tmp_path / "fake-python"
+    fake.write_text(f'#!/usr/bin/env bash\necho "$*" >> {log}\n')
+    fake.chmod(0o755)
+    (tmp_path / "data" / "cifar-10-batches-py").mkdir(parents=True)
+    env = {**os.environ, "PYTHON": str(fake), "DATA_DIR": str(tmp_path / "data"), "RUNS_DIR": str(tmp_path / "runs"),
+           "SEEDS": "0", "VARIANTS": "ln"}  # fmt: skip
+    res = subprocess.run(["bash", os.path.join(REPRO, "fedln.sh")], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert log.read_text().startswith(f"fedln.py --dataset cifar10 --data-dir {tmp_path / 'data'} ")
+    saved = (tmp_path / "runs" / "fedln-small" / "ln" / "seed0" / "command.txt").read_text()
+    assert saved.startswith('python fedln.py --dataset cifar10 --data-dir "$DATA_DIR" ')
+
+
 # ---------------------------------------------------------------------------------------------
 # overhead.py: every script, FL versus one client doing the same steps
 # ---------------------------------------------------------------------------------------------

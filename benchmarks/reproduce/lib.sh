@@ -2,7 +2,9 @@
 # then `run CLAIM VARIANT SCRIPT FLAGS...` once per compared variant.
 #
 # Environment:
-#   DATA_DIR  unpacked CIFAR-10 image folder (train/<class>/*, test/<class>/*); required unless DRY_RUN=1
+#   DATA_DIR  CIFAR-10: torchvision's download folder (holding cifar-10-batches-py/, read with --dataset cifar10:
+#             the README's ./data) or an image folder (train/<class>/*, test/<class>/*; --dataset folder);
+#             required unless DRY_RUN=1 (whose commands show an image folder)
 #   SEEDS     seeds to run, default "0 1 2" (each seed also seeds the partition: --data-seed = --seed)
 #   VARIANTS  run only these variants (space-separated names), default all
 #   RUNS_DIR  where runs go (relative to the repository root), default runs/reproduce:
@@ -19,7 +21,7 @@ setup() {
   SCALE=${1:-small}
   case "$SCALE" in
     small|proxy|paper) ;;
-    *) echo "usage: DATA_DIR=/path/to/cifar10 [SEEDS=\"0 1 2\"] bash $0 [small|proxy|paper]" >&2; exit 2 ;;
+    *) echo "usage: DATA_DIR=./data [SEEDS=\"0 1 2\"] bash $0 [small|proxy|paper]" >&2; exit 2 ;;
   esac
   SEEDS=${SEEDS:-"0 1 2"}
   VARIANTS=${VARIANTS:-}
@@ -34,9 +36,13 @@ setup() {
     DATA_DIR=$(cd "$DATA_DIR" && pwd)  # absolute: we change directory next
   fi
   cd "$(dirname "${BASH_SOURCE[0]}")/../.."  # the repository root: the method scripts live there
+  DATASET=folder
   if [ "$DRY_RUN" != 1 ]; then
-    if [ -z "${DATA_DIR:-}" ] || [ ! -d "$DATA_DIR/train" ] || [ ! -d "$DATA_DIR/test" ]; then
-      echo "DATA_DIR must be an unpacked CIFAR-10 image folder with train/ and test/ (got '${DATA_DIR:-}')" >&2
+    if [ -d "${DATA_DIR:-}/cifar-10-batches-py" ]; then
+      DATASET=cifar10  # torchvision's download (the README's first run made it)
+    elif [ -z "${DATA_DIR:-}" ] || [ ! -d "$DATA_DIR/train" ] || [ ! -d "$DATA_DIR/test" ]; then
+      echo "DATA_DIR must hold CIFAR-10: torchvision's download (DATA_DIR/cifar-10-batches-py, as the README's" \
+        "first run leaves it in ./data) or an image folder with train/ and test/ (got '${DATA_DIR:-}')" >&2
       exit 2
     fi
     if [ "$SCALE" != paper ]; then
@@ -71,9 +77,9 @@ run() {
   local seed out shown
   for seed in $SEEDS; do
     out="$RUNS_DIR/$claim-$SCALE/$variant/seed$seed"
-    local cmd=("$PYTHON" "$script" --dataset folder --data-dir "${DATA_DIR:-\$DATA_DIR}" "$@" --seed "$seed" --out "$out")
+    local cmd=("$PYTHON" "$script" --dataset "$DATASET" --data-dir "${DATA_DIR:-\$DATA_DIR}" "$@" --seed "$seed" --out "$out")
     # the command as written in the claim script, with DATA_DIR symbolic (collect.py shows it)
-    shown="python $script --dataset folder --data-dir \"\$DATA_DIR\" $(printf '%q ' "$@")--seed $seed --out $out"
+    shown="python $script --dataset $DATASET --data-dir \"\$DATA_DIR\" $(printf '%q ' "$@")--seed $seed --out $out"
     if [ "$DRY_RUN" = 1 ]; then
       echo "$shown"
       continue
