@@ -223,6 +223,31 @@ def test_tiny_imagenet_layout_is_read_with_sorted_wnids(tmp_path):
     assert torch.equal(gray[0], gray[1]) and torch.equal(gray[1], gray[2]) and abs(int(gray[0, 0, 0]) - 200) <= 2
 
 
+def test_a_torchvision_cifar10_download_is_read_offline_channel_first(tmp_path, monkeypatch):
+    """The README's offline route for CIFAR-10: a copy of torchvision's cifar-10-batches-py/ is read with no attempt to
+    download, each image channel first as the format stores it (an image's 3072 bytes: the R, G, B planes, row by
+    row), the five training batches in order. Made here, so torchvision's md5 check is told the files are whole."""
+    import pickle
+
+    import torchvision.datasets.cifar as cifar
+
+    folder = tmp_path / "data" / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    rng, stored = np.random.default_rng(0), {}
+    for name, n in [*((f"data_batch_{i}", 2) for i in range(1, 6)), ("test_batch", 3)]:
+        stored[name] = rng.integers(0, 256, (n, 3072), dtype=np.uint8), rng.integers(0, 10, n).tolist()
+        (folder / name).write_bytes(pickle.dumps({"data": stored[name][0], "labels": stored[name][1]}))
+    (folder / "batches.meta").write_bytes(pickle.dumps({"label_names": [f"class{k}" for k in range(10)]}))
+    monkeypatch.setattr(cifar, "check_integrity", lambda path, md5=None: os.path.isfile(path))
+    monkeypatch.setattr(cifar, "download_and_extract_archive", lambda *a, **k: pytest.fail("it tried to download"))
+    d = common.DATASETS["cifar10"](argparse.Namespace(dataset="cifar10", data_dir=str(tmp_path / "data")))
+    train = [stored[f"data_batch_{i}"] for i in range(1, 6)]
+    assert d["x_train"].shape == (10, 3, 32, 32) and d["x_test"].shape == (3, 3, 32, 32)
+    assert np.array_equal(d["x_train"].reshape(10, -1).numpy(), np.concatenate([x for x, _ in train]))
+    assert np.array_equal(d["x_test"].reshape(3, -1).numpy(), stored["test_batch"][0])
+    assert d["y_train"].tolist() == sum((y for _, y in train), []) and d["y_test"].tolist() == stored["test_batch"][1]
+
+
 def test_tiny_imagenet_without_its_layout_is_refused(tmp_path, monkeypatch, capsys):
     root = tiny_imagenet(tmp_path / "t")
     os.remove(os.path.join(root, "val", "val_annotations.txt"))
