@@ -486,12 +486,12 @@ def test_torchrun_bad_flag_refusal_and_ctrl_c_are_one_line_each(tmp_path):
 
 
 def test_torchrun_killing_its_ranks_mid_round_leaves_the_line_and_the_last_checkpoint(tmp_path):
-    """torchrun SIGKILLs its ranks a grace after passing them a stop (30 s; here TORCH_ELASTIC_SHUTDOWN_TIMEOUT=2),
+    """torchrun SIGKILLs its ranks a grace after passing them a stop (30 s; here TORCH_ELASTIC_SHUTDOWN_TIMEOUT=1),
     which a long round outlasts: the --resume line, printed at the signal, is there once; the round is lost, the
     checkpoint of the one before stands, and --resume under torchrun ends as the uninterrupted run."""
-    flags, out = [*CASES["fedavg"], "--local-steps", "100", "--rounds", "3"], tmp_path / "run"  # rounds of seconds
+    flags, out = [*CASES["fedavg"], "--local-steps", "300", "--rounds", "3"], tmp_path / "run"  # rounds of 3-5 s idle
     whole = start([sys.executable, "fedavg.py", *flags, "--out", tmp_path / "whole"])
-    proc = start(torchrun_cmd(2, "fedavg.py", *flags, "--out", out), True, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="2")
+    proc = start(torchrun_cmd(2, "fedavg.py", *flags, "--out", out), True, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="1")
     stdout, err = ctrl_c_after_round_1(proc, out)
     assert not rank_frames(err) and stdout.count(f"continue with: python fedavg.py --resume {out}\n") == 1, err[-3000:]
     assert len(metrics(out)) == torch.load(out / "checkpoint.pt", weights_only=False)["round"] == 1  # round 2: cut
