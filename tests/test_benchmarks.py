@@ -699,6 +699,9 @@ def test_reproduce_reads_torchvisions_download_as_the_readme_leaves_it(tmp_path)
     assert log.read_text().startswith(f"fedln.py --dataset cifar10 --data-dir {tmp_path / 'data'} ")
     saved = (tmp_path / "runs" / "fedln-small" / "ln" / "seed0" / "command.txt").read_text()
     assert saved.startswith('python fedln.py --dataset cifar10 --data-dir "$DATA_DIR" ')
+    dry = subprocess.run(["bash", os.path.join(REPRO, "fedln.sh")], env={**env, "DRY_RUN": "1"}, capture_output=True,
+                         text=True)  # fmt: skip
+    assert dry.returncode == 0 and dry.stdout.splitlines() == [saved.strip()], dry.stderr  # what a run would run
 
 
 # ---------------------------------------------------------------------------------------------

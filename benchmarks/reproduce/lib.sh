@@ -4,7 +4,7 @@
 # Environment:
 #   DATA_DIR  CIFAR-10: torchvision's download folder (holding cifar-10-batches-py/, read with --dataset cifar10:
 #             the README's ./data) or an image folder (train/<class>/*, test/<class>/*; --dataset folder);
-#             required unless DRY_RUN=1 (whose commands show an image folder)
+#             required unless DRY_RUN=1 (without DATA_DIR, its commands show an image folder)
 #   SEEDS     seeds to run, default "0 1 2" (each seed also seeds the partition: --data-seed = --seed)
 #   VARIANTS  run only these variants (space-separated names), default all
 #   RUNS_DIR  where runs go (relative to the repository root), default runs/reproduce:
@@ -37,10 +37,11 @@ setup() {
   fi
   cd "$(dirname "${BASH_SOURCE[0]}")/../.."  # the repository root: the method scripts live there
   DATASET=folder
+  if [ -d "${DATA_DIR:-}/cifar-10-batches-py" ]; then
+    DATASET=cifar10  # torchvision's download (the README's first run made it); a dry run shows it too
+  fi
   if [ "$DRY_RUN" != 1 ]; then
-    if [ -d "${DATA_DIR:-}/cifar-10-batches-py" ]; then
-      DATASET=cifar10  # torchvision's download (the README's first run made it)
-    elif [ -z "${DATA_DIR:-}" ] || [ ! -d "$DATA_DIR/train" ] || [ ! -d "$DATA_DIR/test" ]; then
+    if [ "$DATASET" = folder ] && { [ -z "${DATA_DIR:-}" ] || [ ! -d "$DATA_DIR/train" ] || [ ! -d "$DATA_DIR/test" ]; }; then
       echo "DATA_DIR must hold CIFAR-10: torchvision's download (DATA_DIR/cifar-10-batches-py, as the README's" \
         "first run leaves it in ./data) or an image folder with train/ and test/ (got '${DATA_DIR:-}')" >&2
       exit 2
