@@ -212,7 +212,7 @@ def parse_args():
     g.add_argument("--amp", action="store_true", help="bfloat16 autocast of forward passes (no DP; CPU: often slower)")
     g.add_argument("--channels-last", action="store_true", help="ANFR: channels-last weights and batches (GPUs)")
     g.add_argument("--tf32", action="store_true", help="ANFR: TF32 matmuls on CUDA (cuDNN's convolutions: by default)")
-    g.add_argument("--threads", type=positive_int, help="1 process, N threads (CPU default: a process a core, 1 each)")
+    g.add_argument("--threads", type=positive_int, help="CPU threads (default: the cores; OMP_NUM_THREADS)")
     g.add_argument("--eval-every", type=positive_int, default=1, help="evaluate every this many rounds and the last")
     g.add_argument("--analyze", action="store_true",
         help="ANFR: class selectivity and attention-weight spread of the last attention module (Sec. 3.4) in "

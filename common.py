@@ -14,11 +14,11 @@ import datetime
 import difflib
 import fcntl
 import functools
+import glob
 import hashlib
 import io
 import itertools
 import json
-import logging
 import math
 import os
 import pathlib
@@ -36,10 +36,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401  before any group: its `group=WORLD` defaults bind now, to None
-import torch.distributed.run as torchrun
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.launcher.api import ChildFailedError, SignalException  # torchrun's (the CPU's default)
 from tqdm import tqdm
 
 
@@ -77,13 +75,29 @@ def load_data(args):
     d = d if first else DATASETS[args.dataset](args)
     x_tr, y_tr, x_te, y_te = d["x_train"], d["y_train"], d["x_test"], d["y_test"]
     num_classes = max(int(max(y_tr.max(), y_te.max())) + 1, len(d.get("classes") or ()))  # classes.txt: all listed
-    xf = x_tr.float().div_(255)  # in place (one float copy); std floored at one grey level: a constant channel's is 0
-    mean, std = xf.mean(dim=(0, 2, 3), keepdim=True), xf.std(dim=(0, 2, 3), keepdim=True).clamp_min(1 / 255)
+    mean, std = channel_stats(x_tr)
     fingerprint = {"training images": len(y_tr), "test images": len(y_te), "image shape": list(x_tr.shape[1:]),
                    "classes": num_classes, "labels": digest(y_tr, y_te), "pixels": digest(x_tr, x_te)}  # fmt: skip
     on = lambda *ts: [t.to(args.device) for t in ts]
     return Data(*on(x_tr, y_tr, x_te, y_te), num_classes, *on(mean, std), d.get("group_train"), d.get("group_test"),
                 d.get("groups"), d.get("classes"), fingerprint)  # fmt: skip
+
+
+def channel_stats(x, chunk=1024):
+    """Per-channel mean and std (unbiased) of uint8 images [N, C, H, W] in [0, 1] units, as float [1, C, 1, 1].
+    The sums are of integers in float64, exact in any order, a chunk of images at a time: no float copy of the set.
+    The std is floored at one grey level, since a constant channel's is 0."""
+    total = torch.zeros(x.shape[1], dtype=torch.float64)
+    squares = torch.zeros(x.shape[1], dtype=torch.float64)
+    for part in x.split(chunk):
+        part = part.double()
+        total += part.sum((0, 2, 3))
+        squares += part.square().sum((0, 2, 3))
+    n = x.numel() // x.shape[1]
+    mean = total / n
+    var = (squares - total * mean) / (n - 1)
+    std = (var.clamp_min(0).sqrt() / 255).clamp_min(1 / 255)
+    return (mean / 255).float().view(1, -1, 1, 1), std.float().view(1, -1, 1, 1)
 
 
 def digest(*tensors):  # a hash of the tensors' bytes: with the sizes, the fingerprint a resumed run is checked by
@@ -109,16 +123,39 @@ def synthetic_dataset(args, n_train=3000, n_test=1000, num_classes=10, size=32):
     return dict(zip(("x_train", "y_train", "x_test", "y_test"), (*draw(n_train), *draw(n_test))))
 
 
-@dataset("mnist", "fashionmnist", "emnist", "cifar10", "cifar100", "svhn")
-def torchvision_dataset(args):
-    """Downloaded once into --data-dir. A failed download exits 2 with one line and removes the --data-dir it made."""
-    import torchvision.datasets as tvd
+# Where torchvision keeps each dataset's files in --data-dir: the cache is keyed on them.
+TORCHVISION_FILES = {
+    "mnist": "MNIST/raw/*",
+    "fashionmnist": "FashionMNIST/raw/*",
+    "emnist": "EMNIST/raw/*",
+    "cifar10": "cifar-10-batches-py/*",
+    "cifar100": "cifar-100-python/*",
+    "svhn": "*_32x32.mat",
+}
 
-    name, root, made = args.dataset, args.data_dir, not os.path.exists(args.data_dir)
+
+@dataset(*TORCHVISION_FILES)
+def torchvision_dataset(args):
+    """Downloaded once into --data-dir, read once, then cached in --data-dir/.cleanfl-cache-<name>.pt."""
+    name, root = args.dataset, args.data_dir
     if os.path.isdir(f"{root}/train") and _listing(f"{root}/train")[0]:  # not torchvision's: an image folder
         refuse(f"--dataset {name}: {root} holds train/<class>/ folders; read them with --dataset folder")
+
+    def sources():
+        return sorted(glob.glob(os.path.join(root, TORCHVISION_FILES[name])))
+
+    tensors = cached(root, f".cleanfl-cache-{name}.pt", name, sources, functools.partial(read_torchvision, name, root))
+    return dict(zip(("x_train", "y_train", "x_test", "y_test"), tensors))
+
+
+def read_torchvision(name, root):
+    """[x_train, y_train, x_test, y_test] of a torchvision dataset, downloaded into root if it is not there. A failed
+    download exits 2 with one line and removes the root it made."""
+    import torchvision.datasets as tvd
+
+    made = not os.path.exists(root)
     ctor = {"mnist": tvd.MNIST, "fashionmnist": tvd.FashionMNIST, "cifar10": tvd.CIFAR10, "cifar100": tvd.CIFAR100}
-    out = {}
+    out = []
     try:
         for split in ("train", "test"):
             if name == "svhn":
@@ -131,7 +168,7 @@ def torchvision_dataset(args):
                 ds = ctor[name](root, train=split == "train", download=True)
                 x, y = torch.as_tensor(ds.data), torch.as_tensor(ds.targets)
                 x = x.unsqueeze(1) if x.ndim == 3 else x.permute(0, 3, 1, 2)
-            out.update({f"x_{split}": x.contiguous(), f"y_{split}": y.long()})
+            out += [x.contiguous(), y.long()]
     except (OSError, RuntimeError) as e:  # no internet: urllib's URLError is an OSError; MNIST's mirrors RuntimeError
         if made:
             shutil.rmtree(root, ignore_errors=True)
@@ -207,7 +244,7 @@ def image_folder(args):
     files = {split: [(label[c], i, os.path.join(base, g, c, f)) for i, (g, found) in enumerate(by_group.items())
                      for c in sorted(found, key=label.get) for f in found[c]]
              for split, base, by_group in (("train", train, train_found), ("test", test, test_found))}  # fmt: skip
-    x_tr, y_tr, x_te, y_te, g_tr, g_te = _decode_cached(root, files, "groups" if grouped else "flat")
+    x_tr, y_tr, x_te, y_te, g_tr, g_te = decode_cached(root, files, "groups" if grouped else "flat")
     out = {"x_train": x_tr, "y_train": y_tr, "x_test": x_te, "y_test": y_te, "classes": names}
     return {**out, "group_train": g_tr, "group_test": g_te if per_group else None, "groups": groups} if grouped else out
 
@@ -245,33 +282,57 @@ def tinyimagenet_dataset(args):
             refuse(f"--data-dir: {notes if 'train/' not in what else train} has {what}: {bad[:3]}")
     train_files = [(label[w], 0, f"{train}/{w}/images/{f}") for w in wnids for f in _listing(f"{train}/{w}/images")[1]]
     files = {"train": train_files, "test": [(label[w], 0, f"{val}/images/{name}") for name, w in rows]}
-    return dict(zip(("x_train", "y_train", "x_test", "y_test"), _decode_cached(root, files, "tinyimagenet")))
+    return dict(zip(("x_train", "y_train", "x_test", "y_test"), decode_cached(root, files, "tinyimagenet")))
 
 
-def _decode_cached(root, files, layout):
-    """{"train": [(label, group, path)], "test": [...]} -> [x_train, y_train, x_test, y_test, group_train,
-    group_test], each split in a mixed order (unsort), decoded once and cached in root/.cleanfl-cache.pt (or
-    ~/.cache/cleanfl if root is read-only). Unreadable images are skipped with one line."""
-    from PIL import Image  # installed with torchvision
-
+def cached(root, name, layout, sources, build):
+    """build()'s list of tensors, cached as root/name (or in ~/.cache/cleanfl where root is read-only) and read back
+    memory-mapped, so that the processes of one machine share one copy. The cache is keyed by the layout and each
+    source file's path, size and time: a change builds it anew. A cache that cannot be read (cut, corrupt, foreign,
+    code in it) is removed and built anew."""
     root = os.path.abspath(root)
-    key = hashlib.sha1(root.encode()).hexdigest()[:16]
-    caches = [f"{root}/.cleanfl-cache.pt", os.path.expanduser(f"~/.cache/cleanfl/folder-{key}.pt")]
-    listed = [f"{root}/{CLASSES_FILE}"] if os.path.isfile(f"{root}/{CLASSES_FILE}") else []  # the labels' order
-    h = hashlib.sha1(f"{layout}, mixed\n".encode())  # the layout, the order (unsort) and each image's path, size, time
-    for path in [path for split in files.values() for _, _, path in split] + listed:
-        st = os.stat(path)
-        h.update(f"{os.path.relpath(path, root)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    stamp = h.hexdigest()
+    key = hashlib.sha1(f"{root}/{name}".encode()).hexdigest()[:16]
+    caches = [f"{root}/{name}", os.path.expanduser(f"~/.cache/cleanfl/{key}-{name.lstrip('.')}")]
+    stamp = file_stamp(root, layout, sources())
     for path in caches:
-        try:  # derived data: one that cannot be read (cut, corrupt, foreign, code in it) is removed and decoded anew
-            cached = torch.load(path, weights_only=True) if os.path.isfile(path) else {}
-            if cached.get("stamp") == stamp and len(cached["tensors"]) == 6:
-                return [torch.as_tensor(t) for t in cached["tensors"]]
-        except Exception as e:  # noqa: BLE001  whatever is wrong with it, the images are still there
-            print(f"note: {path} is no cache this code can read ({type(e).__name__}); decoding anew", file=sys.stderr)
+        if not os.path.isfile(path):
+            continue
+        try:
+            saved = torch.load(path, weights_only=True, mmap=True)
+            if saved["stamp"] == stamp:
+                return saved["tensors"]
+        except Exception as e:  # noqa: BLE001
+            # Whatever is wrong with it, the sources are still there.
+            why = type(e).__name__
+            print(f"note: {path} is no cache this code can read ({why}); building it anew", file=sys.stderr)
             with contextlib.suppress(OSError):
                 os.remove(path)
+    tensors = build()
+    # A download has brought the source files: the stamp is theirs.
+    stamp = file_stamp(root, layout, sources())
+    for path in caches:
+        # The first writable place.
+        with contextlib.suppress(OSError):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            _atomic_save({"stamp": stamp, "tensors": tensors}, path)
+            return torch.load(path, weights_only=True, mmap=True)["tensors"]
+    return tensors
+
+
+def file_stamp(root, layout, paths):
+    """A hash of the layout and each file's path (from root), size and modification time."""
+    h = hashlib.sha1(f"{layout}, mixed\n".encode())
+    for path in paths:
+        st = os.stat(path)
+        h.update(f"{os.path.relpath(path, root)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def decode(root, files):
+    """{"train": [(label, group, path)], "test": [...]} -> [x_train, y_train, x_test, y_test, group_train,
+    group_test], each split in a mixed order (unsort). Unreadable images are skipped with one line."""
+    from PIL import Image  # installed with torchvision
+
     out, skipped = [], []
     for split in ("train", "test"):
         kept = []
@@ -299,12 +360,20 @@ def _decode_cached(root, files, layout):
         out.append(unsort(torch.stack(xs), labels, groups))  # mixed, as torchvision's files are
     if skipped:
         print(f"skipped {len(skipped)} unreadable image(s), e.g. {skipped[0]}", file=sys.stderr)
-    tensors = [*out[0][:2], *out[1][:2], out[0][2], out[1][2]]
-    for path in caches:  # the first writable place
-        with contextlib.suppress(OSError):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            return _atomic_save({"stamp": stamp, "tensors": tensors}, path) or tensors
-    return tensors
+    return [*out[0][:2], *out[1][:2], out[0][2], out[1][2]]
+
+
+def decode_cached(root, files, layout):
+    """decode(root, files), cached in root/.cleanfl-cache.pt, keyed on the layout, the images and classes.txt."""
+    paths = [path for split in files.values() for _, _, path in split]
+    # The labels' order.
+    if os.path.isfile(f"{root}/{CLASSES_FILE}"):
+        paths.append(f"{root}/{CLASSES_FILE}")
+
+    def sources():
+        return paths
+
+    return cached(root, ".cleanfl-cache.pt", layout, sources, functools.partial(decode, root, files))
 
 
 STORAGE_ORDER_SEED = 20240101  # the one fixed permutation of class-sorted datasets (see unsort)
@@ -834,6 +903,30 @@ def mlp(in_channels, num_classes, image_size, **_):
     return Classifier(body, 200, num_classes)
 
 
+@register_model("pfl-cnn")
+def pfl_cnn(in_channels, num_classes, image_size, **_):
+    """pfl-research's simple_cnn (its CIFAR-10 benchmark): conv3x3-32, conv3x3-64 (no padding, ReLU each), max-pool 2,
+    dropout 0.25, fc 128 with ReLU, dropout 0.5, head; Glorot-uniform weights as pfl's (1,626,442 parameters)."""
+    body = nn.Sequential(
+        nn.Conv2d(in_channels, 32, 3),
+        nn.ReLU(),
+        nn.Conv2d(32, 64, 3),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Dropout(0.25),
+        nn.Flatten(),
+        nn.Linear(64 * ((image_size - 4) // 2) ** 2, 128),
+        nn.ReLU(),
+        nn.Dropout(0.5),
+    )
+    model = Classifier(body, 128, num_classes)
+    # pfl draws every convolution's and linear layer's weight Glorot-uniform; the biases keep PyTorch's default.
+    for layer in model.modules():
+        if isinstance(layer, (nn.Conv2d, nn.Linear)):
+            nn.init.xavier_uniform_(layer.weight)
+    return model
+
+
 @register_model("convnet4")
 def convnet(in_channels, num_classes, image_size, blocks=4, width=64, **_):
     """FedBABU's 4convNet (App. A.1): `blocks` x [conv3x3 (bias), batch norm without running statistics (nothing to
@@ -1159,10 +1252,8 @@ def finish_args(parser, args, script):
                     folder = pathlib.Path("/sys/fs/cgroup", mount, str(group).lstrip("/"))
                     quota, period = " ".join(open(folder / f).read() for f in files).split()  # "max", -1: none
                     cores = min(cores, max(1, int(int(quota) / int(period) + 0.5))) if int(quota) > 0 else cores
-    alone = "threads" in given or args.device != "cpu" or {"OMP_NUM_THREADS", "WORLD_SIZE"} & os.environ.keys()
     omp = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()  # torchrun's 1; "4,2": 4; "0", "abc": the cores
-    args.threads = args.threads or (int(omp) if omp.isdigit() and int(omp) > 0 else cores if alone else 1)
-    args.ranks = 1 if alone or args.threads > 1 else cores  # the CPU's default: a process a core, one thread each
+    args.threads = args.threads or (int(omp) if omp.isdigit() and int(omp) > 0 else cores)
     return args
 
 
@@ -1178,18 +1269,6 @@ class Run:
     """One run: its folder, ranks, threads, seeds, client sampler, stop signals, checkpoint; rank 0 writes its files."""
 
     def __init__(self, args):
-        if getattr(args, "ranks", 1) > 1:  # the CPU's default: this command again, a process a core (torchrun)
-            logging.disable(logging.ERROR)  # in this process, the launcher: the ranks say what went wrong, once
-            # this machine, by loopback (a hostname may not resolve); a stop lets a round end, however long (not 30 s)
-            local = ["--standalone", "--local-addr=127.0.0.1", "--shutdown-timeout=86400"]
-            try:  # OMP_NUM_THREADS=1 each (torchrun's): a busy core delays one process, not every thread of a loop
-                torchrun.run(torchrun.parse_args([*local, f"--nproc-per-node={args.ranks}", *sys.argv]))
-            except ChildFailedError as failed:  # a refusal or crash: its code, not the ranks the launcher then stops
-                code = max(f.exitcode for f in failed.failures.values())  # a rank a signal N ended: -N
-                raise SystemExit(code if code > 0 else 128 - code)
-            except SignalException as stopped:  # SIGTERM or Ctrl-C to this process, passed on to the ranks
-                raise SystemExit(128 + stopped.sigval)
-            raise SystemExit(0)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():  # torchrun's: join its group
             if cuda := args.device.startswith("cuda"):  # more ranks than GPUs (4 on one): they share them, round-robin
                 args.device = f"cuda:{int(os.environ['LOCAL_RANK']) % torch.cuda.device_count()}"
@@ -1204,7 +1283,7 @@ class Run:
                 sys.stdout = open(os.devnull, "w")  # rank 0 prints; errors (stderr) still show from every rank
         self.args, self.script, self.main = args, args.script, rank_and_world()[0] == 0
         args.out = self.dir = together(lambda: take_folder(args), self.main, share=True)  # a refusal on rank 0: all
-        self.config = {k: v for k, v in vars(args).items() if k not in ("resume", "stop_after", "overwrite", "ranks")}
+        self.config = {k: v for k, v in vars(args).items() if k not in ("resume", "stop_after", "overwrite")}
         self.settings = {k: v for k, v in json.loads(jsonl([self.config])).items() if k not in ("out", *RESUMABLE)}
         self.checkpoint = safe_load(f"{self.dir}/checkpoint.pt", "--resume", args.device) if args.resume else {}
         began = self.checkpoint.get("settings", self.settings)

@@ -33,6 +33,7 @@ Stop other work on the machine first (the idle rows assume it). Every number goe
 
 import argparse
 import json
+import math
 import os
 import shlex
 import statistics
@@ -51,6 +52,9 @@ WORKLOADS = {
 }
 
 
+CONDITIONS = ["idle", "loaded", "sweep"]
+
+
 def cores():  # the CPUs this process may run on (under a container's CPU limit the scripts' default takes fewer)
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
@@ -61,8 +65,10 @@ def parse_args():
     )
     p.add_argument("--data-dir", required=True, help="CIFAR-10 image folder (train/<class>/*, test/<class>/*)")
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS), help="a subset")
-    p.add_argument("--conditions", nargs="+", default=["idle", "loaded"], choices=["idle", "loaded"], help="a subset")
-    p.add_argument("--load", type=int, default=cores(), help="busy processes of the loaded condition [the cores]")
+    p.add_argument("--conditions", nargs="+", default=CONDITIONS, choices=CONDITIONS, help="a subset")
+    p.add_argument(
+        "--load", type=int, default=cores(), help="busy processes (loaded), runs at once (sweep) [the cores]"
+    )
     p.add_argument(
         "--envs",
         nargs="*",
@@ -116,21 +122,47 @@ def command(args, workload, way, out):
     return [*launcher, os.path.join(ROOT, script), *flags], env
 
 
-def run_once(args, workload, way, out):
-    """One run; (seconds a round, the threads a process used, final test accuracy)."""
+def start(args, workload, way, out):
+    """One run started in the background, its output in out/log.txt."""
     cmd, env = command(args, workload, way, out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    log = open(f"{out}.log", "w")
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(args, proc, out):
+    """Waits for a started run; (seconds a round, the threads a process used, final test accuracy)."""
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.run_timeout)
-    except subprocess.TimeoutExpired:  # oversubscribed threads can be tens of times slower: a row, not a stall
+        code = proc.wait(timeout=args.run_timeout)
+    except subprocess.TimeoutExpired:
+        # Oversubscribed threads can be tens of times slower: a row, not a stall.
+        proc.kill()
+        proc.wait()
         return None, None, None
-    if proc.returncode != 0:
-        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
+    if code != 0:
+        with open(f"{out}.log") as f:
+            sys.exit(f"failed ({code}): {' '.join(proc.args)}\n{f.read()[-3000:]}")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     with open(os.path.join(out, "config.json")) as f:
         threads = json.load(f).get("threads")
     after_warmup = next(row for row in rows if row["round"] == args.rounds)
     return (rows[-1]["elapsed_s"] - after_warmup["elapsed_s"]) / args.rounds, threads, rows[-1]["test_acc"]
+
+
+def run_once(args, workload, way, out):
+    """One run alone; (seconds a round, the threads a process used, final test accuracy)."""
+    return finish(args, start(args, workload, way, out), out)
+
+
+def run_sweep(args, workload, way, out):
+    """args.load copies of one run started at once (a sweep); the median of their seconds a round, and each."""
+    outs = [f"{out}-copy{i}" for i in range(args.load)]
+    procs = [start(args, workload, way, o) for o in outs]
+    done = [finish(args, p, o) for p, o in zip(procs, outs)]
+    each = [sec for sec, _, _ in done]
+    median = None if None in each else statistics.median(each)
+    return median, done[0][1], done[0][2], each
 
 
 def ways_of(args, cycle=1):  # every other cycle in reverse: over two cycles each way runs at the same mean place
@@ -170,6 +202,39 @@ def table(runs, args):
     return "\n".join(lines)
 
 
+BOUNDS = {"idle": 1.1, "loaded": 1.5, "sweep": 1.3}
+
+
+def bounds(runs, args):
+    """The default against its yardstick: idle, the fastest one-process way; loaded and sweep, one thread."""
+    ways = list(dict.fromkeys(r["way"] for r in runs))
+    lines = ["| workload | condition | " + " | ".join(ways) + " | default / yardstick | bound |"]
+    lines.append("|---|---|" + "---|" * (len(ways) + 2))
+    for w in args.workloads:
+        for c in args.conditions:
+            sel = {
+                way: [
+                    r["s_per_round"] or math.inf
+                    for r in runs
+                    if (r["workload"], r["condition"], r["way"]) == (w, c, way)
+                ]
+                for way in ways
+            }
+            if not all(sel.values()):
+                continue
+            stat = min if c == "idle" else statistics.median
+            secs = {way: stat(s) for way, s in sel.items()}
+            if c == "idle":
+                yardstick = min(s for way, s in secs.items() if not way.startswith("torchrun"))
+            else:
+                yardstick = secs["1 thread"]
+            ratio = secs["default"] / yardstick
+            cells = " | ".join(f"{s:.2f}" for s in secs.values())
+            verdict = "met" if ratio <= BOUNDS[c] else "missed"
+            lines.append(f"| {w} | {c} | {cells} | {ratio:.2f} | {BOUNDS[c]}x: {verdict} |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     args = parse_args()
     if args.dry:
@@ -196,11 +261,17 @@ if __name__ == "__main__":
                         for way in ways_of(args, cycle):
                             load = os.getloadavg()[0]
                             out = os.path.join(tmp, f"{condition}-{cycle}-{workload}-{ways_of(args).index(way)}")
-                            sec, threads, acc = run_once(args, workload, way, out)
+                            if condition == "sweep":
+                                sec, threads, acc, each = run_sweep(args, workload, way, out)
+                            else:
+                                (sec, threads, acc), each = run_once(args, workload, way, out), None
                             row = dict(condition=condition, cycle=cycle, workload=workload, way=way, s_per_round=sec)
-                            summary = os.path.join(out, "summary.json")  # (a run timed out: none)
+                            # A run timed out: no summary.json.
+                            summary = os.path.join(out if each is None else f"{out}-copy0", "summary.json")
                             processes = json.load(open(summary)).get("processes") if os.path.exists(summary) else None
                             row.update(threads=threads, processes=processes, test_acc=acc, loadavg_before=load)
+                            if each is not None:
+                                row["each"] = each
                             runs.append(row)
                             said = f"{sec:.2f} s/round, threads {threads}, acc {acc:.4f}" if sec else "timed out"
                             print(f"{condition} {cycle} {workload} {way}: {said}, load before {load:.2f}", flush=True)
@@ -217,3 +288,5 @@ if __name__ == "__main__":
         f"rounds {args.rounds + 1}-{2 * args.rounds} (one test-set evaluation in each R)"
     )
     print(table(runs, args))
+    print()
+    print(bounds(runs, args))

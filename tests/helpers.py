@@ -90,6 +90,18 @@ def assert_same_model(dir_a, dir_b):
         assert torch.equal(a[k], b[k]), k
 
 
+def mapped_from(tensor, path):
+    """Whether the tensor's memory is a mapping of the file at path (Linux's /proc/self/maps)."""
+    address = tensor.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, *_, name = line.split(maxsplit=5)
+            start, end = (int(a, 16) for a in span.split("-"))
+            if start <= address < end and name.strip() == os.path.realpath(path):
+                return True
+    return False
+
+
 def set_state(net, scale, batches):
     """Hand-made state: the float entries are `scale` times 1, 2, ... in state order, integer counters `batches`."""
     values, i = {}, 1

@@ -10,6 +10,7 @@ import torch
 
 import common
 from common import MODELS, Data, build_model, client_batches, make_partition, prepare_batch
+from helpers import mapped_from
 
 NUM_CLASSES = 10
 
@@ -265,6 +266,18 @@ def test_load_data_normalizes_by_the_training_splits_channel_mean_and_std(monkey
     assert np.allclose(data.std.flatten().numpy(), [*pixels.std(1, ddof=1)[:2], 1 / 255], rtol=1e-6, atol=0)
 
 
+def test_channel_stats_sum_chunks_exactly_as_float64_does_at_once():
+    """Chunk by chunk (2 images here, 3 chunks) the stats are numpy's float64 ones over all pixels, rounded to float32;
+    a chunk left out, a biased std, or stats over the wrong axis each fail it."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 256, (5, 3, 4, 2), dtype=torch.uint8, generator=g)
+    mean, std = common.channel_stats(x, chunk=2)
+    pixels = x.numpy().astype(np.float64).transpose(1, 0, 2, 3).reshape(3, -1) / 255
+    assert mean.dtype == std.dtype == torch.float32 and mean.shape == std.shape == (1, 3, 1, 1)
+    assert mean.flatten().tolist() == pixels.mean(1).astype(np.float32).tolist()
+    assert std.flatten().tolist() == pixels.std(1, ddof=1).astype(np.float32).tolist()
+
+
 def test_prepare_batch_normalizes_and_augments():
     data = fake_data()
     x = data.x_train[:64]
@@ -476,6 +489,9 @@ def test_folder_dataset_reads_sorted_classes_and_caches(tmp_path):
     assert os.path.isfile(tmp_path / "ds" / ".cleanfl-cache.pt")
     again = read_folder(tmp_path / "ds")
     assert all(torch.equal(a, b) for a, b in zip(again, (x_tr, y_tr, x_te, y_te)))
+    # Read memory-mapped from the cache, the first time too: the processes of a machine share one copy.
+    for tensors in (x_tr, again[0]):
+        assert mapped_from(tensors, tmp_path / "ds" / ".cleanfl-cache.pt")
 
 
 def test_folder_dataset_read_only_caches_in_home(tmp_path, monkeypatch):
@@ -491,7 +507,7 @@ def test_folder_dataset_read_only_caches_in_home(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     read_folder(tmp_path / "ds")
     assert not os.path.exists(tmp_path / "ds" / ".cleanfl-cache.pt")
-    assert list((tmp_path / "home" / ".cache" / "cleanfl").glob("folder-*.pt"))
+    assert list((tmp_path / "home" / ".cache" / "cleanfl").glob("*-cleanfl-cache.pt"))
 
 
 # ------------------------------------------------------------------ torchvision datasets (no download)

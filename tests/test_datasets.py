@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import common
-from helpers import metrics, prepare, run_batches
+from helpers import mapped_from, metrics, prepare, run_batches
 
 PACS = ["art_painting", "cartoon", "photo", "sketch"]
 SEVEN = ["dog", "elephant", "giraffe", "guitar", "horse", "house", "person"]
@@ -246,6 +246,18 @@ def test_a_torchvision_cifar10_download_is_read_offline_channel_first(tmp_path, 
     assert np.array_equal(d["x_train"].reshape(10, -1).numpy(), np.concatenate([x for x, _ in train]))
     assert np.array_equal(d["x_test"].reshape(3, -1).numpy(), stored["test_batch"][0])
     assert d["y_train"].tolist() == sum((y for _, y in train), []) and d["y_test"].tolist() == stored["test_batch"][1]
+
+    # Cached: read again from the cache, memory-mapped, without torchvision; a changed file is read anew.
+    cache = tmp_path / "data" / ".cleanfl-cache-cifar10.pt"
+    monkeypatch.setattr(cifar.CIFAR10, "__init__", lambda *a, **k: pytest.fail("it read torchvision's files"))
+    again = common.DATASETS["cifar10"](argparse.Namespace(dataset="cifar10", data_dir=str(tmp_path / "data")))
+    assert all(torch.equal(again[k], d[k]) for k in d)
+    assert mapped_from(again["x_train"], cache)
+    stored["test_batch"][1][0] = (stored["test_batch"][1][0] + 1) % 10
+    test_batch = {"data": stored["test_batch"][0], "labels": stored["test_batch"][1]}
+    (folder / "test_batch").write_bytes(pickle.dumps(test_batch))
+    with pytest.raises(pytest.fail.Exception, match="torchvision's files"):
+        common.DATASETS["cifar10"](argparse.Namespace(dataset="cifar10", data_dir=str(tmp_path / "data")))
 
 
 def test_tiny_imagenet_without_its_layout_is_refused(tmp_path, monkeypatch, capsys):

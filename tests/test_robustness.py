@@ -843,3 +843,45 @@ def test_mixed_sizes_name_two_files_and_the_command_that_resizes(tmp_path, capsy
     x, y, _, _ = read_folder(tmp_path / "new")
     assert x.shape == (5, 3, 8, 8) and sorted(y.tolist()) == [0, 0, 1, 1, 1]
     assert odd.exists() and Image.open(odd).size == (5, 4)  # the originals untouched
+
+
+# A user's shell: no OMP_NUM_THREADS, so the script picks its CPU default.
+BARE = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+
+
+def edited_fedavg(folder, after, new):
+    """A copy of fedavg.py (with common.py beside it) with the line `new` put first in the block that the line
+    starting with `after` opens, as a reader would edit it."""
+    os.makedirs(folder)
+    shutil.copy(os.path.join(ROOT, "common.py"), folder)
+    lines = open(os.path.join(ROOT, "fedavg.py")).read().splitlines(keepends=True)
+    i = next(i for i, line in enumerate(lines) if line.strip().startswith(after))
+    indent = lines[i + 1][: len(lines[i + 1]) - len(lines[i + 1].lstrip())]
+    edited = "".join([*lines[: i + 1], f"{indent}{new}\n", *lines[i + 1 :]])
+    with open(os.path.join(folder, "fedavg.py"), "w") as f:
+        f.write(edited)
+    return os.path.join(folder, "fedavg.py")
+
+
+def test_the_cpu_default_is_one_process_where_a_print_and_a_breakpoint_work(tmp_path):
+    """`python fedavg.py` on the CPU trains in the process that was started: a print added in train_client shows every
+    client of every round from that process, and a breakpoint() there stops in pdb and goes on with `c`. The run is
+    one process of the cores' threads (torch's own count here)."""
+    flags = [*TINY, "--num-clients", "6", "--frac", "0.9", "--rounds", "2"]
+    printing = edited_fedavg(tmp_path / "print", "def train_client(k):", 'print("trained", k, os.getpid())')
+    cmd = [sys.executable, printing, *map(str, flags), "--out", str(tmp_path / "p")]
+    proc = subprocess.Popen(cmd, env=BARE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    said = [line.split() for line in stdout.splitlines() if line.startswith("trained ")]
+    # Five clients a round, each said by the process that was started.
+    assert len(said) == 10 and {pid for _, _, pid in said} == {str(proc.pid)}
+    config, done = json.load(open(tmp_path / "p" / "config.json")), summary(tmp_path / "p")
+    count = "import torch; print(torch.get_num_threads())"
+    cores = int(subprocess.check_output([sys.executable, "-c", count], env=BARE))
+    assert done["processes"] == 1 and config["threads"] == cores
+    stopping = edited_fedavg(tmp_path / "pdb", "def train_client(k):", "breakpoint()")
+    cmd = [sys.executable, stopping, *map(str, flags), "--out", str(tmp_path / "b")]
+    proc = subprocess.run(cmd, env=BARE, input="c\n" * 10, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stdout.count("(Pdb)") == 10 and len(metrics(tmp_path / "b")) == 2

@@ -11,7 +11,6 @@ import json
 import os
 import pickle
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -274,7 +273,8 @@ def test_a_damaged_image_folder_cache_runs_nothing_and_is_rebuilt(damage, tmp_pa
     make_folder(tmp_path / "ds", {"train": {"a": 2, "b": 2}, "test": {"a": 1, "b": 1}})
     read_folder(tmp_path / "ds")  # decoded and cached
     marker, cache = tmp_path / "ran", tmp_path / "ds" / ".cleanfl-cache.pt"
-    stamp, decoded = torch.load(cache)["stamp"], read_folder(tmp_path / "ds")
+    # (A copy: the cache is read memory-mapped, and the damage below is written in place.)
+    stamp, decoded = torch.load(cache)["stamp"], [t.clone() for t in read_folder(tmp_path / "ds")]
     if damage == "planted":
         plant(cache, marker, lambda obj: {"stamp": stamp, "tensors": obj})
     else:
@@ -282,7 +282,7 @@ def test_a_damaged_image_folder_cache_runs_nothing_and_is_rebuilt(damage, tmp_pa
     again = read_folder(tmp_path / "ds")  # set aside with one line and decoded anew: the images are still there
     assert not marker.exists() and all(torch.equal(a, b) for a, b in zip(decoded, again))
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert line.startswith(f"note: {cache} is no cache this code can read (") and line.endswith("); decoding anew")
+    assert line.startswith(f"note: {cache} is no cache this code can read (") and line.endswith("); building it anew")
     assert torch.load(cache, weights_only=True)["stamp"] == stamp  # rebuilt
 
 
@@ -301,7 +301,7 @@ ROOT_GROUPS = "4:cpu,cpuacct:/\n0::/\n"  # a container's view of its groups (v1'
 
 
 def parse_threads(argv, monkeypatch, cores=None, env=None, cgroup=None, torch_threads=None, groups=ROOT_GROUPS):
-    """The default (processes, threads a process) of `fedavg.py --dataset synthetic --device cpu ARGV`; on a machine of
+    """The default threads of `fedavg.py --dataset synthetic --device cpu ARGV`; on a machine of
     `cores` CPUs (None: this one's;
     0: a system without affinity, macOS or Windows) of which torch's own default counts `torch_threads` (None: all of
     them, no hardware threads), with only `env`'s OMP_NUM_THREADS (None: as it is), whose /sys/fs/cgroup is `cgroup`
@@ -328,88 +328,45 @@ def parse_threads(argv, monkeypatch, cores=None, env=None, cgroup=None, torch_th
     monkeypatch.setattr(sys, "argv", ["fedavg.py", *data, "--device", "cpu", *map(str, argv)])
     import fedavg
 
-    args = fedavg.parse_args()
-    return args.ranks, args.threads
-
-
-def cpus_used(*args, **kwargs):  # processes x threads: the CPUs a run takes
-    ranks, threads = parse_threads(*args, **kwargs)
-    return ranks * threads
+    return fedavg.parse_args().threads
 
 
 @pytest.mark.parametrize(
     "cores,env,given,want",
     [
-        (2, {}, [], (2, 1)),  # the CPU's default: a process a core, one thread each
-        (8, {}, [], (8, 1)),
-        (1, {}, [], (1, 1)),  # one core: this process alone
-        (8, {}, ["--threads", "1"], (1, 1)),  # a count given: one process of that many threads
-        (8, {}, ["--threads", "4"], (1, 4)),
-        (8, {"LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}, [], (1, 1)),  # under torchrun: its OMP_NUM_THREADS=1
-        (8, {"WORLD_SIZE": "1"}, [], (1, 8)),  # torchrun of one process: never a launcher inside it
-        (8, {"OMP_NUM_THREADS": "3"}, [], (1, 3)),  # the user's OMP_NUM_THREADS
-        (8, {"OMP_NUM_THREADS": "3"}, ["--threads", "4"], (1, 4)),  # --threads wins
-        (8, {"OMP_NUM_THREADS": "4,2"}, [], (1, 4)),  # OpenMP's nested levels: the first
-        (8, {"OMP_NUM_THREADS": "abc"}, [], (1, 8)),  # a value libgomp refuses (it says so): as OpenMP, the cores
-        (8, {"OMP_NUM_THREADS": "0"}, [], (1, 8)),
+        (2, {}, [], 2),  # the CPU's default: one process of the cores' threads
+        (8, {}, [], 8),
+        (1, {}, [], 1),
+        (8, {}, ["--threads", "1"], 1),  # a count given
+        (8, {}, ["--threads", "4"], 4),
+        (8, {"LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}, [], 1),  # under torchrun: its OMP_NUM_THREADS=1
+        (8, {"WORLD_SIZE": "1"}, [], 8),  # torchrun of one process
+        (8, {"OMP_NUM_THREADS": "3"}, [], 3),  # the user's OMP_NUM_THREADS
+        (8, {"OMP_NUM_THREADS": "3"}, ["--threads", "4"], 4),  # --threads wins
+        (8, {"OMP_NUM_THREADS": "4,2"}, [], 4),  # OpenMP's nested levels: the first
+        (8, {"OMP_NUM_THREADS": "abc"}, [], 8),  # a value libgomp refuses (it says so): as OpenMP, the cores
+        (8, {"OMP_NUM_THREADS": "0"}, [], 8),
     ],
 )
-def test_processes_and_threads_are_the_machines_cores(cores, env, given, want, monkeypatch):
+def test_threads_are_the_machines_cores(cores, env, given, want, monkeypatch):
     """A function of the machine alone, never of its load: one command, one set of numbers."""
     monkeypatch.setattr(os, "getloadavg", lambda: pytest.fail("the thread count looked at the load"))
     assert parse_threads(given, monkeypatch, cores=cores, env=env) == want
 
 
 def test_a_gpu_run_keeps_one_process_of_the_cores_threads(monkeypatch):
-    """Off the CPU the ranks are torchrun's to choose (a GPU each); this process's CPU threads are the cores."""
+    """Off the CPU too, this process's CPU threads are the cores."""
     monkeypatch.setattr(common.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(common.torch.cuda, "device_count", lambda: 1)
-    assert parse_threads(["--device", "cuda"], monkeypatch, cores=4, env={}) == (1, 4)
+    assert parse_threads(["--device", "cuda"], monkeypatch, cores=4, env={}) == 4
 
 
-@pytest.mark.parametrize(
-    "ended,code",
-    [
-        (None, 0),  # every rank finished
-        ({0: -15, 1: 2}, 2),  # a refusal on rank 1 (2), rank 0 then stopped by the launcher (SIGTERM): 2, not 241
-        ({0: 2, 1: -15}, 2),
-        ({0: 1, 1: -15}, 1),  # a crash
-        ({0: -9, 1: -15}, 137),  # a rank killed (SIGKILL, the OOM killer): the shell's 128 + 9
-        (signal.SIGTERM, 143),  # SIGTERM or Ctrl-C to the command itself (its ranks finish the round)
-        (signal.SIGINT, 130),
-    ],
-)
-def test_the_cpu_defaults_launcher_exits_with_the_ranks_cause(ended, code, monkeypatch):
-    """The command's exit code under its own launcher: the cause (a refusal's 2, a crash's 1), not the SIGTERM of the
-    ranks the launcher stops after it, whichever rank ends first; a rank a signal ended, 128 + that signal."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-
-    def launched(config):
-        assert config.nproc_per_node == "2" and config.standalone and config.training_script == "fedavg.py"
-        if isinstance(ended, dict):
-            failed = {
-                rank: ProcessFailure(rank, 100 + rank, exitcode, "/nonexistent") for rank, exitcode in ended.items()
-            }
-            raise ChildFailedError("fedavg.py", failed)
-        if ended is not None:
-            raise SignalException(f"Process got signal: {ended}", sigval=ended)
-
-    monkeypatch.setattr(common.torchrun, "run", launched)
-    monkeypatch.setattr(sys, "argv", ["fedavg.py", "--dataset", "synthetic"])
-    monkeypatch.setattr(common.logging, "disable", lambda level: None)  # (the launcher's logs: this process's own)
-    with pytest.raises(SystemExit) as e:
-        common.Run(argparse.Namespace(ranks=2))
-    assert e.value.code == code
-
-
-@pytest.mark.parametrize("threads,want", [(1, (4, 1)), (2, (1, 2))])
-def test_a_resumed_run_is_launched_as_it_began(threads, want, tmp_path, monkeypatch):
-    """The default's run (config.json: one thread) resumes on a process a core again, its numbers unchanged; a run
-    begun with --threads 2 resumes as one process of 2 threads."""
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_resumed_run_keeps_its_threads(threads, tmp_path, monkeypatch):
+    """A run resumes at the threads it began with (config.json), whatever the machine's cores: its numbers unchanged."""
     (tmp_path / "config.json").write_text(json.dumps({"script": "fedavg", "rounds": 3, "threads": threads}))
     (tmp_path / "checkpoint.pt").write_bytes(b"")
-    assert parse_threads(["--resume", tmp_path], monkeypatch, cores=4, env={}) == want
+    assert parse_threads(["--resume", tmp_path], monkeypatch, cores=4, env={}) == threads
 
 
 @pytest.mark.parametrize(
@@ -427,7 +384,7 @@ def test_threads_are_torchs_count_of_usable_cores(cores, torch_threads, cgroup_c
     if cgroup_cpus:
         (tmp_path / "cpu.max").write_text(cgroup_cpus)
     found = parse_threads([], monkeypatch, cores=cores, env={}, cgroup=tmp_path, torch_threads=torch_threads)
-    assert found == (want, 1)
+    assert found == want
 
 
 @pytest.mark.parametrize(
@@ -450,7 +407,7 @@ def test_threads_are_at_most_a_containers_cpu_limit(files, env, want, tmp_path, 
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text(text)
-    assert cpus_used([], monkeypatch, cores=8, env=env, cgroup=tmp_path) == want
+    assert parse_threads([], monkeypatch, cores=8, env=env, cgroup=tmp_path) == want
 
 
 USER = "user.slice/user-1000.slice"  # a user's slice (a shared login node may limit it), above each login's scope
@@ -482,7 +439,7 @@ def test_threads_are_at_most_the_cpu_limit_of_a_group_above(groups, files, want,
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text + "\n")
-    assert cpus_used([], monkeypatch, cores=8, env={}, cgroup=tmp_path, groups=groups + "\n") == want
+    assert parse_threads([], monkeypatch, cores=8, env={}, cgroup=tmp_path, groups=groups + "\n") == want
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "two", "1.5", ""])
