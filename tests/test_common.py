@@ -544,12 +544,12 @@ class FakeTorchvision:
         ("emnist", "EMNIST", "hw"),
     ],
 )
-def test_torchvision_datasets_become_uint8_nchw(name, cls, kind, monkeypatch):
+def test_torchvision_datasets_become_uint8_nchw(name, cls, kind, monkeypatch, tmp_path):
     import torchvision.datasets as tvd
 
     fake = FakeTorchvision.make(kind)
     monkeypatch.setattr(tvd, cls, fake)
-    d = common.torchvision_dataset(argparse.Namespace(dataset=name, data_dir="unused"))
+    d = common.torchvision_dataset(argparse.Namespace(dataset=name, data_dir=str(tmp_path)))
     x_tr, y_tr, x_te = d["x_train"], d["y_train"], d["x_test"]
     assert d["y_test"].tolist() == list(range(4))
     channels, size = (3, 32) if kind != "hw" else (1, 28)
