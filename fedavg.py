@@ -14,31 +14,37 @@ Usage, logged metrics, choices the paper leaves open and results: docs/fedavg.md
 
 import os
 
-os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # before torch loads OpenMP: short spins (docs/evidence/threads.md)
+# Before torch loads OpenMP: threads that wait for work spin only briefly (docs/speed.md#cpu-threads).
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 import math
 
 import torch
 import torch.nn.functional as F
 
-from common import (AUGMENTATIONS, DATASETS, MODELS, Parser, Run, accumulate, autocast, build_model, client_batches,
-                    client_weights, decay_rate, device_flag, each_client, eval_metrics, finish_args, fraction,
-                    inner_fraction, load_average, load_data, lr_at, make_partition, non_negative_float, path_arg,
-                    positive_float, positive_int, prepare_batch, prox_term, sample_clients, seed_int)  # fmt: skip
+from common import AUGMENTATIONS, DATASETS, MODELS, Parser, Run, build_model, finish_args, load_data, make_partition
+from common import accumulate, client_batches, client_weights, each_client, eval_metrics, load_average, lr_at
+from common import autocast, prepare_batch, prox_term, sample_clients
+from common import decay_rate, device_flag, fraction, inner_fraction, non_negative_float, path_arg, positive_float
+from common import positive_int, seed_int
 
 # The run's setting, the defaults of the flags below: McMahan et al.'s federation (Sec. 3: 100 clients, C = 0.1,
 # E = 5, B = 50) on CIFAR-10, with CleanFL's shared baseline where marked "ours" (reasons in docs/fedavg.md).
 PAPER = dict(
     dataset="cifar10",
-    shards=2,  # the paper's pathological non-IID split (of MNIST): 2 shards of label-sorted data per client
+    # The paper's pathological non-IID split (of MNIST): 2 shards of label-sorted data per client.
+    shards=2,
     num_clients=100,  # K
     frac=0.1,  # C
     rounds=200,  # ours
     local_epochs=5,  # E
     batch_size=50,  # B
-    model="cnn",  # the paper's MNIST CNN: two 5x5 convolutions (32, 64 channels), fc 512
-    lr=0.01,  # ours: the paper tunes it per setting
-    momentum=0.9,  # ours: the paper's SGD has none (--momentum 0 --weight-decay 0)
+    # The paper's MNIST CNN: two 5x5 convolutions (32, 64 channels), fc 512.
+    model="cnn",
+    # Ours: the paper tunes it per setting.
+    lr=0.01,
+    # Ours: the paper's SGD has none (--momentum 0 --weight-decay 0).
+    momentum=0.9,
     weight_decay=5e-4,  # ours
     augment="crop-flip",  # ours
 )
@@ -46,21 +52,13 @@ PAPER = dict(
 
 def parse_args():
     p = Parser(__doc__)
-    g = p.add_argument_group("federation")
-    g.add_argument("--num-clients", type=positive_int, default=PAPER["num_clients"], help="K: number of clients")
-    g.add_argument("--frac", type=fraction, default=PAPER["frac"], help="C: fraction of clients a round, in (0, 1]")
-    g.add_argument("--rounds", type=positive_int, default=PAPER["rounds"], help="T: communication rounds")
-    x = g.add_mutually_exclusive_group()  # one of them: the flag given replaces the default
-    x.add_argument("--local-epochs", type=positive_int, default=PAPER["local_epochs"], help="E: epochs a round")
-    x.add_argument("--local-steps", type=positive_int, help="local SGD steps a round, not epochs")
-    g.add_argument("--batch-size", type=positive_int, default=PAPER["batch_size"], help="B: local batch size")
-    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"], help="weights n_k/n, or 1/m")
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default=PAPER["dataset"], choices=sorted(DATASETS), help="folder: --data-dir's images")
     g.add_argument("--data-dir", type=path_arg, default="./data", help="download folder, or DIR/{train,test}/<class>/*")
     g.add_argument("--augment", default=PAPER["augment"], choices=AUGMENTATIONS, help="of training batches, on device")
     g = p.add_argument_group("partition: one of these (default: --shards 2, the paper's)")
-    x = g.add_mutually_exclusive_group()  # one of them: the flag given replaces the default
+    # One of them: the flag given replaces the default.
+    x = g.add_mutually_exclusive_group()
     x.add_argument("--iid", action="store_true", help="a uniform random split")
     x.add_argument("--shards", type=positive_int, default=PAPER["shards"], help="S: N*S sorted shards, S each")
     x.add_argument("--classes-per-client", type=positive_int, help="C classes a client, each split among its holders")
@@ -74,6 +72,16 @@ def parse_args():
     g.add_argument("--balanced-acc", action="store_true", help="also log the balanced accuracy (mean class recall)")
     g.add_argument("--data-seed", type=seed_int, help="seed of the partition (default: --seed)")
     g.add_argument("--val-frac", type=decay_rate, default=0.0, help="share of each client's data held out: val_acc")
+    g = p.add_argument_group("federation")
+    g.add_argument("--num-clients", type=positive_int, default=PAPER["num_clients"], help="K: number of clients")
+    g.add_argument("--frac", type=fraction, default=PAPER["frac"], help="C: fraction of clients a round, in (0, 1]")
+    g.add_argument("--rounds", type=positive_int, default=PAPER["rounds"], help="T: communication rounds")
+    # One of them: the flag given replaces the default.
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--local-epochs", type=positive_int, default=PAPER["local_epochs"], help="E: epochs a round")
+    x.add_argument("--local-steps", type=positive_int, help="local SGD steps a round, not epochs")
+    g.add_argument("--batch-size", type=positive_int, default=PAPER["batch_size"], help="B: local batch size")
+    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"], help="weights n_k/n, or 1/m")
     g = p.add_argument_group("optimization")
     g.add_argument("--model", default=PAPER["model"], choices=sorted(MODELS), metavar="NAME", help="cnn, resnet18, ...")
     g.add_argument("--lr", type=positive_float, default=PAPER["lr"], help="eta: local learning rate")
@@ -101,13 +109,15 @@ def local_train(model, indices, data, args, lr, global_params):
     """E epochs (or --local-steps) of SGD on one client; returns the mean training loss (a tensor)."""
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
     model.train()
-    loss_sum, seen = torch.zeros((), device=args.device), 0
+    loss_sum = torch.zeros((), device=args.device)
+    seen = 0
     for batch in client_batches(indices, args.batch_size, args.local_epochs, args.local_steps):
-        x, y = prepare_batch(data.x_train[batch], data, args.augment), data.y_train[batch]
+        x = prepare_batch(data.x_train[batch], data, args.augment)
+        y = data.y_train[batch]
         with autocast(args.device, args.amp):
             loss = F.cross_entropy(model(x).float(), y)
-        if args.prox_mu > 0:  # FedProx: + mu/2 ||w - w_t||^2 (Li et al. 2020, Eq. 2)
-            loss = loss + prox_term(model.parameters(), global_params, args.prox_mu)
+        if args.prox_mu > 0:
+            loss = loss + prox_term(model.parameters(), global_params, args.prox_mu)  # Li et al. 2020, Eq. 2
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -118,46 +128,63 @@ def local_train(model, indices, data, args, lr, global_params):
 
 if __name__ == "__main__":
     args = parse_args()
-    run = Run(args)  # its folder (taken first), torchrun's ranks, the seeds, the client sampler, Ctrl-C, SIGTERM
-    data = load_data(args)  # uint8 tensors on the device; a bad folder is refused as it is read
-    partition = make_partition(args, data)  # its own generator, seeded by --data-seed
-    model = build_model(args.model, data).to(args.device)  # the global model w_t
-    client = build_model(args.model, data).to(args.device)  # one client model, reloaded for every client
-    start = run.start(model, partition, data)  # config.json, partition.json, the start-up line; the first round
-    sizes = [len(p) for p in partition.train]
-    if args.resume:
-        model.load_state_dict(run.checkpoint["model"])
+    # The run folder (taken first), torchrun's ranks, the seeds, the client sampler, Ctrl-C and SIGTERM. Bad input
+    # found in the block ends the run in one line.
+    with Run(args) as run:
+        # uint8 tensors on the device; a bad folder is refused as it is read.
+        data = load_data(args)
+        # The partition has its own generator, seeded by --data-seed.
+        partition = make_partition(args, data)
+        # The global model w_t, and one client model reloaded for every client.
+        model = build_model(args.model, data).to(args.device)
+        client = build_model(args.model, data).to(args.device)
+        # config.json, partition.json and the start-up line; the first round.
+        start = run.start(model, partition, data)
+        sizes = [len(p) for p in partition.train]
+        if args.resume:
+            model.load_state_dict(run.checkpoint["model"])
 
-    for rnd in run.bar(range(start, args.rounds)):  # a bar shows the latest test accuracy
-        lr = lr_at(rnd, args)
-        clients = sample_clients(run.sampler, len(sizes), args.frac)
-        weights = client_weights([sizes[k] for k in clients], args.weighting)
-        total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items()}
-        train_loss = torch.zeros((), device=args.device)
+        # The bar shows the latest test accuracy.
+        for rnd in run.bar(range(start, args.rounds)):
+            lr = lr_at(rnd, args)
+            clients = sample_clients(run.sampler, len(sizes), args.frac)
+            weights = client_weights([sizes[k] for k in clients], args.weighting)
+            total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items()}
+            train_loss = torch.zeros((), device=args.device)
 
-        def train_client(k):  # what client k does this round; returns what the server sums
-            client.load_state_dict(model.state_dict())
-            anchor = [p.detach() for p in model.parameters()]  # w_t, for FedProx
-            loss = local_train(client, partition.train[k], data, args, lr=lr, global_params=anchor)
-            return {"loss": loss, "state": client.state_dict()}
+            def train_client(k):
+                """What client k does this round; returns what the server sums."""
+                client.load_state_dict(model.state_dict())
+                # w_t, for FedProx.
+                anchor = [p.detach() for p in model.parameters()]
+                loss = local_train(client, partition.train[k], data, args, lr=lr, global_params=anchor)
+                return {"loss": loss, "state": client.state_dict()}
 
-        # own seed per client; torchrun: split over ranks, summed in order
-        for k, w, out in each_client(clients, weights, train_client, seed=args.seed, rnd=rnd):
-            train_loss += w * out["loss"]
-            accumulate(total, out["state"], w)  # batch-norm running statistics are averaged like weights
-        load_average(model, total)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (McMahan et al. 2017, Alg. 1)
-        if not math.isfinite(train_loss := float(train_loss)):  # NaN or inf
-            run.end_diverged(rnd, train_loss)  # summary.json says it diverged; exit 1
+            # Each client its own seed; under torchrun, split over the ranks and summed in client order.
+            for k, w, out in each_client(clients, weights, train_client, seed=args.seed, rnd=rnd):
+                train_loss += w * out["loss"]
+                # Batch-norm running statistics are averaged like the weights.
+                accumulate(total, out["state"], w)
+            load_average(model, total)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (McMahan et al. 2017, Alg. 1)
+            train_loss = float(train_loss)
+            if not math.isfinite(train_loss):
+                # summary.json says it diverged; exit 1.
+                run.end_diverged(rnd, train_loss)
 
-        last = rnd + 1 == args.rounds
-        if (rnd + 1) % args.eval_every == 0 or last:  # every --eval-every rounds and the last
-            model.eval()
-            # test_acc, test_loss; per-client mean, std, worst 10%; --balanced-acc: the same of balanced accuracy
-            tests = eval_metrics(model, data, partition.test, args.balanced_acc, amp=args.amp, val=partition.val)
-            run.log({"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr})
-        stop = (rnd + 1 - start == args.stop_after and not last) or run.interrupted()  # --stop-after, Ctrl-C, SIGTERM
-        if stop or last or (rnd + 1) % (args.checkpoint_every or args.eval_every) == 0:  # default: each evaluation
-            run.save({"model": model.state_dict(), **run.snapshot(rnd)}, "checkpoint.pt")  # + round, sampler, clock
-        if stop:
-            run.end_stopped(rnd)  # one line: how to --resume it; exit 0, or 130 / 143 after Ctrl-C / SIGTERM
-    run.finish(model)  # summary.json: the final round's metrics
+            last = rnd + 1 == args.rounds
+            if (rnd + 1) % args.eval_every == 0 or last:
+                model.eval()
+                # test_acc, test_loss; per client: mean, std, worst 10%; --balanced-acc: the same of it.
+                tests = eval_metrics(model, data, partition.test, args.balanced_acc, amp=args.amp, val=partition.val)
+                run.log({"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr})
+            # Ctrl-C or SIGTERM to any rank, or --stop-after.
+            interrupted = run.interrupted()
+            stop = interrupted or (rnd + 1 - start == args.stop_after and not last)
+            # By default a checkpoint at each evaluation: the server's state, the round, the sampler, the clock.
+            if stop or last or (rnd + 1) % (args.checkpoint_every or args.eval_every) == 0:
+                run.save({"model": model.state_dict(), **run.snapshot(rnd)}, "checkpoint.pt")
+            if stop:
+                # One line says how to --resume it; exit 0, or 130 and 143 after Ctrl-C and SIGTERM.
+                run.end_stopped(rnd)
+        # summary.json: the final round's metrics.
+        run.finish(model)

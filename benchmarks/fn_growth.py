@@ -83,7 +83,10 @@ def trace_round(args, data, partition, ckpt, limit=None, probe_size=50):
     total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items()}
     out = {"round": rnd + 1, "lr": lr, "clients": []}
     client = build_model(args.model, data)
-    flat = lambda net: torch.cat([p.detach().flatten() for p in fedfn.invariant_layer(net).parameters(recurse=False)])
+
+    def flat(net):
+        return torch.cat([p.detach().flatten() for p in fedfn.invariant_layer(net).parameters(recurse=False)])
+
     start, deltas = flat(model), []
     for k, w in list(zip(clients, weights))[:limit]:
         client.load_state_dict(model.state_dict())

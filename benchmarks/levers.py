@@ -251,8 +251,13 @@ def gated(gate, script, flags):
     if flags.count("--dataset") and flags[flags.index("--dataset") + 1] == "folder" and "--data-dir" in flags:
         folder, reader = flags[flags.index("--data-dir") + 1], common.DATASETS["folder"]
         cached = reader(argparse.Namespace(data_dir=folder, natural=False, clients_per_domain=None))
-        grouped = lambda args: getattr(args, "natural", 0) or getattr(args, "clients_per_domain", 0)
-        same = lambda args: args.data_dir == folder and not grouped(args)
+
+        def grouped(args):
+            return getattr(args, "natural", 0) or getattr(args, "clients_per_domain", 0)
+
+        def same(args):
+            return args.data_dir == folder and not grouped(args)
+
         common.DATASETS["folder"] = lambda args: cached if same(args) else reader(args)
     parent = os.getppid()
     while not os.path.exists(gate):
@@ -325,7 +330,10 @@ def checkpoint_times(proc, out, timeout):
             else []
         )
         raise RuntimeError(f"exit {proc.returncode}: {last[0][-200:] if last else ''}")
-    read = lambda p: torch.load(p, map_location="cpu", weights_only=False, mmap=True)
+
+    def read(p):
+        return torch.load(p, map_location="cpu", weights_only=False, mmap=True)
+
     a, b = read(first), read(ckpt)
     if a["round"] >= b["round"]:
         raise RuntimeError(f"the checkpoint of round {a['round']} was missed")
@@ -585,7 +593,10 @@ def measure(a):
         return 0
     os.makedirs(a.out, exist_ok=True)
     t0 = time.time()
-    say = lambda *m: print(*m, file=sys.stderr, flush=True)
+
+    def say(*m):
+        return print(*m, file=sys.stderr, flush=True)
+
     works, results, evals = {}, [], {}
     queue = items
     started, serial = {}, [0]  # index -> [(proc, gate, (slice, script, flags, out))]: started ahead, at its gate
@@ -712,7 +723,10 @@ def table(works, results, a):
           f"{H200_BF16 / 1e12:.0f} TFLOP/s (bf16, --amp rows) or half that (TF32, the others)\n")  # fmt: skip
     print("| configuration | lever | s / round | projected min | speed-up over today | measured / floor |")
     print("| --- | --- | --- | --- | --- | --- |")
-    label = lambda claim: CONFIGS[claim]["label"] + (" [--tiny: toy model]" if a.tiny else "")
+
+    def label(claim):
+        return CONFIGS[claim]["label"] + (" [--tiny: toy model]" if a.tiny else "")
+
     for claim in [c for c in CONFIGS if c in works or any(r["claim"] == c for r in results)]:
         work = works.get(claim)
         rows = [r for r in results if r["claim"] == claim]
@@ -798,7 +812,10 @@ def pair(a):
         return 0
     os.makedirs(a.out, exist_ok=True)
     t0 = time.time()
-    say = lambda *m: print(*m, file=sys.stderr, flush=True)
+
+    def say(*m):
+        return print(*m, file=sys.stderr, flush=True)
+
     say(f"pair: {why}; {procs} process(es) per run; first part {n1} rounds")
 
     def both(make, limit):
@@ -818,10 +835,17 @@ def pair(a):
         stop(*running.values())
         return {v: p.returncode for v, p in running.items()}
 
-    budget = lambda: a.seconds - (time.time() - t0)
-    part1 = lambda v: (first[v][0], set_flag(set_flag(first[v][1], "--stop-after", n1), "--overwrite"))
+    def budget():
+        return a.seconds - (time.time() - t0)
+
+    def part1(v):
+        return (first[v][0], set_flag(set_flag(first[v][1], "--stop-after", n1), "--overwrite"))
+
     codes1 = both(part1, budget() - 5)
-    stopped = lambda: all(os.path.exists(os.path.join(outs[v], "checkpoint.pt")) for v in PAIR_VARIANTS)
+
+    def stopped():
+        return all(os.path.exists(os.path.join(outs[v], "checkpoint.pt")) for v in PAIR_VARIANTS)
+
     if not stopped() and procs > 1 and budget() > 2 * startup:  # torchrun failed: once more, one process a run
         procs, why = 1, f"one process ({procs} under torchrun failed: exit {codes1}); {why}"
         say(f"pair: {why}")

@@ -164,7 +164,10 @@ def fedfn_rows(data, x, y, seeds, steps=5, batch_size=50, models=FEDFN_MODELS):
             model = build(name, data, seed)
             feats.append(feature_norm(model, x))
             heads.append(head_row_norm(model))
-        ratio = lambda v, i: f" ({statistics.mean(v) / ref[i]:.2f}x {models[0]})" if ref else ""
+
+        def ratio(v, i):
+            return f" ({statistics.mean(v) / ref[i]:.2f}x {models[0]})" if ref else ""
+
         rows += [
             (
                 name,

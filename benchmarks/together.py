@@ -147,7 +147,10 @@ def fedbabu_round(model, clients, weights, partition, data, args, lr, rnd):
     import fedbabu
 
     draws = draw_round(clients, weights, partition, data, args, rnd)
-    trainable = lambda name: args.train_head or not name.startswith("head.")
+
+    def trainable(name):
+        return args.train_head or not name.startswith("head.")
+
     trained = train_together(model, draws, args, lr, lambda m, x: (m(x), None), trainable)
     total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items()}
     train_loss = torch.zeros((), device=args.device)
@@ -171,13 +174,22 @@ def fedfn_round(model, clients, weights, partition, data, args, lr, rnd, scaffol
         raise ValueError("together: --agg scaffold needs the `scaffold` state, and only it")
     names = [n for n, _ in model.named_parameters()]
     x_old = [w.detach().clone() for w in model.parameters()]  # w_t
-    zeros = lambda: {n: torch.zeros_like(w) for n, w in model.named_parameters()}
+
+    def zeros():
+        return {n: torch.zeros_like(w) for n, w in model.named_parameters()}
+
     corrections = None
     if scaffold is not None:
-        c_of = lambda k: scaffold["c_local"].get(k) or zeros()
+
+        def c_of(k):
+            return scaffold["c_local"].get(k) or zeros()
+
         corrections = {k: common.scaffold_correction(scaffold["c"], c_of(k)) for k in clients}
     draws = draw_round(clients, weights, partition, data, args, rnd)
-    forward_fn = lambda m, x: fedfn.fn_forward(m, x, args.fn, args.fn_scale)
+
+    def forward_fn(m, x):
+        return fedfn.fn_forward(m, x, args.fn, args.fn_scale)
+
     trained = train_together(model, draws, args, lr, forward_fn, global_params=x_old, corrections=corrections)
     total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items()}
     train_loss = torch.zeros((), device=args.device)

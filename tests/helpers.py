@@ -48,8 +48,12 @@ def prepare(script, argv, monkeypatch, capsys=None):
     monkeypatch.setattr(sys, "argv", [f"{script}.py", *map(str, argv)])
     try:
         args = module.parse_args()
-        data = common.load_data(args)
-        return args, data, common.make_partition(args, data)
+        try:
+            data = common.load_data(args)
+            return args, data, common.make_partition(args, data)
+        except common.BadInput as e:
+            # As the scripts' `with Run(args)` does: one line, exit 2.
+            common.refuse(str(e))
     except SystemExit as e:
         err = capsys.readouterr().err.strip().splitlines() if capsys else []
         return e.code, err[-1] if err else ""

@@ -334,7 +334,9 @@ def test_gain_steps_by_hand():
 
 
 def test_cosine_with_warmup_by_hand():
-    lr = lambda step: anfr.cosine_lr(2.0, step, 110, warmup=10)
+    def lr(step):
+        return anfr.cosine_lr(2.0, step, 110, warmup=10)
+
     assert [lr(0), lr(5), lr(10)] == [0.0, 1.0, 2.0]  # linear from 0, as Pieri et al.'s LambdaLR
     assert lr(60) == pytest.approx(1.0) and lr(110) == pytest.approx(0.0) and lr(35) == pytest.approx(2 * 0.8535534)
     assert anfr.cosine_lr(2.0, 5, 110) == anfr.cosine_lr(2.0, 5, 110, warmup=0) != lr(5)
@@ -680,7 +682,10 @@ def pairs(runs):
     """X_b: --stop-after 1, then --resume (fedbn_b: not resumed); X_t: a copy of X_b after round 1 with client 0's
     FedPer/FedBN parts shifted by 0.5, then --resume; and fedbn_a, uninterrupted. Returns the round-1 checkpoints."""
     tmp = runs
-    resume = lambda g: ["anfr.py", "--resume", str(tmp / g)]
+
+    def resume(g):
+        return ["anfr.py", "--resume", str(tmp / g)]
+
     stopped = [anfr_cmd(tmp, f"{g}_b", *f, "--save-model", "--stop-after", "1") for g, f in GROUPS.items()]
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(run_batches, stopped + [resume("scaffold_b")])
@@ -859,7 +864,10 @@ def test_bn_stats_local_keeps_each_clients_statistics_and_scores_each_clients_mo
     for local in ckpt["local"]:
         model.load_state_dict(local, strict=False)
         model.eval()
-        net = lambda x: model(anfr.resize(x, args.image_size))
+
+        def net(x):
+            return model(anfr.resize(x, args.image_size))
+
         held = torch.cat(partition.val)
         test = common.evaluate(net, data.x_test, data.y_test, data)[0]
         scores.append((test, common.evaluate(net, data.x_train[held], data.y_train[held], data)[0]))
@@ -871,7 +879,9 @@ def test_bn_stats_local_keeps_each_clients_statistics_and_scores_each_clients_mo
 
 
 def test_optimizer_flag_and_weight_decay_defaults(monkeypatch):
-    parse = lambda *flags: anfr_args(monkeypatch, *flags)
+    def parse(*flags):
+        return anfr_args(monkeypatch, *flags)
+
     sgd, adamw = parse("--optimizer", "sgd"), parse()
     assert (
         sgd.weight_decay,

@@ -732,7 +732,10 @@ def test_overhead_runs_do_the_same_steps_with_the_same_flags(monkeypatch):
     args = overhead.parse_args()
     fl, central, steps = overhead.run_flags("fedbabu", args)
     assert steps == 3 * 5 * 4  # R rounds x m = C*N clients x K steps
-    tail = lambda flags: flags[flags.index("--num-clients") :]
+
+    def tail(flags):
+        return flags[flags.index("--num-clients") :]
+
     assert fl[: -len(tail(fl))] == central[: -len(tail(central))]  # everything but the federation flags is shared
     assert "--amp" in fl and "--no-client-test" in fl and fl[fl.index("--model") + 1] == "convnet4-tiny"
     assert tail(fl) == ["--num-clients", 20, "--frac", 0.25, "--local-steps", 4, "--rounds", 6, "--eval-every", 3]

@@ -5,6 +5,7 @@ folder is built here with tiny PIL images; expected numbers are counted or compu
 import argparse
 import math
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -269,6 +270,23 @@ def test_tiny_imagenet_without_its_layout_is_refused(tmp_path, monkeypatch, caps
     assert code == 2 and "--data-dir" in last and "val_annotations.txt" in last
 
 
+def test_tiny_imagenet_names_the_file_each_fault_is_in(tmp_path):
+    """A class folder without images/ is train/'s fault; a class or an image the annotations name but lack, theirs."""
+    args = argparse.Namespace(dataset="tinyimagenet")
+    root = tiny_imagenet(tmp_path / "a")
+    os.rename(os.path.join(root, "train", "n01", "images"), os.path.join(root, "train", "n01", "pictures"))
+    with pytest.raises(common.BadInput, match=r"/train has class folders without images/: \['n01'\]"):
+        common.tinyimagenet_dataset(argparse.Namespace(**vars(args), data_dir=root))
+    root = tiny_imagenet(tmp_path / "b")
+    shutil.rmtree(os.path.join(root, "train", "n03"))
+    with pytest.raises(common.BadInput, match=r"val_annotations.txt has classes without a train/ folder: \['n03'\]"):
+        common.tinyimagenet_dataset(argparse.Namespace(**vars(args), data_dir=root))
+    root = tiny_imagenet(tmp_path / "c")
+    os.remove(os.path.join(root, "val", "images", "val_1.JPEG"))
+    with pytest.raises(common.BadInput, match=r"val_annotations.txt has images not in val/images/: \['val_1.JPEG'\]"):
+        common.tinyimagenet_dataset(argparse.Namespace(**vars(args), data_dir=root))
+
+
 def test_every_model_runs_at_64x64():
     data = common.Data(torch.zeros(1, 3, 64, 64, dtype=torch.uint8), None, None, None, 200, None, None)
     for name in sorted(common.MODELS):
@@ -285,7 +303,10 @@ def fixed_predictions(y, pred, num_classes):
     data = common.Data(
         x, None, x, torch.tensor(y), num_classes, torch.zeros(1, 1, 1, 1), torch.full((1, 1, 1, 1), 1 / 255)
     )
-    forward = lambda xb: F.one_hot(xb.round().long().view(-1), num_classes).float()
+
+    def forward(xb):
+        return F.one_hot(xb.round().long().view(-1), num_classes).float()
+
     return data, forward
 
 

@@ -185,13 +185,16 @@ def runs(tmp_path_factory):
     cases["fedavg-folder"] = ("fedavg", [*CASES["fedavg"], "--dataset", "folder", "--data-dir", "{images}", "--iid"])
     for k in ("k1", "k2"):
         write_folder(tmp / f"images-{k}", per_class=20)
-    run = lambda name, k, *more: [
-        f"{cases[name][0]}.py",
-        *[str(f).replace("{images}", str(tmp / f"images-{k}")) for f in cases[name][1]],
-        *more,
-        "--out",
-        tmp / name / k,
-    ]
+
+    def run(name, k, *more):
+        return [
+            f"{cases[name][0]}.py",
+            *[str(f).replace("{images}", str(tmp / f"images-{k}")) for f in cases[name][1]],
+            *more,
+            "--out",
+            tmp / name / k,
+        ]
+
     for name, (script, _, _) in RESUMED.items():
         cases[name] = (script, [*CASES[script], "--rounds", "4", "--eval-every", "1"])
     alone = [run(name, "k1") for name in cases]
@@ -212,7 +215,10 @@ def runs(tmp_path_factory):
 
 def assert_same_run(one, other):
     assert metrics(other) == metrics(one)
-    strip = lambda d: {k: v for k, v in summary(d).items() if k not in VOLATILE}
+
+    def strip(d):
+        return {k: v for k, v in summary(d).items() if k not in VOLATILE}
+
     assert strip(other) == strip(one)
     assert_same_model(one, other)
 
@@ -376,7 +382,10 @@ def assert_same_result(got, want, where="result"):
             assert_same_result(a, b, f"{where}[{i}]")
     elif torch.is_tensor(want):
         assert got.dtype == want.dtype and got.shape == want.shape and got.device.type == "cpu", where
-        bits = lambda t: t.contiguous().reshape(-1).view(torch.uint8)
+
+        def bits(t):
+            return t.contiguous().reshape(-1).view(torch.uint8)
+
         assert torch.equal(bits(got), bits(want)), where
         assert not got.requires_grad, where
     else:

@@ -123,14 +123,14 @@ def documented_commands():
             if m.group(1).startswith(("python ", "torchrun ")) and ".py" in m.group(1):
                 line = prose[: m.start()].count("\n") + 1
                 found.append((f"{doc}:{line} (inline)", tokens(m.group(1).replace("\n", " "))))
-    real = lambda argv: (
-        argv[0] in ("bash", "pip", "torchrun")
-        or (
+
+    def real(argv):
+        return argv[0] in ("bash", "pip", "torchrun") or (
             argv[0] in ("python", "python3")
             and len(argv) > 1
             and (argv[1] == "-m" or re.fullmatch(r"[\w./-]+\.py", argv[1]))
         )
-    )
+
     return [(where, argv) for where, argv in found if real(argv)]  # not `python <script>.py ...`
 
 
@@ -352,7 +352,10 @@ PAPER_SETTINGS = {
 def dataset_of(argv):
     """The real dataset a documented training command is for: --dataset tinyimagenet / emnist, or the image folder's
     name (~/isic, ~/isic224, ~/pacs, ~/femnist, ~/celeba); None for any other."""
-    value = lambda flag: argv[argv.index(flag) + 1] if flag in argv[:-1] else None
+
+    def value(flag):
+        return argv[argv.index(flag) + 1] if flag in argv[:-1] else None
+
     if value("--dataset") in ("tinyimagenet", "emnist"):
         return value("--dataset")
     name = os.path.basename((value("--data-dir") or "").rstrip("/"))
@@ -687,7 +690,10 @@ def table_after(doc, heading):
     rows = ("|" + section.split("\n\n|", 1)[1].split("\n\n", 1)[0]).splitlines()
     lines = [line for line in rows if not re.match(r"\|\s*-", line)]
     cells = [[c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]] for line in lines]
-    label = lambda c: re.sub(r"^\[([^\]]+)\](\[[^\]]*\]|\([^)]*\))?$", r"\1", c)
+
+    def label(c):
+        return re.sub(r"^\[([^\]]+)\](\[[^\]]*\]|\([^)]*\))?$", r"\1", c)
+
     return {label(row[0]): dict(zip(cells[0], row)) for row in cells[1:]}
 
 
@@ -980,7 +986,10 @@ def test_speed_tables_are_their_runs():
     import vs_flower
 
     speed, readme = " ".join(read("docs/speed.md").split()), " ".join(read("README.md").split())
-    load = lambda name: json.load(open(os.path.join(ROOT, "benchmarks", "results-cpu", f"{name}.json")))
+
+    def load(name):
+        return json.load(open(os.path.join(ROOT, "benchmarks", "results-cpu", f"{name}.json")))
+
     ratios = {"idle": [], "loaded": []}  # the default / the best thread count, every workload
     for name in ("processes-idle", "processes-loaded", "processes-mlp", "vs_flower"):
         saved = load(name)
@@ -1003,7 +1012,10 @@ def test_speed_tables_are_their_runs():
                 mlp = next(float(row.split("|")[-3]) for row in made.splitlines()[2:] if "| loaded |" in row)
                 assert f"the README's first run included ({mlp:.2f}x loaded)" in speed
         assert shown.strip() == made.strip(), f"docs/speed.md's {name} table is not its JSON's"
-    span = lambda xs: f"{min(xs):.2f}-{max(xs):.2f}"
+
+    def span(xs):
+        return f"{min(xs):.2f}-{max(xs):.2f}"
+
     assert len(ratios["idle"]) == len(ratios["loaded"]) == 4  # four workloads
     assert f"idle {span(ratios['idle'])}x the best thread count (the bound: 1.05x)" in speed
     assert f"beside a busy process on each core {span(ratios['loaded'])}x (the bound: 1.3x)" in speed
@@ -1039,7 +1051,10 @@ def test_threads_quota_table_is_its_runs():
                 times.setdefault(limit, {}).setdefault(rows[0]["threads"], []).extend(r["s_per_round"] for r in rows)
     evidence = read("docs/evidence/threads.md")
     assert evidence.split("<!-- quota:start -->\n", 1)[1].split("\n<!-- quota:end -->", 1)[0] == "\n".join(lines)
-    span = lambda xs: f"{min(xs):.2f}-{max(xs):.2f}"
+
+    def span(xs):
+        return f"{min(xs):.2f}-{max(xs):.2f}"
+
     text, speed = " ".join(evidence.split()), " ".join(read("docs/speed.md").split())
     one, quarter = times["1"], times["0.25"]
     assert f"At 1 CPU two threads took {span(one[2])} s a round against one thread's {span(one[1])}" in text
@@ -1056,11 +1071,17 @@ def test_threads_torchrun_idle_tables_are_their_runs():
 
     controls = os.path.join(ROOT, "benchmarks", "results-cpu", "threads-controls")
     evidence = read("docs/evidence/torchrun-cpu.md")
-    block = lambda name: evidence.split(f"<!-- {name}:start -->\n", 1)[1].split(f"\n<!-- {name}:end -->", 1)[0]
+
+    def block(name):
+        return evidence.split(f"<!-- {name}:start -->\n", 1)[1].split(f"\n<!-- {name}:end -->", 1)[0]
+
     with open(os.path.join(controls, "torchrun-idle.json")) as f:
         saved = json.load(f)
     assert block("torchrun-idle") == threads.table(saved["runs"], argparse.Namespace(**saved["args"]))
-    fastest = lambda runs, way, w: min(r["s_per_round"] for r in runs if r["way"] == way and r["workload"] == w)
+
+    def fastest(runs, way, w):
+        return min(r["s_per_round"] for r in runs if r["way"] == way and r["workload"] == w)
+
     ratios = sorted(fastest(saved["runs"], "torchrun 2x1", w) / fastest(saved["runs"], "default", w)
                     for w in saved["args"]["workloads"])  # fmt: skip
     with open(os.path.join(controls, "idle-unequal-clients.json")) as f:
@@ -1086,8 +1107,13 @@ def test_threads_mlp_evidence_is_its_runs():
     import threads
 
     controls, page = os.path.join(ROOT, "benchmarks", "results-cpu"), read("docs/evidence/threads-mlp.md")
-    block = lambda name: page.split(f"<!-- {name}:start -->\n", 1)[1].split(f"\n<!-- {name}:end -->", 1)[0]
-    load = lambda name: json.load(open(os.path.join(controls, name)))
+
+    def block(name):
+        return page.split(f"<!-- {name}:start -->\n", 1)[1].split(f"\n<!-- {name}:end -->", 1)[0]
+
+    def load(name):
+        return json.load(open(os.path.join(controls, name)))
+
     runs = load("threads-controls/first-run-wall.json")["runs"]
     lines, said = ["| condition | default | 1 thread | default / 1 thread |", "|---|---|---|---|"], {}
     key, text = lambda r: (r["condition"], r["way"], r["cycle"]), " ".join(page.split())
@@ -1116,11 +1142,16 @@ def test_threads_mlp_evidence_is_its_runs():
     shown = [threads.table(x["runs"], argparse.Namespace(**x["args"])).splitlines() for x in (idle, loaded)]
     assert block("mlp-levers") == "\n".join([*shown[0], shown[1][2]]) and shown[0][0] == shown[1][0]
     mlp = load("threads-mlp.json")
-    median = lambda x, way, c: statistics.median(
-        r["s_per_round"] for r in x["runs"] if (r["way"], r["condition"]) == (way, c)
-    )
-    fastest = lambda x, way: min(r["s_per_round"] for r in x["runs"] if r["way"] == way and r["condition"] == "idle")
-    over_one = lambda x, way: median(x, way, "loaded") / median(x, "1 thread", "loaded")
+
+    def median(x, way, c):
+        return statistics.median(r["s_per_round"] for r in x["runs"] if (r["way"], r["condition"]) == (way, c))
+
+    def fastest(x, way):
+        return min(r["s_per_round"] for r in x["runs"] if r["way"] == way and r["condition"] == "idle")
+
+    def over_one(x, way):
+        return median(x, way, "loaded") / median(x, "1 thread", "loaded")
+
     assert f"two threads took {over_one(loaded, 'default'):.2f}-{over_one(mlp, 'default'):.2f}x one thread's" in text
     assert f"passive waiting {over_one(loaded, 'default GOMP_SPINCOUNT=0'):.2f}x" in text
     assert f"no pinning {over_one(loaded, 'default CLEANFL_NOPIN=1'):.2f}x" in text
@@ -1162,7 +1193,10 @@ def test_threads_busy_host_table_is_its_runs():
         os.path.join(ROOT, "benchmarks", "results-cpu", "threads-controls", "busy-host-cgroup-candidates.json")
     ) as f:
         runs = json.load(f)["runs"]
-    cycles = lambda way: [r for c in (1, 2) for r in runs if r["way"] == way and r["cycle"] == c]
+
+    def cycles(way):
+        return [r for c in (1, 2) for r in runs if r["way"] == way and r["cycle"] == c]
+
     ways = ("default", "default GOMP_SPINCOUNT=0", "1 thread", "torchrun 2x1")
     times = {way: " and ".join(f"{r['s_per_round']:.2f}" for r in cycles(way)) for way in ways}
     text = " ".join(evidence.split())
@@ -1207,7 +1241,10 @@ def test_one_minute_runs_are_their_measured_runs():
     whose accuracy is the same idle and loaded (one thread's numbers whatever the load)."""
     runs = json.load(open(os.path.join(ROOT, "benchmarks", "results-cpu", "first-runs.json")))["runs"]
     by = {(r["page"], r["condition"]): r for r in runs}
-    pct = lambda x: f"{100 * x:.2f}%"
+
+    def pct(x):
+        return f"{100 * x:.2f}%"
+
     for page in METHODS:
         idle, loaded = (
             by["readme" if page == "fedavg" else page, "idle"],

@@ -236,7 +236,9 @@ def test_seed_reproduces_run_and_outputs(runs):
 
 
 def test_data_seed_fixes_partition_while_seed_varies(runs):
-    part = lambda d: json.load(open(runs / d / "partition.json"))["train"]
+    def part(d):
+        return json.load(open(runs / d / "partition.json"))["train"]
+
     assert part("a") == part("seed1") != part("dseed1")
 
 

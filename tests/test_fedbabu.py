@@ -322,7 +322,10 @@ def test_stop_and_resume_equals_uninterrupted(full_run, tmp_path):
     run_script("fedbabu.py", "--resume", tmp_path / "cut")
     assert metrics(tmp_path / "cut") == metrics(full_run)
     assert_same_model(tmp_path / "cut", full_run)
-    drop = lambda s: {k: v for k, v in s.items() if k not in ("wall_time_s", "elapsed_s")}
+
+    def drop(s):
+        return {k: v for k, v in s.items() if k not in ("wall_time_s", "elapsed_s")}
+
     assert drop(summary(tmp_path / "cut")) == drop(summary(full_run))  # the personalization results too
 
 
@@ -342,7 +345,10 @@ def test_a_stop_in_the_last_round_comes_before_the_fine_tuning(tmp_path):
     whole.communicate(timeout=120)
     assert metrics(out) == metrics(tmp_path / "whole")
     assert_same_model(out, tmp_path / "whole")
-    drop = lambda s: {k: v for k, v in s.items() if k not in ("wall_time_s", "elapsed_s")}
+
+    def drop(s):
+        return {k: v for k, v in s.items() if k not in ("wall_time_s", "elapsed_s")}
+
     assert drop(summary(out)) == drop(summary(tmp_path / "whole"))  # the personalization results too
 
 

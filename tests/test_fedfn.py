@@ -93,7 +93,10 @@ def test_fn_makes_the_last_body_layer_scale_invariant():
             assert grown == pytest.approx(expected, rel=1e-3)
         else:
             assert abs(float(w @ g)) > 1e-4 * float(w.norm() * g.norm())
-        loss = lambda: float(torch.nn.functional.cross_entropy(fedfn.fn_forward(model, x, fn)[0], y).detach())
+
+        def loss():
+            return float(torch.nn.functional.cross_entropy(fedfn.fn_forward(model, x, fn)[0], y).detach())
+
         before = loss()
         with torch.no_grad():
             for p in layer.parameters():
@@ -474,7 +477,8 @@ def test_no_fn_reproduces_fedavg_exactly(runs):
     assert s["ft_acc_mean"] > s["ft_acc_mean_before"] + 0.2 and s["ft_lr"] == pytest.approx(0.005)
 
 
-UNTIMED = lambda x: {k: v for k, v in x.items() if k not in ("elapsed_s", "wall_time_s")}
+def UNTIMED(x):
+    return {k: v for k, v in x.items() if k not in ("elapsed_s", "wall_time_s")}
 
 
 @pytest.mark.slow  # a second run of each --agg, stopped and resumed in a fresh process

@@ -331,7 +331,10 @@ def test_fedyogi_step_matches_the_yogi_formula():
 def test_fedyogi_step_moves_towards_the_clients():
     """One FedYogi round from m_0 = 0, v_0 = 1e-6 by hand: D = avg - x = (0.5, -0.1); m_1 = 0.1 D;
     v_1 = 1e-6 + 0.01 D^2 (v_0 < D^2); x_1 = x + 0.01 m_1 / (sqrt(v_1) + 1e-3): towards the clients' average."""
-    f64 = lambda *v: torch.tensor(v, dtype=torch.float64)
+
+    def f64(*v):
+        return torch.tensor(v, dtype=torch.float64)
+
     x, m, v = fedln.fedyogi_step(
         {"w": f64(1.0, -2.0)},
         {"w": f64(1.5, -2.1), "buffer": f64(9.0)},

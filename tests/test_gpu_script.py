@@ -97,7 +97,10 @@ def test_dry_run_prints_commands_each_parser_accepts(tmp_path, places, monkeypat
         except SystemExit as e:
             pytest.fail(f"`{line}` rejected (exit {e.code}): {capsys.readouterr().err.strip()}")
     by_script = {m: [a for _, a in commands if a[1] == f"{m}.py"] for m in METHODS}
-    smoke = lambda a: "/smoke/" in (a + ["--out", ""])[(a + ["--out"]).index("--out") + 1] or "/smoke/" in str(a)
+
+    def smoke(a):
+        return "/smoke/" in (a + ["--out", ""])[(a + ["--out"]).index("--out") + 1] or "/smoke/" in str(a)
+
     for m, runs in by_script.items():  # smoke: fp32, --amp, --stop-after 1 then --resume, on cuda
         runs = [a for a in runs if smoke(a)]
         assert any("--amp" in a and a[a.index("--device") + 1] == "cuda" for a in runs), m
@@ -266,8 +269,13 @@ def test_tiny_levers_and_pair_end_to_end(tmp_path):
 def cifar_shaped():
     """A stand-in for CIFAR-10 as the scripts see it: 50,000 + 10,000 images of 3x32x32, 10 balanced classes (no
     pixels: the FLOP count runs on the meta device, the partitions read labels only)."""
-    images = lambda n: torch.zeros(1, 3, 32, 32, dtype=torch.uint8).expand(n, 3, 32, 32)
-    labels = lambda n: torch.arange(n) % 10
+
+    def images(n):
+        return torch.zeros(1, 3, 32, 32, dtype=torch.uint8).expand(n, 3, 32, 32)
+
+    def labels(n):
+        return torch.arange(n) % 10
+
     half = torch.full((1, 3, 1, 1), 0.5)
     return common.Data(images(50000), labels(50000), images(10000), labels(10000), 10, half, half)
 
@@ -293,7 +301,10 @@ def test_flops_and_floors_match_the_issue():
 
 def test_a_slice_is_projected_by_waves_and_steps():
     work = {"clients": 10, "steps": 150}
-    item = lambda k: {"procs": k}
+
+    def item(k):
+        return {"procs": k}
+
     assert levers.project(item(1), work, {("clients", 4): 1.0}) == pytest.approx(2.5)  # 10 clients from 4
     assert levers.project(item(4), work, {("clients", 4): 1.0}) == pytest.approx(3.0)  # 3 waves of 4 from 1
     assert levers.project(item(2), work, {("clients", 4): 1.0}) == pytest.approx(2.5)  # 5 waves from 2

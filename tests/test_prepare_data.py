@@ -339,7 +339,10 @@ def test_prepare_data_folders_get_the_usual_mode(tmp_path, capsys):
         assert prepare(["pacs", "--src", src, "--out", tmp_path / "b"], capsys)[0] == 0
     finally:
         os.umask(umask)
-    mode = lambda path: stat.S_IMODE(os.stat(path).st_mode)
+
+    def mode(path):
+        return stat.S_IMODE(os.stat(path).st_mode)
+
     assert [mode(tmp_path / d) for d in "abc"] == [0o755, 0o750, 0o775]
     assert mode(tmp_path / "a" / "train" / "photo") == 0o755 and mode(tmp_path / "b" / "test" / "sketch") == 0o750
 

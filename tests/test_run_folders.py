@@ -127,7 +127,7 @@ def test_the_default_name_takes_the_next_free_one_and_a_held_folder_is_refused(t
     names = []
     for _ in range(3):
         args = argparse.Namespace(out=None, script="fedavg", dataset="synthetic", seed=0, resume=None, overwrite=False)
-        names.append(common.take_folder(args))
+        names.append(common.take_folder(args)[0])
     assert names == [base, base + "-2", base + "-3"] and all(os.path.isdir(n) for n in names)
     code = subprocess.run(  # another process: each folder this one holds is refused there, before any work
         [sys.executable, os.path.join(ROOT, "fedavg.py"), *FLAGS, "--out", base], capture_output=True, text=True
@@ -174,7 +174,10 @@ def test_a_full_disk_is_one_line_and_resume_continues_once_it_is_fixed(fsync_cal
     run_script("fedavg.py", "--resume", out)
     run_script("fedavg.py", *FLAGS, "--out", whole)
     assert metrics(out) == metrics(whole)
-    drop = lambda s: {k: v for k, v in s.items() if k not in ("wall_time_s", "elapsed_s")}
+
+    def drop(s):
+        return {k: v for k, v in s.items() if k not in ("wall_time_s", "elapsed_s")}
+
     assert drop(summary(out)) == drop(summary(whole))
 
 
@@ -318,11 +321,14 @@ def parse_threads(argv, monkeypatch, cores=None, env=None, cgroup=None, torch_th
     if cores is not None or torch_threads is not None:
         monkeypatch.setattr(common, "TORCH_THREADS", torch_threads or cores)
     real_open, cgroup = open, cgroup or "/nonexistent"
-    fake = lambda path, *a, **k: (
-        io.StringIO(groups)
-        if str(path) == "/proc/self/cgroup"
-        else real_open(str(path).replace("/sys/fs/cgroup", str(cgroup)), *a, **k)
-    )
+
+    def fake(path, *a, **k):
+        return (
+            io.StringIO(groups)
+            if str(path) == "/proc/self/cgroup"
+            else real_open(str(path).replace("/sys/fs/cgroup", str(cgroup)), *a, **k)
+        )
+
     monkeypatch.setattr(common, "open", fake, raising=False)  # finish_args reads the cgroup files through it
     data = [] if "--resume" in argv else ["--dataset", "synthetic"]  # a resumed run's is its config.json's
     monkeypatch.setattr(sys, "argv", ["fedavg.py", *data, "--device", "cpu", *map(str, argv)])
@@ -451,28 +457,29 @@ def test_a_bad_threads_value_is_one_line(value, monkeypatch, capsys):
 
 def test_a_folder_made_here_but_locked_first_by_another_run_is_kept(tmp_path, monkeypatch, capsys):
     """Two runs into a new --out: this one makes the folder, the other locks it first. This one is refused and must
-    not remove the folder the other now holds (only a folder this process made and holds goes, when left empty)."""
+    not remove the folder the other now holds: only a folder this run made and left empty goes, as the run ends."""
 
     def locked_by_another(fd, how):
         raise BlockingIOError
 
-    registered = []
     monkeypatch.setattr(common, "_HELD", {})
-    monkeypatch.setattr(common.atexit, "register", lambda fn, *a: registered.append((fn, a)))
     monkeypatch.setattr(common.fcntl, "flock", locked_by_another)
-    args = argparse.Namespace(out=str(tmp_path / "run"), script="fedavg", dataset="synthetic", seed=0, resume=None,
-                              overwrite=False)  # fmt: skip
+    args = argparse.Namespace(
+        out=str(tmp_path / "run"), script="fedavg", dataset="synthetic", seed=0, resume=None, overwrite=False
+    )
     with pytest.raises(SystemExit) as e:
-        common.take_folder(args)
+        common.Run(args)
     assert e.value.code == 2 and "another run is using" in capsys.readouterr().err
-    for fn, a in registered:  # what exit does
-        fn(*a)
-    assert registered == [] and (tmp_path / "run").is_dir()
+    assert (tmp_path / "run").is_dir()
     monkeypatch.undo()
     monkeypatch.setattr(common, "_HELD", {})
-    monkeypatch.setattr(common.atexit, "register", lambda fn, *a: registered.append((fn, a)))
-    assert common.take_folder(args) == str(tmp_path / "run") and registered == []  # not made here: never removed
-    common.take_folder(argparse.Namespace(**{**vars(args), "out": str(tmp_path / "new")}))
-    [(fn, a)] = registered
-    fn(*a)  # made here and left empty: removed at exit
-    assert not (tmp_path / "new").exists() and (tmp_path / "run").is_dir()
+    # There already: not made here, so never removed.
+    assert common.take_folder(args) == (str(tmp_path / "run"), False)
+    args = argparse.Namespace(**{**vars(args), "out": str(tmp_path / "new"), "device": "cpu", "threads": 1})
+    with pytest.raises(SystemExit) as e:
+        with common.Run(args):
+            raise common.BadInput("--alpha: found bad while reading")
+    # Made here and left empty: removed, and the bad input said in one line.
+    assert e.value.code == 2 and not (tmp_path / "new").exists() and (tmp_path / "run").is_dir()
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.endswith(": error: --alpha: found bad while reading")

@@ -52,8 +52,13 @@ def reference_round(module, model, clients, weights, partition, data, args, lr, 
     train_loss, states = torch.zeros(()), {}
     names = [n for n, _ in model.named_parameters()]
     x_old = [w.detach().clone() for w in model.parameters()]
-    zeros = lambda: {n: torch.zeros_like(w) for n, w in model.named_parameters()}
-    c_of = lambda k: scaffold["c_local"].get(k) or zeros()
+
+    def zeros():
+        return {n: torch.zeros_like(w) for n, w in model.named_parameters()}
+
+    def c_of(k):
+        return scaffold["c_local"].get(k) or zeros()
+
     delta_c_sum = zeros()
 
     def train_client(k):
@@ -117,7 +122,10 @@ def compare(module, argv, monkeypatch, rounds=1, dtype=torch.float64, scaffold=F
     of module's loop both ways, from the same model, clients and seeds."""
     args, data, partition, model, _, _ = setup(module, argv, monkeypatch, dtype)
     ref, tog = model, copy.deepcopy(model)
-    zeros = lambda: {n: torch.zeros_like(w) for n, w in model.named_parameters()}
+
+    def zeros():
+        return {n: torch.zeros_like(w) for n, w in model.named_parameters()}
+
     s_ref, s_tog = ({"c": zeros(), "c_local": {}}, {"c": zeros(), "c_local": {}}) if scaffold else (None, None)
     sampler, client_diff, losses = np.random.default_rng(args.seed), 0.0, []
     for rnd in range(rounds):
