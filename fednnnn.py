@@ -15,7 +15,8 @@ fc split of the norms) and results: docs/fednnnn.md.
 
 import os
 
-os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # before torch loads OpenMP: short spins (docs/evidence/threads.md)
+# Before torch loads OpenMP: threads that wait for work spin only briefly (docs/speed.md#cpu-threads).
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 import math
 
@@ -23,29 +24,37 @@ import torch
 import torch.nn as nn  # FedNNNN: the paper's models; module types for the conv / fc split
 import torch.nn.functional as F
 
-from common import (AUGMENTATIONS, DATASETS, MODELS, Parser, Run, accumulate, autocast, build_model, client_batches,
-                    client_weights, decay_rate, device_flag, each_client, eval_metrics, finish_args, fraction,
-                    inner_fraction, load_average, load_data, lr_at, make_partition, non_negative_float, path_arg,
-                    positive_float, positive_int, prepare_batch, prox_term, sample_clients, seed_int,
-                    Classifier, register_model)  # FedNNNN: the paper's models  # fmt: skip
+from common import AUGMENTATIONS, DATASETS, MODELS, Parser, Run, build_model, finish_args, load_data, make_partition
+from common import Classifier, register_model  # FedNNNN: the paper's models
+from common import accumulate, client_batches, client_weights, each_client, eval_metrics, load_average, lr_at
+from common import autocast, prepare_batch, prox_term, sample_clients
+from common import decay_rate, device_flag, fraction, inner_fraction, non_negative_float, path_arg, positive_float
+from common import positive_int, seed_int
 
 # The paper's setting, the defaults of the flags below: CIFAR-10 non-IID-B of Table 1 with Table 4's CNN (Table 2:
 # FedNNNN 76.7); beta and gamma from Table 5.
 PAPER = dict(
     dataset="cifar10",
-    shards=2,  # non-IID "2 classes", by McMahan's recipe (--classes-per-client 2: exactly 2 classes each)
+    # Non-IID "2 classes", by McMahan's recipe (--classes-per-client 2: exactly 2 classes each).
+    shards=2,
     num_clients=100,  # K
-    frac=1.0,  # C = 1: all clients every round
+    # C = 1: all the clients every round.
+    frac=1.0,
     rounds=250,  # T
     local_epochs=5,  # E
     batch_size=50,  # B
     model="cnn6",  # Table 4
     lr=0.05,  # eta
-    momentum=0.0,  # plain SGD (Sec. 5.1)
-    weight_decay=5e-4,  # lambda (none on MNIST)
-    augment="none",  # inputs are only normalized
-    beta=0.6,  # the normalized step's norm, beta * E
-    gamma=0.7,  # server momentum
+    # Plain SGD (Sec. 5.1).
+    momentum=0.0,
+    # The paper's lambda (none on MNIST).
+    weight_decay=5e-4,
+    # The inputs are only normalized.
+    augment="none",
+    # The normalized step's norm is beta * E.
+    beta=0.6,
+    # The server momentum gamma.
+    gamma=0.7,
 )
 
 
@@ -53,9 +62,10 @@ PAPER = dict(
 def lenet(in_channels, num_classes, image_size, **_):
     """Nagura et al. 2020, Table 3 (MNIST): conv5x5-20, pool, conv5x5-50, pool, fc 500, head; bias everywhere."""
     side = ((image_size - 4) // 2 - 4) // 2
-    body = nn.Sequential(nn.Conv2d(in_channels, 20, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(20, 50, 5), nn.ReLU(),
-                         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(50 * side * side, 500), nn.ReLU())  # fmt: skip
-    return Classifier(body, 500, num_classes)
+    conv1 = [nn.Conv2d(in_channels, 20, 5), nn.ReLU(), nn.MaxPool2d(2)]
+    conv2 = [nn.Conv2d(20, 50, 5), nn.ReLU(), nn.MaxPool2d(2)]
+    fc = [nn.Flatten(), nn.Linear(50 * side * side, 500), nn.ReLU()]
+    return Classifier(nn.Sequential(*conv1, *conv2, *fc), 500, num_classes)
 
 
 @register_model("cnn6")  # FedNNNN
@@ -63,14 +73,16 @@ def cnn6(in_channels, num_classes, image_size, width=32, **_):
     """Nagura et al. 2020, Table 4 (CIFAR-10): [conv3x3 + BN + ReLU] x2 per stage of width, 2 width, 4 width channels,
     max-pool after each, fc 382 (as printed, twice; likely 384), fc 192, head; bias everywhere; BN keeps running
     statistics. cnn6-narrow (ours): width 8, a CPU-sized model that keeps them."""
-    layers, cin = [], in_channels
+    layers = []
+    cin = in_channels
     for cout in (width, width, "pool", 2 * width, 2 * width, "pool", 4 * width, 4 * width, "pool"):
         if cout == "pool":
             layers.append(nn.MaxPool2d(2))
             continue
         layers += [nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU()]
         cin = cout
-    side = image_size // 8  # computed, not probed: a probe pass would move the BN running statistics
+    # Computed, not probed: a probe pass would move the BN running statistics.
+    side = image_size // 8
     fc = [nn.Linear(4 * width * side * side, 382), nn.ReLU(), nn.Linear(382, 192), nn.ReLU()]
     return Classifier(nn.Sequential(*layers, nn.Flatten(), *fc), 192, num_classes)
 
@@ -78,27 +90,45 @@ def cnn6(in_channels, num_classes, image_size, width=32, **_):
 register_model("cnn6-narrow")(lambda cin, k, size, **_: cnn6(cin, k, size, width=8))  # FedNNNN: for the CPU
 
 
-# fmt: off
 def parse_args():
     p = Parser(__doc__)
     g = p.add_argument_group("FedNNNN server aggregation (Algorithm 3)")  # FedNNNN: the method's flags
-    g.add_argument("--beta", type=positive_float, default=PAPER["beta"],
-        help="beta: the normalized step has norm beta * E (Eqs. 8-9, 12)")  # FedNNNN
-    g.add_argument("--gamma", type=decay_rate, default=PAPER["gamma"],
-        help="gamma: server momentum d_{t+1} = gamma d_t + ... (Eq. 12); 0 = Norm-Norm")  # FedNNNN
-    g.add_argument("--no-normalize", action="store_true",
-        help="use E/N = 1 (Momentum variant, Eq. 10; with --beta 1 --gamma 0: FedAvg)")  # FedNNNN
-    g.add_argument("--norm-scope", default="global", choices=["global", "layer"],
-        help="N, E over the whole flattened parameter vector (Eqs. 4-5), or one E/N per parameter tensor")  # FedNNNN
-    g.add_argument("--norm-eps", type=non_negative_float, default=1e-6,
-        help="N counts as (near) zero when N <= eps * E: then no normalization (Sec. 4.2)")  # FedNNNN
+    g.add_argument(
+        "--beta",
+        type=positive_float,
+        default=PAPER["beta"],
+        help="beta: the normalized step has norm beta * E (Eqs. 8-9, 12)",
+    )
+    g.add_argument(
+        "--gamma",
+        type=decay_rate,
+        default=PAPER["gamma"],
+        help="gamma: server momentum d_{t+1} = gamma d_t + ... (Eq. 12); 0 = Norm-Norm",
+    )
+    g.add_argument(
+        "--no-normalize",
+        action="store_true",
+        help="use E/N = 1 (Momentum variant, Eq. 10; with --beta 1 --gamma 0: FedAvg)",
+    )
+    g.add_argument(
+        "--norm-scope",
+        default="global",
+        choices=["global", "layer"],
+        help="N, E over the whole flattened parameter vector (Eqs. 4-5), or one E/N per parameter tensor",
+    )
+    g.add_argument(
+        "--norm-eps",
+        type=non_negative_float,
+        default=1e-6,
+        help="N counts as (near) zero when N <= eps * E: then no normalization (Sec. 4.2)",
+    )
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default=PAPER["dataset"], choices=sorted(DATASETS), help="folder: --data-dir's images")
     g.add_argument("--data-dir", type=path_arg, default="./data", help="download folder, or DIR/{train,test}/<class>/*")
-    g.add_argument("--augment", default=PAPER["augment"], choices=AUGMENTATIONS,
-        help="of training batches, on device")  # FedNNNN: none
+    g.add_argument("--augment", default=PAPER["augment"], choices=AUGMENTATIONS, help="of training batches, on device")
     g = p.add_argument_group("partition: one of these (default: --shards 2, the paper's non-IID-B)")
-    x = g.add_mutually_exclusive_group()  # one of them: the flag given replaces the default
+    # One of them: the flag given replaces the default.
+    x = g.add_mutually_exclusive_group()
     x.add_argument("--iid", action="store_true", help="a uniform random split")
     x.add_argument("--shards", type=positive_int, default=PAPER["shards"], help="S: N*S sorted shards, S each")
     x.add_argument("--classes-per-client", type=positive_int, help="C classes a client, each split among its holders")
@@ -116,22 +146,32 @@ def parse_args():
     g.add_argument("--num-clients", type=positive_int, default=PAPER["num_clients"], help="K: number of clients")
     g.add_argument("--frac", type=fraction, default=PAPER["frac"], help="C: fraction of clients a round, in (0, 1]")
     g.add_argument("--rounds", type=positive_int, default=PAPER["rounds"], help="T: communication rounds")
-    x = g.add_mutually_exclusive_group()  # one of them: the flag given replaces the default
+    # One of them: the flag given replaces the default.
+    x = g.add_mutually_exclusive_group()
     x.add_argument("--local-epochs", type=positive_int, default=PAPER["local_epochs"], help="E: epochs a round")
     x.add_argument("--local-steps", type=positive_int, help="local SGD steps a round, not epochs")
     g.add_argument("--batch-size", type=positive_int, default=PAPER["batch_size"], help="B: local batch size")
-    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"],
-        help="weights n_k/n, or 1/m (the paper's unbalanced setting: sizes unknown to the server)")  # FedNNNN
+    # FedNNNN: the paper's unbalanced settings use --weighting uniform (the server does not know the sizes).
+    g.add_argument("--weighting", default="samples", choices=["samples", "uniform"], help="weights n_k/n, or 1/m")
     g = p.add_argument_group("optimization")
-    g.add_argument("--model", default=PAPER["model"], choices=sorted(MODELS), metavar="NAME",
-        help="cnn6 (Table 4, CIFAR-10), lenet (Table 3, MNIST), cnn, ...")  # FedNNNN: its models
+    g.add_argument(  # FedNNNN: its models
+        "--model",
+        default=PAPER["model"],
+        choices=sorted(MODELS),
+        metavar="NAME",
+        help="cnn6 (Table 4, CIFAR-10), lenet (Table 3, MNIST), cnn, ...",
+    )
     g.add_argument("--lr", type=positive_float, default=PAPER["lr"], help="eta: local learning rate")
     g.add_argument("--momentum", type=decay_rate, default=PAPER["momentum"], help="local SGD momentum, reset a round")
     g.add_argument("--weight-decay", type=non_negative_float, default=PAPER["weight_decay"], help="local L2 decay")
     g.add_argument("--lr-decay-at", type=inner_fraction, nargs="*", default=[], help="fractions of the run, e.g. 0.5")
     g.add_argument("--lr-decay", type=fraction, default=0.1, help="lr multiplier at each --lr-decay-at")
-    g.add_argument("--prox-mu", type=non_negative_float, default=0.0,
-        help="mu: FedProx's mu/2 ||w - w_t||^2 (0: off), with the server's aggregation")  # FedNNNN
+    g.add_argument(  # FedNNNN
+        "--prox-mu",
+        type=non_negative_float,
+        default=0.0,
+        help="mu: FedProx's mu/2 ||w - w_t||^2 (0: off), with the server's aggregation",
+    )
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=seed_int, default=0, help="seed of the init, client sampling and local shuffling")
     g.add_argument("--device", type=device_flag, help="cpu, cuda, cuda:N or mps (default: cuda if there is one)")
@@ -145,7 +185,6 @@ def parse_args():
     g.add_argument("--resume", type=path_arg, metavar="DIR", help="continue the run in DIR (a larger --rounds: extend)")
     g.add_argument("--stop-after", type=positive_int, help="checkpoint and stop after this many rounds")
     return finish_args(p, p.parse_args(), "fednnnn")
-# fmt: on
 
 
 def local_train(model, indices, data, args, lr, global_params):
@@ -155,11 +194,12 @@ def local_train(model, indices, data, args, lr, global_params):
     loss_sum = torch.zeros((), device=args.device)
     seen = 0
     for batch in client_batches(indices, args.batch_size, args.local_epochs, args.local_steps):
-        x, y = prepare_batch(data.x_train[batch], data, args.augment), data.y_train[batch]
+        x = prepare_batch(data.x_train[batch], data, args.augment)
+        y = data.y_train[batch]
         with autocast(args.device, args.amp):
             loss = F.cross_entropy(model(x).float(), y)
-        if args.prox_mu > 0:  # FedProx: + mu/2 ||w - w_t||^2 (Li et al. 2020, Eq. 2)
-            loss = loss + prox_term(model.parameters(), global_params, args.prox_mu)  # FedNNNN: a tested function
+        if args.prox_mu > 0:
+            loss = loss + prox_term(model.parameters(), global_params, args.prox_mu)  # Li et al. 2020, Eq. 2
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -176,13 +216,11 @@ def param_kinds(model):  # FedNNNN
     norms into convolutional and fully connected layers); batch-norm affine weights are 'other'."""
     kinds = {}
     for prefix, module in model.named_modules():
-        kind = (
-            "conv"
-            if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d))
-            else "fc"
-            if isinstance(module, nn.Linear)
-            else "other"
-        )
+        kind = "other"
+        if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            kind = "conv"
+        elif isinstance(module, nn.Linear):
+            kind = "fc"
         for name, _ in module.named_parameters(recurse=False):
             kinds[f"{prefix}.{name}" if prefix else name] = kind
     return {name: kinds[name] for name, _ in model.named_parameters()}
@@ -205,11 +243,14 @@ def fednnnn_step(w, w_avg, d, client_sq, weights, beta, gamma, normalize=True, s
     a = torch.as_tensor(weights, dtype=client_sq.dtype, device=client_sq.device)[:, None]
     n_sq = torch.stack([delta[n].pow(2).sum() for n in names])
     if scope == "global":
-        N, E = n_sq.sum().sqrt(), (a * client_sq.sum(1, keepdim=True).sqrt()).sum()  # Eqs. 4, 5
+        N = n_sq.sum().sqrt()  # Eq. 4
+        E = (a * client_sq.sum(1, keepdim=True).sqrt()).sum()  # Eq. 5
     else:
-        N, E = n_sq.sqrt(), (a * client_sq.sqrt()).sum(0)  # Eqs. 4, 5 per tensor
+        N = n_sq.sqrt()  # Eq. 4, per tensor
+        E = (a * client_sq.sqrt()).sum(0)  # Eq. 5, per tensor
     one = torch.ones_like(N)
-    scale = torch.where(N > eps * E, E / N, one) if normalize else one  # E/N; 1 when N is (near) zero
+    # E/N; 1 when N is (near) zero.
+    scale = torch.where(N > eps * E, E / N, one) if normalize else one
     scale = scale.expand(len(names))
     d_next = {n: gamma * d[n] + (beta * scale[i]) * delta[n] for i, n in enumerate(names)}  # Eq. 12
     # Eq. 13, w_{t+1} = w_t + d_{t+1}, written as w_avg + (d_{t+1} - Delta_avg): the same in exact arithmetic,
@@ -227,7 +268,8 @@ def norm_stats(w, w_next, w_avg, client_sq, weights, kinds):  # FedNNNN
     s_sq = torch.stack([(w_next[n] - w[n]).pow(2).sum() for n in names])
     out = {}
     for group in ["", "conv", "fc", "other"]:
-        mask = torch.tensor([group in ("", kinds[n]) for n in names])  # on the CPU: it indexes any device
+        # On the CPU: it indexes a tensor on any device.
+        mask = torch.tensor([group in ("", kinds[n]) for n in names])
         if mask.any():
             suffix = f"_{group}" if group else ""
             out["N" + suffix] = n_sq[mask].sum().sqrt()
@@ -238,77 +280,93 @@ def norm_stats(w, w_next, w_avg, client_sq, weights, kinds):  # FedNNNN
 
 if __name__ == "__main__":
     args = parse_args()
-    run = Run(args)  # its folder (taken first), torchrun's ranks, the seeds, the client sampler, Ctrl-C, SIGTERM
-    data = load_data(args)  # uint8 tensors on the device; a bad folder is refused as it is read
-    partition = make_partition(args, data)  # its own generator, seeded by --data-seed
-    model = build_model(args.model, data).to(args.device)  # FedNNNN: the broadcast (normalized) model w_t
-    # one client model, reloaded for every client; FedNNNN: also holds the evaluation model
-    client = build_model(args.model, data).to(args.device)
-    start = run.start(model, partition, data)  # config.json, partition.json, the start-up line; the first round
-    sizes = [len(p) for p in partition.train]
-    kinds = param_kinds(model)  # FedNNNN: the normalized entries (trainable parameters) and their conv/fc kind
-    names = list(kinds)  # FedNNNN
-    momentum = {n: torch.zeros_like(p) for n, p in model.named_parameters()}  # FedNNNN: d_0 = 0
-    ckpt = run.checkpoint  # --resume: checkpoint.pt's (read by Run), else {}
-    if args.resume:
-        model.load_state_dict(ckpt["model"])
-        momentum = ckpt["momentum"]  # FedNNNN: d_t
+    # The run folder (taken first), torchrun's ranks, the seeds, the client sampler, Ctrl-C and SIGTERM. Bad input
+    # found in the block ends the run in one line.
+    with Run(args) as run:
+        # uint8 tensors on the device; a bad folder is refused as it is read.
+        data = load_data(args)
+        # The partition has its own generator, seeded by --data-seed.
+        partition = make_partition(args, data)
+        # The global model w_t, and one client model reloaded for every client.
+        # FedNNNN: w_t is the broadcast (normalized) model; the client model also holds the evaluation model.
+        model = build_model(args.model, data).to(args.device)
+        client = build_model(args.model, data).to(args.device)
+        # config.json, partition.json and the start-up line; the first round.
+        start = run.start(model, partition, data)
+        sizes = [len(p) for p in partition.train]
+        kinds = param_kinds(model)  # FedNNNN: the normalized entries (trainable parameters) and their conv / fc kind
+        names = list(kinds)  # FedNNNN
+        momentum = {n: torch.zeros_like(p) for n, p in model.named_parameters()}  # FedNNNN: d_0 = 0
+        if args.resume:
+            model.load_state_dict(run.checkpoint["model"])
+            momentum = run.checkpoint["momentum"]  # FedNNNN: d_t
 
-    # a checkpoint holds what the server keeps; FedNNNN: + d_t
-    for rnd in run.bar(range(start, args.rounds)):  # a bar shows the latest test accuracy
-        lr = lr_at(rnd, args)
-        clients = sample_clients(run.sampler, len(sizes), args.frac)
-        weights = client_weights([sizes[k] for k in clients], args.weighting)
-        total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items()}
-        train_loss = torch.zeros((), device=args.device)
-        global_state = model.state_dict()  # FedNNNN: w_t (views of the parameters, no copy)
-        client_sq = []  # FedNNNN: ||Delta^k_p||^2 per client and parameter tensor
+        # The bar shows the latest test accuracy.
+        for rnd in run.bar(range(start, args.rounds)):
+            lr = lr_at(rnd, args)
+            clients = sample_clients(run.sampler, len(sizes), args.frac)
+            weights = client_weights([sizes[k] for k in clients], args.weighting)
+            total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items()}
+            train_loss = torch.zeros((), device=args.device)
+            global_state = model.state_dict()  # FedNNNN: w_t (views of the parameters, no copy)
+            client_sq = []  # FedNNNN: ||Delta^k_p||^2 per client and parameter tensor
 
-        def train_client(k):  # what client k does this round; returns what the server sums
-            client.load_state_dict(model.state_dict())
-            anchor = [p.detach() for p in model.parameters()]  # w_t, for FedProx
-            loss = local_train(client, partition.train[k], data, args, lr=lr, global_params=anchor)
-            return {"loss": loss, "state": client.state_dict()}
+            def train_client(k):
+                """What client k does this round; returns what the server sums."""
+                client.load_state_dict(model.state_dict())
+                # w_t, for FedProx.
+                anchor = [p.detach() for p in model.parameters()]
+                loss = local_train(client, partition.train[k], data, args, lr=lr, global_params=anchor)
+                return {"loss": loss, "state": client.state_dict()}
 
-        # own seed per client; torchrun: split over ranks, summed in order
-        for k, w, out in each_client(clients, weights, train_client, seed=args.seed, rnd=rnd):
-            train_loss += w * out["loss"]
-            accumulate(total, out["state"], w)  # batch-norm running statistics are averaged like weights
-            client_sq.append(sq_norms(out["state"], global_state, names))  # FedNNNN: Eq. 2
-        client_sq = torch.stack(client_sq)  # FedNNNN: [m, T]
-        w_t = {n: global_state[n] for n in names}  # FedNNNN
-        # FedNNNN: Eqs. 4-5, 12-13
-        w_next, momentum = fednnnn_step(
-            w_t,
-            total,
-            momentum,
-            client_sq,
-            weights=weights,
-            beta=args.beta,
-            gamma=args.gamma,
-            normalize=not args.no_normalize,
-            scope=args.norm_scope,
-            eps=args.norm_eps,
-        )
-        # FedNNNN: the norms, before w_t is overwritten
-        norms = norm_stats(w_t, w_next, total, client_sq, weights=weights, kinds=kinds)
-        load_average(model, {**total, **w_next})  # FedNNNN: broadcast w_{t+1}; BN running statistics: the plain average
-        if not math.isfinite(train_loss := float(train_loss)):  # NaN or inf
-            run.end_diverged(rnd, train_loss)  # summary.json says it diverged; exit 1
+            # Each client its own seed; under torchrun, split over the ranks and summed in client order.
+            for k, w, out in each_client(clients, weights, train_client, seed=args.seed, rnd=rnd):
+                train_loss += w * out["loss"]
+                # Batch-norm running statistics are averaged like the weights.
+                accumulate(total, out["state"], w)
+                client_sq.append(sq_norms(out["state"], global_state, names))  # FedNNNN: Eq. 2
+            client_sq = torch.stack(client_sq)  # FedNNNN: [m, T]
+            w_t = {n: global_state[n] for n in names}  # FedNNNN
+            # FedNNNN: the server step, Eqs. 4-5 and 12-13.
+            w_next, momentum = fednnnn_step(
+                w_t,
+                total,
+                momentum,
+                client_sq,
+                weights=weights,
+                beta=args.beta,
+                gamma=args.gamma,
+                normalize=not args.no_normalize,
+                scope=args.norm_scope,
+                eps=args.norm_eps,
+            )
+            # FedNNNN: the norms, before w_t is overwritten.
+            norms = norm_stats(w_t, w_next, total, client_sq, weights=weights, kinds=kinds)
+            # FedNNNN: the broadcast model is w_{t+1}; its batch-norm running statistics are the plain average.
+            load_average(model, {**total, **w_next})  # w_{t+1} = w_t + d_{t+1} (Eq. 13)
+            train_loss = float(train_loss)
+            if not math.isfinite(train_loss):
+                # summary.json says it diverged; exit 1.
+                run.end_diverged(rnd, train_loss)
 
-        last = rnd + 1 == args.rounds
-        if (rnd + 1) % args.eval_every == 0 or last:  # every --eval-every rounds and the last
-            load_average(client, total)  # FedNNNN: the evaluation model = FedAvg average (Sec. 4.1)
-            client.eval()  # FedNNNN: evaluate the evaluation model, not the broadcast one
-            # test_acc, test_loss; per-client mean, std, worst 10%; --balanced-acc: the same of balanced accuracy
-            tests = eval_metrics(client, data, partition.test, args.balanced_acc, amp=args.amp, val=partition.val)
-            run.log({"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr, **norms})  # FedNNNN: + norms
-        else:  # FedNNNN
-            run.log({"round": rnd + 1, "train_loss": train_loss, "lr": lr, **norms})  # FedNNNN: norms every round
-        stop = (rnd + 1 - start == args.stop_after and not last) or run.interrupted()  # --stop-after, Ctrl-C, SIGTERM
-        if stop or last or (rnd + 1) % (args.checkpoint_every or args.eval_every) == 0:  # default: each evaluation
-            # FedNNNN: + d_t
-            run.save({"model": model.state_dict(), "momentum": momentum, **run.snapshot(rnd)}, "checkpoint.pt")
-        if stop:
-            run.end_stopped(rnd)  # one line: how to --resume it; exit 0, or 130 / 143 after Ctrl-C / SIGTERM
-    run.finish(client)  # FedNNNN: --save-model writes the evaluation model
+            last = rnd + 1 == args.rounds
+            if (rnd + 1) % args.eval_every == 0 or last:
+                load_average(client, total)  # FedNNNN: the evaluation model = FedAvg average (Sec. 4.1)
+                client.eval()  # FedNNNN: evaluate the evaluation model, not the broadcast one
+                # test_acc, test_loss; per client: mean, std, worst 10%; --balanced-acc: the same of it.
+                tests = eval_metrics(client, data, partition.test, args.balanced_acc, amp=args.amp, val=partition.val)
+                run.log({"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr, **norms})  # FedNNNN: + norms
+            else:  # FedNNNN
+                run.log({"round": rnd + 1, "train_loss": train_loss, "lr": lr, **norms})  # FedNNNN: norms every round
+            # Ctrl-C or SIGTERM to any rank, or --stop-after.
+            interrupted = run.interrupted()
+            stop = interrupted or (rnd + 1 - start == args.stop_after and not last)
+            # By default a checkpoint at each evaluation: the server's state, the round, the sampler, the clock.
+            if stop or last or (rnd + 1) % (args.checkpoint_every or args.eval_every) == 0:
+                # FedNNNN: the server's state includes d_t.
+                run.save({"model": model.state_dict(), "momentum": momentum, **run.snapshot(rnd)}, "checkpoint.pt")
+            if stop:
+                # One line says how to --resume it; exit 0, or 130 and 143 after Ctrl-C and SIGTERM.
+                run.end_stopped(rnd)
+        # summary.json: the final round's metrics.
+        run.finish(client)  # FedNNNN: --save-model writes the evaluation model

@@ -739,16 +739,20 @@ SYNTH = ["--dataset", "synthetic", "--device", "cpu"]
     ],
 )
 def test_partition_refusals_exit_2_with_one_line(monkeypatch, capsys, tmp_path, flags, flag):
-    """parse_args lets these through (only the data can tell); make_partition refuses them before a run folder."""
+    """parse_args lets these through (only the data can tell); make_partition finds them (BadInput), and the run
+    says them in one line, exit 2, leaving no run folder."""
+    monkeypatch.setattr(common, "_HELD", {})
     monkeypatch.setattr(sys, "argv", ["fedln.py", *SYNTH, *flags, "--out", str(tmp_path / "run")])
     args = fedln.parse_args()
-    data = common.load_data(args)
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
-        common.make_partition(args, data)
+        with common.Run(args):
+            data = common.load_data(args)
+            common.make_partition(args, data)
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(err) == 1 and err[0].split(": error: ")[1].startswith(flag), err
-    assert flag in str(exit_info.value)  # the message also travels in the exception
+    # The message also travels in the exception.
+    assert flag in str(exit_info.value)
     assert not (tmp_path / "run").exists()
 
 
@@ -801,8 +805,9 @@ def test_folder_refusals_exit_2_naming_data_dir(tmp_path, monkeypatch, capsys, l
     "error", [urllib.error.URLError("[Errno -2] Name or service not known"), ConnectionResetError("reset")]
 )
 def test_failed_download_exits_2_with_what_to_do(monkeypatch, capsys, tmp_path, error, existed):
-    """Offline --dataset cifar10 (torchvision's CIFAR10 raising as urllib does without internet): one line, exit 2;
-    a --data-dir the failed download made is removed again, one that was there before is kept."""
+    """Offline --dataset cifar10 (torchvision's CIFAR10 raising as urllib does without internet): bad input, which
+    the run says in one line (exit 2); a --data-dir the failed download made is removed again, one that was there
+    before is kept."""
     import torchvision.datasets
 
     root = tmp_path / "data"
@@ -815,9 +820,9 @@ def test_failed_download_exits_2_with_what_to_do(monkeypatch, capsys, tmp_path, 
         raise error
 
     monkeypatch.setattr(torchvision.datasets, "CIFAR10", offline)
-    with pytest.raises(SystemExit) as exit_info:
+    with pytest.raises(common.BadInput) as raised:
         common.torchvision_dataset(argparse.Namespace(dataset="cifar10", data_dir=str(root)))
-    err = capsys.readouterr().err.strip().splitlines()
-    assert exit_info.value.code == 2 and len(err) == 1, err
-    assert "--dataset folder --data-dir" in err[0] and "cifar10" in err[0] and type(error).__name__ in err[0]
+    said = str(raised.value)
+    assert "--dataset folder --data-dir" in said and "cifar10" in said and type(error).__name__ in said
+    assert capsys.readouterr().err == ""
     assert root.exists() == existed and (not existed or (root / "kept.txt").exists())
