@@ -20,6 +20,7 @@ import fcntl
 import functools
 import glob
 import hashlib
+import importlib.util
 import io
 import itertools
 import json
@@ -34,6 +35,7 @@ import socket
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 
 import numpy as np
@@ -702,7 +704,7 @@ def spread(values):
 
 
 def eval_metrics(
-    forward, data, tests=None, balanced=False, amp=False, batch_size=2000, client_forward=None, lists=False, val=None
+    forward, data, tests=None, balanced=False, amp=False, batch_size=2000, client_forward=None, lists=True, val=None
 ):
     """An evaluation row: test_acc, test_loss; val_acc, val_loss on `val` (--val-frac); over per-client test sets
     `tests` client_test_acc_{mean,std,worst10} (spread; `lists`: each client's, None without test data), each on
@@ -984,21 +986,24 @@ def client_seed(seed, rnd, k):
 
 
 def each_client(clients, weights, train_client, seed, rnd):
-    """Yield (k, weight, train_client(k)) in client order on every rank, torch's generator seeded client_seed(seed, rnd,
-    k) before client k. torchrun: client i trains on rank i mod K; its result (valid in the loop body) goes to all."""
+    """Yield (k, weight, result) for the round's clients in client order, result = train_client(k) with torch's
+    generator seeded client_seed(seed, rnd, k) just before. Alone, a result is valid in the loop body until the next
+    client trains. Under torchrun client i trains on rank i mod K, which keeps a copy of its result; once the ranks
+    have trained their clients, one exchange gives every rank every result, and the loop body runs on each rank on
+    all of them in client order: what one process computes, bit for bit."""
     rank, world = rank_and_world()
-    for first in progress(range(0, len(clients), world), f"round {rnd + 1}: clients by {world}"):
-        # One client a rank; the last wave may leave ranks idle.
-        wave = clients[first : first + world]
-        result = None
-        if rank < len(wave):
-            torch.manual_seed(client_seed(seed, rnd, wave[rank]))
-            result = train_client(wave[rank])
-        for j, k in enumerate(wave):
-            if world > 1:
-                yield k, weights[first + j], _broadcast(result, src=j)
-            else:
-                yield k, weights[first + j], result
+    if world == 1:
+        for i in progress(range(len(clients)), f"round {rnd + 1}: clients"):
+            torch.manual_seed(client_seed(seed, rnd, clients[i]))
+            yield clients[i], weights[i], train_client(clients[i])
+    else:
+        mine = []
+        for i in progress(range(rank, len(clients), world), f"round {rnd + 1}: clients of rank 0"):
+            torch.manual_seed(client_seed(seed, rnd, clients[i]))
+            mine.append(_map_leaves(train_client(clients[i]), copy_tensor))
+        by_rank = exchange(mine)
+        for i in range(len(clients)):
+            yield clients[i], weights[i], by_rank[i % world][i // world]
     # After the clients: the same stream on every rank.
     torch.manual_seed(client_seed(seed, rnd, -1))
 
@@ -1551,6 +1556,9 @@ register_model("resnet50")(functools.partial(resnet, depth=50))
 
 # ==== Run helpers, not federated learning: flags, the run folder, checkpoints, stops, several processes ============
 RUN_FILES = ("config.json", "partition.json", "metrics.jsonl", "checkpoint.pt", "summary.json", "model.pt")
+# --track's choices, and their folders in a run folder.
+TRACKERS = ["tensorboard", "wandb"]
+TRACKED = ("tensorboard", "wandb")
 # What --resume may change (a larger --rounds extends the run).
 RESUMABLE = ("rounds", "stop_after", "device", "data_dir")
 # torch's default, before any is set: the physical cores, not hardware threads (Apple: the performance cores).
@@ -1607,11 +1615,18 @@ class Parser(argparse.ArgumentParser):
         )
 
     def parse_args(self, argv=None):
-        # Every default is first a marker, so that the flags given are known.
+        # Every default is first a marker, so that the flags given are known. A flag that appends (given more
+        # than once) starts from None instead: argparse appends to what is there.
         unset = object()
         actions = [a for a in self._actions if a.default is not argparse.SUPPRESS]
-        args = super().parse_args(argv, argparse.Namespace(**{a.dest: unset for a in actions}))
-        self.given = {a.dest for a in actions if getattr(args, a.dest) is not unset}
+        markers = {}
+        for a in actions:
+            if isinstance(a, argparse._AppendAction):
+                markers[a.dest] = None
+            else:
+                markers[a.dest] = unset
+        args = super().parse_args(argv, argparse.Namespace(**markers))
+        self.given = {a.dest for a in actions if getattr(args, a.dest) is not markers[a.dest]}
         # The flag given replaces its group's default (the paper's). argparse itself lets `--shards 2 --alpha 0.1`
         # pass, since 2 is the default.
         for group in self._mutually_exclusive_groups:
@@ -1628,7 +1643,7 @@ class Parser(argparse.ArgumentParser):
                 else:
                     setattr(args, a.dest, None)
         for a in actions:
-            if getattr(args, a.dest) is unset:
+            if a.dest not in self.given:
                 setattr(args, a.dest, a.default)
         return args
 
@@ -1677,6 +1692,9 @@ def finish_args(parser, args, script):
         err(f"--device: {args.device} is not on this machine ({gpus} CUDA GPUs{no_mps})")
     if args.threads is None:
         args.threads = default_threads()
+    for tracker in sorted(set(args.track or [])):
+        if importlib.util.find_spec(tracker) is None:
+            err(f"--track {tracker}: the {tracker} package is not installed; pip install {tracker}")
     return args
 
 
@@ -1840,6 +1858,11 @@ class Run:
         self.rows = None
         self.stop_signal = 0
         self._bar = None
+        # Bars in a terminal; in a file (a cluster job's log), a plain line for each evaluation.
+        self.bars = sys.stderr.isatty()
+        self.tensorboard = None
+        self.wandb = None
+        self.wandb_id = None
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
 
@@ -1895,9 +1918,13 @@ class Run:
         if self.main and not args.resume:
             for f in RUN_FILES:
                 pathlib.Path(f"{self.dir}/{f}").unlink(missing_ok=True)
+            for tracked in TRACKED:
+                shutil.rmtree(f"{self.dir}/{tracked}", ignore_errors=True)
         self.save(jsonl(self.rows), "metrics.jsonl")
         self.save(self.config, "config.json")
         self.save({k: v for k, v in info.items() if v is not None}, "partition.json")
+        if self.main:
+            self.start_tracking(ckpt.get("round", 0))
         params = sum(p.numel() for p in model.parameters())
         resumed = " (resumed)" if args.resume else ""
         print(
@@ -1907,22 +1934,79 @@ class Run:
         )
         return ckpt.get("round", 0)
 
+    def start_tracking(self, first_round):
+        """--track's writers: TensorBoard's event files in OUT/tensorboard, a W&B run in OUT/wandb whose config is
+        config.json. A resumed run continues both: TensorBoard drops what it holds from the first round on (a crash
+        may have logged rounds after the checkpoint), W&B resumes the run of the same id."""
+        track = self.args.track or []
+        if "tensorboard" in track:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(f"{self.dir}/tensorboard", purge_step=first_round + 1)
+        if "wandb" in track:
+            import wandb
+
+            # The run's id goes into each checkpoint: a resume continues the same W&B run.
+            self.wandb_id = self.checkpoint.get("wandb_id") or f"{self.script}-{uuid.uuid4().hex[:8]}"
+            self.wandb = wandb.init(
+                project=self.args.wandb_project,
+                entity=self.args.wandb_entity,
+                dir=self.dir,
+                id=self.wandb_id,
+                name=os.path.basename(os.path.normpath(self.dir)),
+                config=self.config,
+                resume="allow",
+            )
+            # A crash may have lost rows W&B had not yet written: what it lacks of the checkpoint's is logged again
+            # (W&B's next step: 0 offline, where it cannot ask the server).
+            for row in self.rows:
+                if row["round"] >= self.wandb.step:
+                    self.track_wandb(row)
+
+    def track(self, row):
+        """A metrics row to the trackers, at its round: each number as a scalar, each list as a histogram."""
+        if self.tensorboard is not None:
+            for name, value in row.items():
+                if isinstance(value, list):
+                    values = torch.tensor([v for v in value if v is not None], dtype=torch.float64)
+                    self.tensorboard.add_histogram(name, values, row["round"])
+                elif isinstance(value, (int, float)) and name != "round":
+                    self.tensorboard.add_scalar(name, value, row["round"], new_style=True, double_precision=True)
+            self.tensorboard.flush()
+        if self.wandb is not None:
+            self.track_wandb(row)
+
+    def track_wandb(self, row):
+        import wandb
+
+        logged = {}
+        for name, value in row.items():
+            if isinstance(value, list):
+                logged[name] = wandb.Histogram([v for v in value if v is not None])
+            elif name != "round":
+                logged[name] = value
+        self.wandb.log(logged, step=row["round"])
+
     def bar(self, rounds):
-        """The loop's rounds under a bar (rank 0's) that shows the latest test accuracy log sets."""
-        self._bar = tqdm(rounds, self.script, self.args.rounds, initial=rounds.start, disable=not self.main)
+        """The loop's rounds under a bar (rank 0's, in a terminal) that shows the latest test accuracy log sets."""
+        hidden = not self.main or not self.bars
+        self._bar = tqdm(rounds, self.script, self.args.rounds, initial=rounds.start, disable=hidden)
         yield from self._bar
         # After the rounds (fine-tuning, ...) a stop signal ends the run at once; --resume does that part again.
         self._bar = None
 
     def snapshot(self, rnd):
         """What --resume needs besides the server's state (and checks)."""
-        return {
+        snapshot = {
             "round": rnd + 1,
             "elapsed_s": self.elapsed,
             "sampler": self.sampler.bit_generator.state,
             "settings": self.settings,
             "data": self.fingerprint,
         }
+        if self.wandb_id is not None:
+            snapshot["wandb_id"] = self.wandb_id
+        return snapshot
 
     def interrupted(self):
         """Whether Ctrl-C or SIGTERM came, to any rank: all ranks stop together."""
@@ -1947,10 +2031,21 @@ class Run:
 
     def log(self, metrics):
         """One more row (with elapsed_s) in metrics.jsonl, which is written whole (save)."""
-        self.rows.append({**metrics, "elapsed_s": round(self.elapsed, 3)})
+        row = {**metrics, "elapsed_s": round(self.elapsed, 3)}
+        self.rows.append(row)
         self.save(jsonl(self.rows), "metrics.jsonl")
-        if self._bar is not None and "test_acc" in metrics:
+        if self.main:
+            self.track(row)
+        if "test_acc" not in metrics:
+            return
+        if self._bar is not None and self.bars:
             self._bar.set_postfix(acc=f"{metrics['test_acc']:.4f}", loss=f"{metrics['train_loss']:.3f}")
+        elif self.main:
+            print(
+                f"round {metrics['round']}/{self.args.rounds}: test_acc {metrics['test_acc']:.4f}, "
+                f"train_loss {metrics['train_loss']:.4f}, {row['elapsed_s']:.1f} s",
+                flush=True,
+            )
 
     def finish(self, model=None, **extra):
         """summary.json: the final round's evaluation and `extra`; model.pt with --save-model."""
@@ -1968,6 +2063,11 @@ class Run:
         self.write_summary(summary)
         if model is not None and self.args.save_model:
             self.save(model.state_dict(), "model.pt")
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.summary.update(summary)
+            self.wandb.finish()
         print(f"final test accuracy {summary['test_acc']:.4f} after {self.args.rounds} rounds; outputs in {self.dir}")
         return summary
 
@@ -2099,8 +2199,9 @@ def _wire():
 
 
 def progress(items, desc, total=None):
-    """A bar over items (rank 0's), shown once they take more than 5 seconds."""
-    return tqdm(items, desc, total, False, disable=rank_and_world()[0] > 0, delay=5)
+    """A bar over items (rank 0's, in a terminal), shown once they take more than 5 seconds."""
+    hidden = rank_and_world()[0] > 0 or not sys.stderr.isatty()
+    return tqdm(items, desc, total, False, disable=hidden, delay=5)
 
 
 # The run folders this process holds: path -> the locked descriptor.
@@ -2216,3 +2317,78 @@ def _broadcast(result, src):
     if dist.get_rank() == src:
         return result
     return _map_leaves(box[0], _from_wire)
+
+
+def copy_tensor(leaf):
+    """A tensor's own copy (a client's state shares the reused client model's memory); other values as they are."""
+    if torch.is_tensor(leaf):
+        return leaf.detach().clone()
+    return leaf
+
+
+class _Slot(int):
+    """Where a result held a tensor: its index among the tensors sent."""
+
+
+def _slots(obj, tensors):
+    """obj with each tensor replaced by a _Slot, the tensors appended to `tensors` in order."""
+    if torch.is_tensor(obj):
+        tensors.append(obj)
+        return _Slot(len(tensors) - 1)
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            out[k] = _slots(v, tensors)
+        return out
+    if type(obj) in (list, tuple):
+        out = []
+        for v in obj:
+            out.append(_slots(v, tensors))
+        return type(obj)(out)
+    return obj
+
+
+def exchange(mine):
+    """Every rank's list of results to every rank, in one gather of their bytes: [rank 0's list, rank 1's, ...]. A
+    result is dicts, lists and tuples of tensors and plain values; its tensors come back with their bits and dtypes,
+    on this rank's device."""
+    world = rank_and_world()[1]
+    wire = _wire()
+    tensors = []
+    layout = _slots(mine, tensors)
+    pieces, kinds, offset = [], [], 0
+    for t in tensors:
+        data = t.detach().to(wire).contiguous().reshape(-1).view(torch.uint8)
+        kinds.append((t.shape, t.dtype, t.device.type, offset))
+        # Each tensor starts at a multiple of 8 bytes, where a view of any dtype may begin.
+        padding = -len(data) % 8
+        pieces += [data, torch.zeros(padding, dtype=torch.uint8, device=wire)]
+        offset += len(data) + padding
+    layouts = [None] * world
+    dist.all_gather_object(layouts, (layout, kinds, offset))
+    size = max(n for _, _, n in layouts)
+    buffer = torch.zeros(size, dtype=torch.uint8, device=wire)
+    if pieces:
+        torch.cat(pieces, out=buffer[:offset])
+    gathered = [torch.empty(size, dtype=torch.uint8, device=wire) for _ in range(world)]
+    dist.all_gather(gathered, buffer)
+    by_rank = []
+    for (layout, kinds, _), data in zip(layouts, gathered):
+        received = []
+        for shape, dtype, device, start in kinds:
+            nbytes = math.prod(shape) * dtype.itemsize
+            # "cuda" is this rank's GPU (set_device).
+            received.append(data[start : start + nbytes].view(dtype).reshape(shape).to(device))
+        by_rank.append(_filled(layout, received))
+    return by_rank
+
+
+def _filled(obj, tensors):
+    """obj with each _Slot replaced by its tensor."""
+    if isinstance(obj, _Slot):
+        return tensors[obj]
+    if isinstance(obj, dict):
+        return {k: _filled(v, tensors) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_filled(v, tensors) for v in obj)
+    return obj

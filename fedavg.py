@@ -26,7 +26,7 @@ from common import AUGMENTATIONS, DATASETS, MODELS, Parser, Run, build_model, fi
 from common import accumulate, client_batches, client_weights, each_client, eval_metrics, load_average, lr_at
 from common import autocast, prepare_batch, prox_term, sample_clients
 from common import decay_rate, device_flag, fraction, inner_fraction, non_negative_float, path_arg, positive_float
-from common import positive_int, seed_int
+from common import TRACKERS, positive_int, seed_int
 
 # The run's setting, the defaults of the flags below: McMahan et al.'s federation (Sec. 3: 100 clients, C = 0.1,
 # E = 5, B = 50) on CIFAR-10, with CleanFL's shared baseline where marked "ours" (reasons in docs/fedavg.md).
@@ -102,6 +102,9 @@ def parse_args():
     g.add_argument("--save-model", action="store_true", help="write the final global model to OUT/model.pt")
     g.add_argument("--resume", type=path_arg, metavar="DIR", help="continue the run in DIR (a larger --rounds: extend)")
     g.add_argument("--stop-after", type=positive_int, help="checkpoint and stop after this many rounds")
+    g.add_argument("--track", action="append", choices=TRACKERS, help="also log to TensorBoard or W&B (both: twice)")
+    g.add_argument("--wandb-project", default="cleanfl", help="W&B project (--track wandb)")
+    g.add_argument("--wandb-entity", help="W&B entity, a user or team (default: W&B's own)")
     return finish_args(p, p.parse_args(), "fedavg")
 
 

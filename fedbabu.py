@@ -28,7 +28,7 @@ from common import accumulate, client_batches, client_weights, each_client, eval
 from common import autocast, prepare_batch, prox_term, sample_clients
 from common import FineTuning, personalize  # FedBABU: Algorithm 2 fine-tuning
 from common import decay_rate, device_flag, fraction, inner_fraction, non_negative_float, path_arg, positive_float
-from common import non_negative_int, positive_int, seed_int
+from common import TRACKERS, non_negative_int, positive_int, seed_int
 
 # The paper's setting, the defaults of the flags below: CIFAR-100 with MobileNet, s = 10 (Sec. 3, App. A, Tables
 # 3-6); CIFAR-10 with 4convNet is Table 13's (--dataset cifar10 --model convnet4).
@@ -164,6 +164,9 @@ def parse_args():
     g.add_argument("--save-model", action="store_true", help="write the final global model to OUT/model.pt")
     g.add_argument("--resume", type=path_arg, metavar="DIR", help="continue the run in DIR (a larger --rounds: extend)")
     g.add_argument("--stop-after", type=positive_int, help="checkpoint and stop after this many rounds")
+    g.add_argument("--track", action="append", choices=TRACKERS, help="also log to TensorBoard or W&B (both: twice)")
+    g.add_argument("--wandb-project", default="cleanfl", help="W&B project (--track wandb)")
+    g.add_argument("--wandb-entity", help="W&B entity, a user or team (default: W&B's own)")
     args = finish_args(p, p.parse_args(), "fedbabu")
     # FedBABU: without --rounds, K = 320 // tau (Sec. 3); with --local-steps, the paper's tau.
     if args.rounds is None:

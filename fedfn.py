@@ -30,7 +30,7 @@ from common import Classifier, flat_dim, register_model  # FedFN: VGG11
 from common import local_step_sum, scaffold_control, scaffold_correction, scaffold_server  # FedFN: SCAFFOLD
 from common import FineTuning, personalize  # FedFN: FedFN-FT (Appendix D.3)
 from common import decay_rate, device_flag, fraction, inner_fraction, non_negative_float, path_arg, positive_float
-from common import non_negative_int, positive_int, seed_int
+from common import TRACKERS, non_negative_int, positive_int, seed_int
 
 # The paper's setting, the defaults of the flags below: Table 1's CIFAR-10 column with VGG11 (App. B.2); Table 1 also
 # runs s = 2, 3, 5 (--shards S) and CIFAR-100 with MobileNet (E = 5, lr 0.5).
@@ -203,6 +203,9 @@ def parse_args():
     g.add_argument("--save-model", action="store_true", help="write the final global model to OUT/model.pt")
     g.add_argument("--resume", type=path_arg, metavar="DIR", help="continue the run in DIR (a larger --rounds: extend)")
     g.add_argument("--stop-after", type=positive_int, help="checkpoint and stop after this many rounds")
+    g.add_argument("--track", action="append", choices=TRACKERS, help="also log to TensorBoard or W&B (both: twice)")
+    g.add_argument("--wandb-project", default="cleanfl", help="W&B project (--track wandb)")
+    g.add_argument("--wandb-entity", help="W&B entity, a user or team (default: W&B's own)")
     args = p.parse_args()  # FedFN: the method's flags are checked first
     if args.ft_epochs > 0 and not args.client_test and not args.resume:
         p.error("--ft-epochs: FedFN-FT needs --client-test (per-client test sets)")  # FedFN
