@@ -17,8 +17,10 @@ batch-norm averaging) and results: docs/anfr.md.
 
 import os
 
-os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # before torch loads OpenMP: short spins (docs/evidence/threads.md)
+# Before torch loads OpenMP: threads that wait for work spin only briefly (docs/speed.md#cpu-threads).
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
+import functools
 import math
 import re
 
@@ -28,36 +30,46 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call, grad_and_value, vmap  # ANFR: per-sample gradients for DP-SGD
 
-from common import (ATTENTION, AUGMENTATIONS, DATASETS, Parser, RESNET_LAYOUT, Run, ScaledStdConv2d, accumulate,
-                    autocast, build_model, client_batches, client_weights, decay_rate, device_flag, each_client,
-                    eval_metrics, finish_args, flag_type, fraction, load_average, load_data, make_norm, make_partition,
-                    non_negative_float, non_negative_int, path_arg, positive_float, positive_int, prepare_batch,
-                    progress, prox_term, refuse, round_channels, safe_load, sample_clients, seed_int,
-                    scaffold_control, scaffold_correction, scaffold_server)  # ANFR: SCAFFOLD  # fmt: skip
+from common import AUGMENTATIONS, DATASETS, BadInput, Parser, Run, build_model, finish_args, load_data, make_partition
+from common import accumulate, client_batches, client_weights, each_client, eval_metrics, load_average
+from common import autocast, prepare_batch, progress, prox_term, sample_clients
+from common import decay_rate, device_flag, flag_type, fraction, non_negative_float, non_negative_int, path_arg
+from common import TRACKERS, positive_float, positive_int, seed_int
+from common import ATTENTION, RESNET_LAYOUT, ScaledStdConv2d, make_norm, round_channels  # ANFR: the ResNet's parts
+from common import safe_load  # ANFR: --init-from
+from common import scaffold_control, scaffold_correction, scaffold_server  # ANFR: SCAFFOLD
 
 # The paper's from-scratch CIFAR-10 setting, the defaults of the flags below: App. A.1 and B.3, Table 9, with Pieri et
 # al. 2023's recipe, which B.3 follows, where marked. The rest of that recipe, at the paper's 224x224: --augment rrc
 # --crop-scale 0.05 1 --normalize half --image-size 224 --stem imagenet (benchmarks/reproduce/anfr.sh paper).
 PAPER = dict(
     dataset="cifar10",
-    split2=True,  # split-2 of Qu et al. 2022: 5 clients of 4 classes each (A.1)
+    # Split-2 of Qu et al. 2022: 5 clients of 4 classes each (A.1).
+    split2=True,
     num_clients=5,  # C
-    frac=1.0,  # all clients every round
+    # All clients every round.
+    frac=1.0,
     rounds=100,  # T (A.1)
     local_epochs=1,  # E (A.1)
     batch_size=32,  # B (A.1)
     arch="anfr",
-    depth=50,  # ResNet-50
-    optimizer="adamw",  # B.3 (from random init; Pieri et al.'s from ImageNet weights: SGD)
-    lr=1e-3,  # AdamW, cosine-decayed over the run (B.3)
+    # The paper's ResNet-50.
+    depth=50,
+    # B.3, from random init; Pieri et al.'s, from ImageNet weights, is SGD.
+    optimizer="adamw",
+    # AdamW's, cosine-decayed over the run (B.3).
+    lr=1e-3,
     weight_decay=0.05,  # Pieri et al.
     warmup_steps=100,  # Pieri et al.
-    clip=1.0,  # gradient-norm clipping (A.1)
-    client_state="keep",  # each client keeps its optimizer state and scheduler position between rounds (A.2)
+    # Gradient-norm clipping (A.1).
+    clip=1.0,
+    # Each client keeps its optimizer state and its place in the schedule between rounds (A.2).
+    client_state="keep",
 )
-# ANFR: --arch -> (norm, attention?)
+# Each --arch: its norm, and whether it has channel attention.
 ARCHS = {"bn": ("bn", False), "gn": ("gn", False), "se": ("bn", True), "nf": ("nf", False), "anfr": ("nf", True)}
-DP_ORDERS = [1 + x / 10 for x in range(1, 100)] + list(range(12, 64))  # ANFR: Renyi orders (those of Opacus)
+# The Renyi orders of the DP accountant (those of Opacus).
+DP_ORDERS = [1 + x / 10 for x in range(1, 100)] + list(range(12, 64))
 
 
 class EfficientChannelAttention(nn.Module):  # ANFR: Table 5's attention variants
@@ -84,13 +96,20 @@ class CBAM(nn.Module):  # ANFR
     def __init__(self, channels, norm="bn", reduction=16):
         super().__init__()
         hidden = round_channels(channels / reduction, 1)
-        self.fc1, self.fc2 = nn.Conv2d(channels, hidden, 1, bias=False), nn.Conv2d(hidden, channels, 1, bias=False)
-        conv = ScaledStdConv2d(2, 1, 7, padding=3) if norm == "nf" else nn.Conv2d(2, 1, 7, padding=3, bias=False)
+        self.fc1 = nn.Conv2d(channels, hidden, 1, bias=False)
+        self.fc2 = nn.Conv2d(hidden, channels, 1, bias=False)
+        if norm == "nf":
+            conv = ScaledStdConv2d(2, 1, 7, padding=3)
+        else:
+            conv = nn.Conv2d(2, 1, 7, padding=3, bias=False)
         self.spatial = nn.Sequential(conv, make_norm(norm, 1))
 
+    def mlp(self, z):
+        """The shared MLP of the channel gate."""
+        return self.fc2(F.relu(self.fc1(z)))
+
     def weights(self, x):
-        mlp = lambda z: self.fc2(F.relu(self.fc1(z)))
-        return torch.sigmoid(mlp(x.mean((2, 3), keepdim=True)) + mlp(x.amax((2, 3), keepdim=True)))
+        return torch.sigmoid(self.mlp(x.mean((2, 3), keepdim=True)) + self.mlp(x.amax((2, 3), keepdim=True)))
 
     def forward(self, x):
         x = x * self.weights(x)
@@ -100,112 +119,235 @@ class CBAM(nn.Module):  # ANFR
 ATTENTION.update(eca=EfficientChannelAttention, cbam=CBAM)  # ANFR: --attention, beside common's SE
 
 
-# fmt: off
 def parse_args():
     p = Parser(__doc__)
     g = p.add_argument_group("model (the one ResNet of common.py)")
-    g.add_argument("--arch", default=PAPER["arch"], choices=list(ARCHS),
-        help="ANFR: bn | gn (group norm) | se (bn + attention) | nf (NF-ResNet, Eq. 5) | anfr (nf + attention)")  # ANFR
-    g.add_argument("--depth", type=int, default=PAPER["depth"], choices=[18, 26, 50],
-        help="ANFR: ResNet depth (18: basic blocks; 26, 50: bottlenecks)")  # ANFR
+    g.add_argument(
+        "--arch",
+        default=PAPER["arch"],
+        choices=list(ARCHS),
+        help="ANFR: bn | gn (group norm) | se (bn + attention) | nf (NF-ResNet, Eq. 5) | anfr (nf + attention)",
+    )
+    g.add_argument(
+        "--depth",
+        type=int,
+        default=PAPER["depth"],
+        choices=[18, 26, 50],
+        help="ANFR: ResNet depth (18: basic blocks; 26, 50: bottlenecks)",
+    )
     g.add_argument("--width", type=positive_int, default=64, help="ANFR: base channels (64: the standard ResNet)")
-    g.add_argument("--stem", default="cifar", choices=["cifar", "imagenet"],
-        help="ANFR: conv3x3 stem for 32x32 inputs, or conv7x7 + max-pool (paper, at 224)")  # ANFR
-    g.add_argument("--attention", default="se", choices=["se", "eca", "cbam"],
-        help="ANFR: channel attention of --arch se and anfr (Table 5); SE reduction r=16")  # ANFR
-    g.add_argument("--init-from", type=path_arg, metavar="PATH",
+    g.add_argument(
+        "--stem",
+        default="cifar",
+        choices=["cifar", "imagenet"],
+        help="ANFR: conv3x3 stem for 32x32 inputs, or conv7x7 + max-pool (paper, at 224)",
+    )
+    g.add_argument(
+        "--attention",
+        default="se",
+        choices=["se", "eca", "cbam"],
+        help="ANFR: channel attention of --arch se and anfr (Table 5); SE reduction r=16",
+    )
+    g.add_argument(
+        "--init-from",
+        type=path_arg,
+        metavar="PATH",
         help="ANFR: start from this state dict, ours or timm's (the paper: timm's ImageNet weights; docs/anfr.md); "
-             "every entry but the head must load")  # ANFR
-    g.add_argument("--init", default="timm", choices=["timm", "torch"],
+        "every entry but the head must load",
+    )
+    g.add_argument(
+        "--init",
+        default="timm",
+        choices=["timm", "torch"],
         help="ANFR: start every --arch as timm's fresh ResNet-50s (each branch's last norm weight or NF gain 0, "
-             "timm's conv and head init; common.resnet), or with PyTorch's default layer init")  # ANFR
-    g.add_argument("--last-gain-init", type=non_negative_float, default=0.0,
-        help="ANFR: start of the gain g (Eq. 5) of each NF branch's last conv; 0: timm's, the paper's models")  # ANFR
+        "timm's conv and head init; common.resnet), or with PyTorch's default layer init",
+    )
+    g.add_argument(
+        "--last-gain-init",
+        type=non_negative_float,
+        default=0.0,
+        help="ANFR: start of the gain g (Eq. 5) of each NF branch's last conv; 0: timm's, the paper's models",
+    )
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default=PAPER["dataset"], choices=sorted(DATASETS), help="folder: --data-dir's images")
     g.add_argument("--data-dir", type=path_arg, default="./data", help="download folder, or DIR/{train,test}/<class>/*")
-    g.add_argument("--augment", default="crop-flip", choices=AUGMENTATIONS,
-        help="of training batches, on device; rrc: RandomResizedCrop to --image-size (the paper's recipe, no flip)")
-    g.add_argument("--crop-scale", type=fraction, nargs=2, default=[0.08, 1.0], metavar=("LO", "HI"),
-        help="ANFR: area fraction range of --augment rrc (torchvision's; the paper's recipe: 0.05 1)")  # ANFR
-    g.add_argument("--image-size", type=flag_type(int, lambda v: v >= 8, ">= 8"),
+    g.add_argument(
+        "--augment",
+        default="crop-flip",
+        choices=AUGMENTATIONS,
+        help="of training batches, on device; rrc: RandomResizedCrop to --image-size (the paper's recipe, no flip)",
+    )
+    g.add_argument(
+        "--crop-scale",
+        type=fraction,
+        nargs=2,
+        default=[0.08, 1.0],
+        metavar=("LO", "HI"),
+        help="ANFR: area fraction range of --augment rrc (torchvision's; the paper's recipe: 0.05 1)",
+    )
+    g.add_argument(
+        "--image-size",
+        type=flag_type(int, lambda v: v >= 8, ">= 8"),
         help="ANFR: the size the model sees (the paper: 224; default: as stored); rrc crops to it, the other "
-             "augmentations and the test images are resized to it")  # ANFR
-    g.add_argument("--normalize", default="dataset", choices=["dataset", "half"],
-        help="ANFR: by the training split's per-channel mean and std, or (x - 0.5) / 0.5 (the paper's recipe)")  # ANFR
+        "augmentations and the test images are resized to it",
+    )
+    g.add_argument(
+        "--normalize",
+        default="dataset",
+        choices=["dataset", "half"],
+        help="ANFR: by the training split's per-channel mean and std, or (x - 0.5) / 0.5 (the paper's recipe)",
+    )
     g = p.add_argument_group("partition: one of these (default: --split2, the paper's)")
-    x = g.add_mutually_exclusive_group()  # one of them: the flag given replaces the default
+    # One of them: the flag given replaces the default.
+    x = g.add_mutually_exclusive_group()
     x.add_argument("--iid", action="store_true", help="a uniform random split")
     x.add_argument("--shards", type=positive_int, help="S: N*S sorted shards, S each")
     x.add_argument("--classes-per-client", type=positive_int, help="C classes a client, each split among its holders")
     x.add_argument("--alpha", type=positive_float, help="Dirichlet label skew Dir(alpha) (Hsu et al. 2019)")
-    x.add_argument("--split2", action="store_true", default=PAPER["split2"],
-        help="CIFAR-10 split-2 (Qu et al. 2022): 5 clients, 4 classes")
+    x.add_argument(
+        "--split2",
+        action="store_true",
+        default=PAPER["split2"],
+        help="CIFAR-10 split-2 (Qu et al. 2022): 5 clients, 4 classes each",
+    )
     x.add_argument("--disjoint-classes", action="store_true", help="N disjoint class sets (FedLN T5: 2, 2, 3 of 7)")
     x.add_argument("--natural", action="store_true", help="the clients are the folders DIR/train/<client>/<class>/*")
     g.add_argument("--clients-per-domain", type=positive_int, help="M: DIR/train/<domain>/<class>/*, split M ways each")
     g.add_argument("--quantity", default="equal", choices=["equal", "powerlaw"], help="client sizes")
-    g.add_argument("--client-test", action="store_true",
-        help="also test each client on its own label distribution (always with --pfl)")  # ANFR
+    g.add_argument(
+        "--client-test",
+        action="store_true",
+        help="also test each client on its own label distribution (always with --pfl)",
+    )
     g.add_argument("--balanced-acc", action="store_true", help="also log the balanced accuracy (mean class recall)")
     g.add_argument("--data-seed", type=seed_int, help="seed of the partition (default: --seed)")
     g.add_argument("--val-frac", type=decay_rate, default=0.0, help="share of each client's data held out: val_acc")
     g = p.add_argument_group("federation")
-    g.add_argument("--num-clients", type=positive_int, default=PAPER["num_clients"],
-        help="C: number of clients")  # ANFR: the paper's symbol
+    # The paper's symbol for the number of clients is C.
+    g.add_argument("--num-clients", type=positive_int, default=PAPER["num_clients"], help="C: number of clients")
     g.add_argument("--frac", type=fraction, default=PAPER["frac"], help="fraction of clients a round, in (0, 1]")
     g.add_argument("--rounds", type=positive_int, default=PAPER["rounds"], help="T: communication rounds")
-    x = g.add_mutually_exclusive_group()  # one of them: the flag given replaces the default
+    # One of them: the flag given replaces the default.
+    x = g.add_mutually_exclusive_group()
     x.add_argument("--local-epochs", type=positive_int, default=PAPER["local_epochs"], help="E: epochs a round")
     x.add_argument("--local-steps", type=positive_int, help="local steps a round, not epochs")  # ANFR: AdamW steps
     g.add_argument("--batch-size", type=positive_int, default=PAPER["batch_size"], help="B: local batch size")
     g.add_argument("--weighting", default="samples", choices=["samples", "uniform"], help="weights n_k/n, or 1/m")
-    g.add_argument("--agg", default="fedavg", choices=["fedavg", "fedprox", "scaffold", "fedadam"],
-        help="ANFR: aggregation method (Table 1)")  # ANFR
-    g.add_argument("--pfl", default="none", choices=["none", "fedper", "fedbn"],
-        help="ANFR: personalization (Table 2): FedPer keeps each head local, FedBN each batch norm")  # ANFR
+    g.add_argument(
+        "--agg",
+        default="fedavg",
+        choices=["fedavg", "fedprox", "scaffold", "fedadam"],
+        help="ANFR: aggregation method (Table 1)",
+    )
+    g.add_argument(
+        "--pfl",
+        default="none",
+        choices=["none", "fedper", "fedbn"],
+        help="ANFR: personalization (Table 2): FedPer keeps each head local, FedBN each batch norm",
+    )
     g = p.add_argument_group("optimization")
-    g.add_argument("--optimizer", default=PAPER["optimizer"], choices=["adamw", "sgd"],
-        help="ANFR: AdamW, or SGD with momentum 0.9 (Pieri et al.'s from ImageNet weights, lr 0.03)")  # ANFR
-    g.add_argument("--lr", type=positive_float, default=PAPER["lr"],
-        help="eta: local learning rate, warmed up and cosine-decayed over the run")  # ANFR: AdamW, cosine
-    g.add_argument("--weight-decay", type=non_negative_float, default=PAPER["weight_decay"],
-        help="AdamW's decoupled weight decay, or SGD's L2 (with --optimizer sgd unless given: 0, Pieri et al.'s)")
-    g.add_argument("--client-state", default=PAPER["client_state"], choices=["keep", "reset"],
+    g.add_argument(
+        "--optimizer",
+        default=PAPER["optimizer"],
+        choices=["adamw", "sgd"],
+        help="ANFR: AdamW, or SGD with momentum 0.9 (Pieri et al.'s from ImageNet weights, lr 0.03)",
+    )
+    g.add_argument(
+        "--lr",
+        type=positive_float,
+        default=PAPER["lr"],
+        help="eta: local learning rate, warmed up and cosine-decayed over the run",
+    )
+    g.add_argument(
+        "--weight-decay",
+        type=non_negative_float,
+        default=PAPER["weight_decay"],
+        help="AdamW's decoupled weight decay, or SGD's L2 (with --optimizer sgd unless given: 0, Pieri et al.'s)",
+    )
+    g.add_argument(
+        "--client-state",
+        default=PAPER["client_state"],
+        choices=["keep", "reset"],
         help="ANFR: keep: each client keeps its optimizer state and schedule between rounds (A.2); reset: a fresh "
-             "optimizer a round, the schedule at the round's place (cross-device, e.g. CelebA's 9,343)")  # ANFR
-    g.add_argument("--warmup-steps", type=non_negative_int, default=PAPER["warmup_steps"],
-        help="ANFR: linear warm-up from 0 over a client's first steps, then the cosine")  # ANFR
-    g.add_argument("--loss", default="ce", choices=["ce", "focal"],
+        "optimizer a round, the schedule at the round's place (cross-device, e.g. CelebA's 9,343)",
+    )
+    g.add_argument(
+        "--warmup-steps",
+        type=non_negative_int,
+        default=PAPER["warmup_steps"],
+        help="ANFR: linear warm-up from 0 over a client's first steps, then the cosine",
+    )
+    g.add_argument(
+        "--loss",
+        default="ce",
+        choices=["ce", "focal"],
         help="ANFR: cross-entropy, or Fed-ISIC2019's focal loss (FLamby's BaselineLoss): the batch mean of -alpha_y "
-             "(1 - p_y)^gamma log p_y with the weights of --focal-weights")  # ANFR
-    g.add_argument("--focal-gamma", type=non_negative_float, default=2.0,
-        help="ANFR: gamma of --loss focal (FLamby's 2; 0 with weights 1 is cross-entropy)")  # ANFR
-    g.add_argument("--focal-weights", default="local", choices=["local", "pooled"],
+        "(1 - p_y)^gamma log p_y with the weights of --focal-weights",
+    )
+    g.add_argument(
+        "--focal-gamma",
+        type=non_negative_float,
+        default=2.0,
+        help="ANFR: gamma of --loss focal (FLamby's 2; 0 with weights 1 is cross-entropy)",
+    )
+    g.add_argument(
+        "--focal-weights",
+        default="local",
+        choices=["local", "pooled"],
         help="ANFR: alpha of --loss focal. local: alpha_c = n_k / n_k,c of client k's own labels (App. A.1, the "
-             "main tables); pooled: N / n_c of all clients' labels, FLamby's fixed weights (App. B.2). A class "
-             "without training labels: 0")  # ANFR
-    g.add_argument("--clip", type=non_negative_float, default=PAPER["clip"],
-        help="ANFR: local gradient-norm clipping (0 = off)")  # ANFR
-    g.add_argument("--agc", type=non_negative_float, default=0.0,
+        "main tables); pooled: N / n_c of all clients' labels, FLamby's fixed weights (App. B.2). A class "
+        "without training labels: 0",
+    )
+    g.add_argument(
+        "--clip", type=non_negative_float, default=PAPER["clip"], help="ANFR: local gradient-norm clipping (0 = off)"
+    )
+    g.add_argument(
+        "--agc",
+        type=non_negative_float,
+        default=0.0,
         help="ANFR: lambda of adaptive gradient clipping (Brock et al. 2021b; App. A.2's grid): each unit's gradient "
-             "at most lambda max(||W||, 1e-3), the head unclipped; needs --clip 0 (0 = off)")  # ANFR
-    g.add_argument("--bn-stats", default="average", choices=["average", "local"],
+        "at most lambda max(||W||, 1e-3), the head unclipped; needs --clip 0 (0 = off)",
+    )
+    g.add_argument(
+        "--bn-stats",
+        default="average",
+        choices=["average", "local"],
         help="ANFR: batch-norm running statistics averaged with the weights, or kept by each client (Pieri et al.: "
-             "each client's model is tested, the scores averaged)")  # ANFR
-    g.add_argument("--prox-mu", type=non_negative_float,
-        help="mu: FedProx's mu/2 ||w - w_t||^2, with --agg fedprox only (default there: 0.01)")  # ANFR
-    g.add_argument("--server-lr", type=positive_float, default=1e-3,
-        help="ANFR: FedAdam server learning rate eta (Appendix A.2 range 5e-4..1e-1)")  # ANFR
-    g.add_argument("--server-betas", type=decay_rate, nargs=2, default=[0.9, 0.99],
-        help="ANFR: FedAdam beta1 beta2 (Reddi et al. 2021)")  # ANFR
-    g.add_argument("--server-tau", type=positive_float, default=1e-3,
-        help="ANFR: FedAdam adaptivity tau (Reddi et al. 2021)")  # ANFR
+        "each client's model is tested, the scores averaged)",
+    )
+    g.add_argument(
+        "--prox-mu",
+        type=non_negative_float,
+        help="mu: FedProx's mu/2 ||w - w_t||^2, with --agg fedprox only (default there: 0.01)",
+    )
+    g.add_argument(
+        "--server-lr",
+        type=positive_float,
+        default=1e-3,
+        help="ANFR: FedAdam server learning rate eta (Appendix A.2 range 5e-4..1e-1)",
+    )
+    g.add_argument(
+        "--server-betas",
+        type=decay_rate,
+        nargs=2,
+        default=[0.9, 0.99],
+        help="ANFR: FedAdam beta1 beta2 (Reddi et al. 2021)",
+    )
+    g.add_argument(
+        "--server-tau", type=positive_float, default=1e-3, help="ANFR: FedAdam adaptivity tau (Reddi et al. 2021)"
+    )
     g = p.add_argument_group("differential privacy (Section 4.3)")
-    g.add_argument("--dp-noise-multiplier", type=positive_float,
-        help="ANFR: sigma; DP-SGD on the clients (paper: 1.1); architectures without batch norm only")  # ANFR
-    g.add_argument("--dp-max-grad-norm", type=positive_float, default=1.0,
-        help="ANFR: C, per-sample gradient norm bound of DP-SGD (paper: 1.0)")  # ANFR
+    g.add_argument(
+        "--dp-noise-multiplier",
+        type=positive_float,
+        help="ANFR: sigma; DP-SGD on the clients (paper: 1.1); architectures without batch norm only",
+    )
+    g.add_argument(
+        "--dp-max-grad-norm",
+        type=positive_float,
+        default=1.0,
+        help="ANFR: C, per-sample gradient norm bound of DP-SGD (paper: 1.0)",
+    )
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=seed_int, default=0, help="seed of the init, client sampling and local shuffling")
     g.add_argument("--device", type=device_flag, help="cpu, cuda, cuda:N or mps (default: cuda if there is one)")
@@ -214,64 +356,94 @@ def parse_args():
     g.add_argument("--tf32", action="store_true", help="ANFR: TF32 matmuls on CUDA (cuDNN's convolutions: by default)")
     g.add_argument("--threads", type=positive_int, help="CPU threads (default: the cores; OMP_NUM_THREADS)")
     g.add_argument("--eval-every", type=positive_int, default=1, help="evaluate every this many rounds and the last")
-    g.add_argument("--analyze", action="store_true",
+    g.add_argument(
+        "--analyze",
+        action="store_true",
         help="ANFR: class selectivity and attention-weight spread of the last attention module (Sec. 3.4) in "
-             "summary.json; at every evaluation the branches' last gains and how their gradients agree")  # ANFR
+        "summary.json; at every evaluation the branches' last gains and how their gradients agree",
+    )
     g.add_argument("--checkpoint-every", type=positive_int, help="checkpoint period (default: at each evaluation)")
     g.add_argument("--out", type=path_arg, help="run folder (default: runs/anfr__<dataset>__<seed>__<time>)")
     g.add_argument("--overwrite", action="store_true", help="replace the run in --out (else such an --out is refused)")
     g.add_argument("--save-model", action="store_true", help="write the final global model to OUT/model.pt")
     g.add_argument("--resume", type=path_arg, metavar="DIR", help="continue the run in DIR (a larger --rounds: extend)")
     g.add_argument("--stop-after", type=positive_int, help="checkpoint and stop after this many rounds")
+    g.add_argument("--track", action="append", choices=TRACKERS, help="also log to TensorBoard or W&B (both: twice)")
+    g.add_argument("--wandb-project", default="cleanfl", help="W&B project (--track wandb)")
+    g.add_argument("--wandb-entity", help="W&B entity, a user or team (default: W&B's own)")
     p.set_defaults(model="resnet")  # ANFR: common.resnet with the options of --arch
     args = p.parse_args()
-    args.client_test = args.client_test or args.pfl != "none"  # ANFR: pFL is evaluated on per-client test sets
-    args = finish_args(p, args, "anfr")  # ANFR
-    return args if args.resume else check_args(p, args)  # ANFR: a resumed run's flags were checked when it began
+    args.client_test = args.client_test or args.pfl != "none"  # ANFR: pFL is tested on per-client test sets
+    args = finish_args(p, args, "anfr")
+    # A resumed run's flags were checked when it began.
+    if args.resume:
+        return args
+    return check_args(p, args)  # ANFR
 
 
 def check_args(p, args):  # ANFR: this script's flags together
-    """Refuse what cannot run (exit 2, the flag named) and resolve --prox-mu (0: no proximal term)."""
-    dp, has_bn = args.dp_noise_multiplier is not None, ARCHS[args.arch][0] == "bn"
-    for bad, msg in [
-        (args.pfl == "fedbn" and not has_bn,
-         f"--pfl fedbn: --arch {args.arch} has no batch norm to keep local; use --arch bn or se, or --pfl fedper"),
-        (dp and has_bn, f"--dp-noise-multiplier: DP-SGD needs per-sample gradients, which batch norm "
-                        f"(--arch {args.arch}) mixes; use --arch gn, nf or anfr"),
-        (args.agg == "fedprox" and args.prox_mu == 0, "--prox-mu: --agg fedprox needs mu > 0, got 0"),
-        (bool(args.prox_mu) and args.agg != "fedprox",
-         f"--prox-mu: the proximal term belongs to --agg fedprox, not --agg {args.agg}; add --agg fedprox"),
-        (args.init_from is not None and not os.path.isfile(args.init_from),
-         f"--init-from: no file {args.init_from}"),
-        (args.last_gain_init != 0 and ARCHS[args.arch][0] != "nf",
-         f"--last-gain-init: --arch {args.arch} has no NF gains; use --arch nf or anfr"),
-        (args.crop_scale[0] > args.crop_scale[1],
-         f"--crop-scale: LO {args.crop_scale[0]} is above HI {args.crop_scale[1]}"),
-        (args.agc > 0 and args.clip > 0,
-         "--agc: adaptive clipping replaces norm clipping (App. A.2 tries one or the other); add --clip 0"),
-        (args.bn_stats == "local" and args.pfl != "none",
-         f"--bn-stats local: --pfl {args.pfl} evaluates personalized models already; use --bn-stats average"),
-        (args.bn_stats == "local" and args.client_test,
-         "--bn-stats local: each client's model is scored on the whole test set; drop --client-test"),
-        *[(args.loss != "focal" and getattr(args, name) != p.get_default(name),
-           f"--{name.replace('_', '-')}: a setting of the focal loss; add --loss focal")
-          for name in ("focal_gamma", "focal_weights")]]:
-        if bad:
-            p.error(msg)
+    """Refuse what cannot run (exit 2, the flag named); resolve --prox-mu (0: no proximal term) and, for
+    --optimizer sgd, --weight-decay."""
+    dp = args.dp_noise_multiplier is not None
+    has_bn = ARCHS[args.arch][0] == "bn"
+    if args.pfl == "fedbn" and not has_bn:
+        p.error(
+            f"--pfl fedbn: --arch {args.arch} has no batch norm to keep local; use --arch bn or se, or --pfl fedper"
+        )
+    if dp and has_bn:
+        p.error(
+            f"--dp-noise-multiplier: DP-SGD needs per-sample gradients, which batch norm (--arch {args.arch}) mixes; "
+            "use --arch gn, nf or anfr"
+        )
+    if args.agg == "fedprox" and args.prox_mu == 0:
+        p.error("--prox-mu: --agg fedprox needs mu > 0, got 0")
+    if args.prox_mu and args.agg != "fedprox":
+        p.error(f"--prox-mu: the proximal term belongs to --agg fedprox, not --agg {args.agg}; add --agg fedprox")
+    if args.init_from is not None and not os.path.isfile(args.init_from):
+        p.error(f"--init-from: no file {args.init_from}")
+    if args.last_gain_init != 0 and ARCHS[args.arch][0] != "nf":
+        p.error(f"--last-gain-init: --arch {args.arch} has no NF gains; use --arch nf or anfr")
+    if args.crop_scale[0] > args.crop_scale[1]:
+        p.error(f"--crop-scale: LO {args.crop_scale[0]} is above HI {args.crop_scale[1]}")
+    if args.agc > 0 and args.clip > 0:
+        p.error("--agc: adaptive clipping replaces norm clipping (App. A.2 tries one or the other); add --clip 0")
+    if args.bn_stats == "local" and args.pfl != "none":
+        p.error(f"--bn-stats local: --pfl {args.pfl} evaluates personalized models already; use --bn-stats average")
+    if args.bn_stats == "local" and args.client_test:
+        p.error("--bn-stats local: each client's model is scored on the whole test set; drop --client-test")
+    for name in ("focal_gamma", "focal_weights"):
+        if args.loss != "focal" and getattr(args, name) != p.get_default(name):
+            p.error(f"--{name.replace('_', '-')}: a setting of the focal loss; add --loss focal")
     if args.optimizer == "sgd" and "weight_decay" not in p.given:
-        args.weight_decay = 0.0  # Pieri et al.'s SGD
-    # 0 = no proximal term
-    args.prox_mu = (0.01 if args.prox_mu is None else args.prox_mu) if args.agg == "fedprox" else 0.0
+        # Pieri et al.'s SGD has none.
+        args.weight_decay = 0.0
+    # 0: no proximal term. --agg fedprox without --prox-mu: 0.01.
+    if args.agg != "fedprox":
+        args.prox_mu = 0.0
+    elif args.prox_mu is None:
+        args.prox_mu = 0.01
     return args
-# fmt: on
 
 
 def build(args, data):  # ANFR: --arch from the one ResNet in common.py; --channels-last: NHWC weights
     norm, attention = ARCHS[args.arch]
-    init, attention = getattr(args, "init", "torch"), args.attention if attention else None  # old configs: torch
-    model = build_model("resnet", data, depth=args.depth, width=args.width, norm=norm, stem=args.stem, init=init,
-                        attention=attention, last_gain_init=args.last_gain_init)  # fmt: skip
-    return model.to(memory_format=torch.channels_last) if getattr(args, "channels_last", False) else model  # NHWC
+    # A config.json older than --init: PyTorch's init.
+    init = getattr(args, "init", "torch")
+    attention = args.attention if attention else None
+    model = build_model(
+        "resnet",
+        data,
+        depth=args.depth,
+        width=args.width,
+        norm=norm,
+        stem=args.stem,
+        init=init,
+        attention=attention,
+        last_gain_init=args.last_gain_init,
+    )
+    if getattr(args, "channels_last", False):
+        model = model.to(memory_format=torch.channels_last)
+    return model
 
 
 def resize(x, size, channels_last=False):  # ANFR: --image-size, and --channels-last's batches
@@ -280,9 +452,15 @@ def resize(x, size, channels_last=False):  # ANFR: --image-size, and --channels-
     return x.contiguous(memory_format=torch.channels_last) if channels_last else x
 
 
-TIMM_NAMES = [(r"^(conv1|stem\.conv)\.", "body.stem.0."), (r"^bn1\.", "body.stem.1."), (r"^(head\.)?fc\.", "head."),
-              (r"\.bn(\d)\.", r".n\1."), (r"\.(se|attn_last)\.", ".attn."),
-              (r"\.downsample\.", ".shortcut.")]  # fmt: skip
+# The renames of timm's entry names to ours, applied in turn (timm_name).
+TIMM_NAMES = [
+    (r"^(conv1|stem\.conv)\.", "body.stem.0."),
+    (r"^bn1\.", "body.stem.1."),
+    (r"^(head\.)?fc\.", "head."),
+    (r"\.bn(\d)\.", r".n\1."),
+    (r"\.(se|attn_last)\.", ".attn."),
+    (r"\.downsample\.", ".shortcut."),
+]
 
 
 def timm_name(key, layout):  # ANFR: --init-from with timm weights: timm's entry name -> ours (ours unchanged)
@@ -302,8 +480,11 @@ def load_pretrained(model, src, layout):  # ANFR: --init-from
     """Load a state dict (a path or a dict: ours, a checkpoint.pt, or timm's, renamed by timm_name). Every
     entry of ours but the head must come from it with our shape, and every entry of it must be used (the
     head is loaded if its shape matches, e.g. not a 1000-class one); else ValueError, naming the first few."""
-    src = safe_load(src, "--init-from") if isinstance(src, str) else src  # runs no code
-    src = src["model"] if isinstance(src.get("model"), dict) else src  # a checkpoint.pt works too
+    if isinstance(src, str):
+        # It runs no code.
+        src = safe_load(src, "--init-from")
+    # A checkpoint.pt works too.
+    src = src["model"] if isinstance(src.get("model"), dict) else src
     src = {timm_name(k, layout): v for k, v in src.items()}
     own = model.state_dict()
     match = {k: v for k, v in src.items() if k in own and own[k].shape == v.shape}
@@ -319,7 +500,8 @@ def load_pretrained(model, src, layout):  # ANFR: --init-from
 
 
 def make_optimizer(params, args):  # ANFR: --optimizer
-    if args.optimizer == "sgd":  # Pieri et al.'s SGD: momentum 0.9, L2 weight decay
+    if args.optimizer == "sgd":
+        # Pieri et al.'s SGD: momentum 0.9, L2 weight decay.
         return torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=args.weight_decay)
     return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
 
@@ -339,9 +521,8 @@ def adaptive_clip_(params, clip, eps=1e-3):  # ANFR: --agc (Brock et al. 2021b, 
         if p.grad is None:
             continue
         dims = tuple(range(1, p.dim())) if p.dim() > 1 else None
-        unit_norm = lambda t: torch.linalg.vector_norm(t, dim=dims, keepdim=True)
-        limit = unit_norm(p.detach()).clamp_min(eps) * clip
-        grad_norm = unit_norm(p.grad)
+        limit = torch.linalg.vector_norm(p.detach(), dim=dims, keepdim=True).clamp_min(eps) * clip
+        grad_norm = torch.linalg.vector_norm(p.grad, dim=dims, keepdim=True)
         p.grad.mul_(torch.where(grad_norm > limit, limit / grad_norm.clamp_min(1e-6), torch.ones_like(grad_norm)))
 
 
@@ -349,7 +530,8 @@ def steps_per_round(n, args):  # ANFR: the length of one client's local run (for
     if args.local_steps is not None:
         return args.local_steps
     if args.dp_noise_multiplier is not None:
-        return args.local_epochs * max(1, round(n / args.batch_size))  # Poisson batches: 1/q steps per epoch
+        # Poisson batches: 1/q steps an epoch.
+        return args.local_epochs * max(1, round(n / args.batch_size))
     return args.local_epochs * (math.ceil(n / args.batch_size) - (1 if n > 1 and n % args.batch_size == 1 else 0))
 
 
@@ -377,16 +559,29 @@ def last_gains(model):  # ANFR: --analyze, what closes each residual branch at t
     timm starts both at 0, so each block starts as its shortcut."""
     gains = []
     for block in model.body.stages:
-        conv = block.conv3 if hasattr(block, "conv3") else block.conv2  # the branch's last conv: NF's gain g
-        gains.append(conv.gain if hasattr(conv, "gain") else (block.n3 if hasattr(block, "n3") else block.n2).weight)
+        # The branch's last conv: NF's gain g.
+        conv = block.conv3 if hasattr(block, "conv3") else block.conv2
+        if hasattr(conv, "gain"):
+            gains.append(conv.gain)
+        else:
+            norm = block.n3 if hasattr(block, "n3") else block.n2
+            gains.append(norm.weight)
     return gains
+
+
+def flat_gains(net):  # ANFR: --analyze
+    """The last gains (last_gains) as one detached vector."""
+    return torch.cat([g.detach().flatten() for g in last_gains(net)])
 
 
 def gain_statistics(grads):  # ANFR: --analyze, [steps, gains] gradients of the last gains over one client's steps
     """share of step pairs whose gradient keeps its sign (0.5: as a coin; 1: always the same way), and the
     coherence |sum_t g_t| / sum_t |g_t| (1: one direction; about 1/sqrt(steps) for random signs), each averaged
     over the gains."""
-    keep = (grads[1:].sign() == grads[:-1].sign()).float().mean() if len(grads) > 1 else grads.new_tensor(float("nan"))
+    if len(grads) > 1:
+        keep = (grads[1:].sign() == grads[:-1].sign()).float().mean()
+    else:
+        keep = grads.new_tensor(float("nan"))
     coherence = (grads.sum(0).abs() / grads.abs().sum(0).clamp_min(1e-30)).mean()
     return torch.stack([keep, coherence])
 
@@ -410,22 +605,26 @@ def dp_gradients(model, x, y, sigma, max_norm, expected_batch, loss_fn=F.cross_e
     if len(y) > 0:
         grads, losses = vmap(grad_and_value(loss_one), in_dims=(None, 0, 0))(params, x, y)
         summed = {n: g.sum(0) for n, g in clip_per_sample(grads, max_norm).items()}
-    else:  # an empty Poisson batch: noise only
-        summed, losses = {n: torch.zeros_like(p) for n, p in params.items()}, x.new_zeros(())
+    else:
+        # An empty Poisson batch: noise only.
+        summed = {n: torch.zeros_like(p) for n, p in params.items()}
+        losses = x.new_zeros(())
     for n, p in model.named_parameters():
         p.grad = (summed[n] + sigma * max_norm * torch.randn_like(p)) / expected_batch
     return losses.mean().detach()
 
 
-def _log_sub(a, b):  # log(exp(a) - exp(b)), a >= b
+def _log_sub(a, b):
+    """log(exp(a) - exp(b)) for a >= b."""
     return a + math.log1p(-math.exp(b - a)) if b < a else -math.inf
 
 
 def _log_erfc(x):
+    """log(erfc(x)); where erfc underflows to 0 (x past about 27), its asymptotic series."""
     r = math.erfc(x)
-    return (
-        math.log(r) if r > 0 else -x * x - math.log(x) - 0.5 * math.log(math.pi) + math.log1p(-0.5 / x**2 + 0.75 / x**4)
-    )
+    if r > 0:
+        return math.log(r)
+    return -x * x - math.log(x) - 0.5 * math.log(math.pi) + math.log1p(-0.5 / x**2 + 0.75 / x**4)
 
 
 def rdp_subsampled_gaussian(q, sigma, alpha):  # ANFR: Renyi DP of one DP-SGD step
@@ -438,13 +637,21 @@ def rdp_subsampled_gaussian(q, sigma, alpha):  # ANFR: Renyi DP of one DP-SGD st
         return math.inf
     if q == 1:
         return alpha / (2 * sigma**2)
-    term = lambda c, i, j: math.log(c) + i * math.log(q) + j * math.log(1 - q) + (i * i - i) / (2 * sigma**2)
-    if float(alpha).is_integer():  # A = sum_k C(a,k) (1-q)^(a-k) q^k exp((k^2 - k) / (2 sigma^2))
+
+    def term(c, i, j):
+        return math.log(c) + i * math.log(q) + j * math.log(1 - q) + (i * i - i) / (2 * sigma**2)
+
+    if float(alpha).is_integer():
+        # A = sum_k C(a,k) (1-q)^(a-k) q^k exp((k^2 - k) / (2 sigma^2)).
         a = int(alpha)
         return float(np.logaddexp.reduce([term(math.comb(a, k), k, a - k) for k in range(a + 1)])) / (alpha - 1)
-    log_a, k, coef = [-math.inf, -math.inf], 0, 1.0  # the two series A_0, A_1; coef = binom(alpha, k), generalized
+    # The two series A_0 and A_1, term by term; coef = binom(alpha, k), generalized.
+    log_a = [-math.inf, -math.inf]
+    k = 0
+    coef = 1.0
     z0 = sigma**2 * math.log(1 / q - 1) + 0.5
-    while True:  # term k of A_0 (i = k, j = alpha - k) and of A_1 (i = alpha - k, j = k)
+    while True:
+        # Term k of A_0 (i = k, j = alpha - k) and of A_1 (i = alpha - k, j = k).
         s = [
             term(abs(coef), i, j) + math.log(0.5) + _log_erfc(e / (math.sqrt(2) * sigma))
             for i, j, e in ((k, alpha - k, k - z0), (alpha - k, k, z0 - alpha + k))
@@ -487,7 +694,8 @@ def focal_loss(logits, y, alpha, gamma):  # ANFR: Fed-ISIC2019's loss (FLamby's;
     """mean_i -alpha_{y_i} (1 - p_i)^gamma log p_i with p_i = softmax(logits_i)_{y_i}, a mean over the batch
     as FLamby's (not normalized by the weights); gamma = 0 with alpha = 1 is the cross-entropy."""
     log_p = F.log_softmax(logits, 1).gather(1, y[:, None]).squeeze(1)
-    return (-((1 - log_p.exp()) ** gamma) * (log_p * alpha[y])).mean()  # FLamby's order of operations: equal bits
+    # FLamby's order of operations: the same bits.
+    return (-((1 - log_p.exp()) ** gamma) * (log_p * alpha[y])).mean()
 
 
 def gain_steps(deltas, weights):  # ANFR: --analyze, what averaging does to the clients' moves of the last gains
@@ -517,18 +725,28 @@ def analyze(model, data, image_size, batch_size=500):  # ANFR: --analyze, on the
     """CSI of the channels after the last attention module (the ReLU'd features that feed the head) and
     the spread of that module's channel weights over channels and classes."""
     model.eval()
-    attn = [m for m in model.body.modules() if hasattr(m, "weights")]  # SE / ECA / CBAM modules, in order
+    # The SE, ECA or CBAM modules, in order.
+    attn = [m for m in model.body.modules() if hasattr(m, "weights")]
+    # The last one's channel weights, a batch at a time.
     seen = []
-    hook = (
-        attn[-1].register_forward_hook(lambda m, inp, out: seen.append(m.weights(inp[0]).flatten(1))) if attn else None
-    )
+
+    def keep_weights(module, inputs, output):
+        seen.append(module.weights(inputs[0]).flatten(1))
+
+    hook = None
+    if attn:
+        hook = attn[-1].register_forward_hook(keep_weights)
     k = data.num_classes
-    act, wts, count = 0, 0, torch.zeros(k, device=data.y_test.device)
+    act = 0
+    wts = 0
+    count = torch.zeros(k, device=data.y_test.device)
     for i in range(0, len(data.x_test), batch_size):
-        x, y = resize(prepare_batch(data.x_test[i : i + batch_size], data), image_size), data.y_test[i : i + batch_size]
+        x = resize(prepare_batch(data.x_test[i : i + batch_size], data), image_size)
+        y = data.y_test[i : i + batch_size]
         onehot = F.one_hot(y, k).float().T  # [k, B]
         act = act + onehot @ model.body(x).float()
-        wts = wts + (onehot @ seen.pop().float() if attn else 0)
+        if attn:
+            wts = wts + onehot @ seen.pop().float()
         count += onehot.sum(1)
     if hook:
         hook.remove()
@@ -540,7 +758,8 @@ def analyze(model, data, image_size, batch_size=500):  # ANFR: --analyze, on the
         "csi_hist": torch.histc(csi, 10, 0, 1).tolist(),
     }
     if attn:
-        w = wts / count[:, None].clamp_min(1)  # [classes, channels] class-mean attention weights
+        # The class-mean attention weights.
+        w = wts / count[:, None].clamp_min(1)  # [classes, channels]
         out.update(
             attn_weight_mean=w.mean().item(),
             attn_std_over_channels=w.std(1).mean().item(),
@@ -554,37 +773,46 @@ def analyze(model, data, image_size, batch_size=500):  # ANFR: --analyze, on the
 def local_train(
     model, opt, batches, data, args, first_step, total, prox_pairs, correction, dp_batch=None, loss_fn=F.cross_entropy
 ):
-    """Local AdamW steps on loss_fn(logits, y) continuing the client's optimizer and cosine schedule; FedProx
-    pulls the shared parameters to w_t (`prox_pairs`: (w, w_t)); SCAFFOLD `correction` (params, c - c_i) is
-    applied after each step. Returns (mean training loss, steps taken, sum of step lrs, with --analyze the
-    last gains' gradient statistics else None)."""
+    """Local steps of opt (AdamW, or SGD) on loss_fn(logits, y), continuing the client's optimizer and cosine
+    schedule; FedProx pulls the shared parameters to w_t (`prox_pairs`: (w, w_t)); SCAFFOLD `correction` (params,
+    c - c_i) is applied after each step. Returns (mean training loss, steps taken, sum of step lrs, with --analyze
+    the last gains' gradient statistics else None)."""
     model.train()
     loss_sum = torch.zeros((), device=args.device)
-    step, lr_sum, seen = first_step, 0.0, 0
+    seen = 0
+    step = first_step  # ANFR: the client's own step counter
+    lr_sum = 0.0
     gain_grads = []  # ANFR: --analyze, the last gains' gradient at each step
     for batch in batches:
         lr = cosine_lr(args.lr, step, total, args.warmup_steps)  # ANFR: the client's own scheduler (Appendix A.2)
         for group in opt.param_groups:
             group["lr"] = lr
-        crop = dict(size=args.image_size, crop_scale=args.crop_scale)  # ANFR: --augment rrc: output size, area
+        # --augment rrc: the output size and the area range.
+        crop = dict(size=args.image_size, crop_scale=args.crop_scale)
         x = prepare_batch(data.x_train[batch], data, args.augment, **crop)
-        x, y = resize(x, args.image_size, args.channels_last), data.y_train[batch]
+        x = resize(x, args.image_size, args.channels_last)  # ANFR: --image-size
+        y = data.y_train[batch]
         if args.dp_noise_multiplier is None:
             with autocast(args.device, args.amp):
                 loss = loss_fn(model(x).float(), y)
-            if args.agg == "fedprox":  # FedProx: + mu/2 ||w - w_t||^2 (Li et al. 2020, Eq. 2)
-                loss = loss + prox_term(*zip(*prox_pairs), args.prox_mu)  # the (w, w_t) pairs as two lists
+            if args.agg == "fedprox":
+                # The (w, w_t) pairs as two lists.
+                loss = loss + prox_term(*zip(*prox_pairs), args.prox_mu)  # Li et al. 2020, Eq. 2
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            if args.analyze:  # ANFR: before clipping (which scales, and keeps every sign)
+            # Before clipping, which scales the gradients and keeps every sign.
+            if args.analyze:  # ANFR
                 gain_grads.append(torch.cat([g.grad.detach().flatten() for g in last_gains(model)]))
             if args.clip > 0:  # ANFR: gradient-norm clipping (Appendix A.1)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-            if args.agc > 0:  # ANFR: adaptive gradient clipping (App. A.2's grid), not on the head (Brock et al.)
+            # Not on the head (Brock et al.).
+            if args.agc > 0:  # ANFR: adaptive gradient clipping (App. A.2's grid)
                 adaptive_clip_(model.body.parameters(), args.agc)
-        else:  # ANFR: DP-SGD (Section 4.3); the proximal term touches no data, so it is added after the noise
-            noise, clip = args.dp_noise_multiplier, args.dp_max_grad_norm
+        else:  # ANFR: DP-SGD (Section 4.3)
+            noise = args.dp_noise_multiplier
+            clip = args.dp_max_grad_norm
             loss = dp_gradients(model, x, y, noise, max_norm=clip, expected_batch=dp_batch, loss_fn=loss_fn)
+            # The proximal term touches no data, so its gradient is added after the noise.
             if args.agg == "fedprox":
                 for w, w0 in prox_pairs:
                     w.grad += args.prox_mu * (w.detach() - w0)
@@ -594,184 +822,295 @@ def local_train(
                 for p, d in zip(*correction):
                     p.sub_(lr * d)
         loss_sum += loss.detach() * len(batch)
-        seen, step, lr_sum = seen + len(batch), step + 1, lr_sum + lr
+        seen += len(batch)
+        step += 1
+        lr_sum += lr
     stats = gain_statistics(torch.stack(gain_grads)) if gain_grads else None  # ANFR
     return loss_sum / max(seen, 1), step - first_step, lr_sum, stats
 
 
 if __name__ == "__main__":
     args = parse_args()
-    run = Run(args)  # its folder (taken first), torchrun's ranks, the seeds, the client sampler, Ctrl-C, SIGTERM
-    data = load_data(args)  # uint8 tensors on the device; a bad folder is refused as it is read
-    if args.normalize == "half":  # ANFR: the recipe's (x - 0.5) / 0.5
-        data.mean, data.std = torch.full_like(data.mean, 0.5), torch.full_like(data.std, 0.5)
-    partition = make_partition(args, data)  # its own generator, seeded by --data-seed
-    model = build(args, data).to(args.device)  # the global model w_t; ANFR: build() from --arch
-    client = build(args, data).to(args.device)  # one client model, reloaded for every client
-    torch.backends.cuda.matmul.allow_tf32 = args.tf32 or torch.backends.cuda.matmul.allow_tf32  # ANFR: --tf32
-    if args.init_from and not args.resume:  # ANFR: before the run folder exists, so a refused file leaves none
-        try:
-            loaded = load_pretrained(model, args.init_from, RESNET_LAYOUT[args.depth][1])
-            print("--init-from: loaded %d of %d entries" % loaded)
-        except ValueError as e:
-            refuse(f"--init-from {args.init_from}: {e}")
-    start = run.start(model, partition, data, f"resnet{args.depth} --arch {args.arch}")  # the first round; ANFR: name
-    sizes = [len(p) for p in partition.train]
-    n_clients = len(sizes)
-    # ANFR: per-client state kept between rounds: optimizer state (--client-state keep), scheduler position,
-    # FedPer/FedBN parts, SCAFFOLD c_i, DP steps
-    opts = [make_optimizer(client.parameters(), args) for _ in range(n_clients)] if args.client_state == "keep" else []
-    total_steps = [args.rounds * steps_per_round(n, args) for n in sizes]
-    if args.warmup_steps > min(total_steps):  # ANFR: the lr would never leave its warm-up
-        print(f"note: --warmup-steps {args.warmup_steps} exceeds the {min(total_steps)} local steps of a client's "
-              "run: its lr stays in the warm-up throughout")  # fmt: skip
-    client_steps, dp_steps = [0] * n_clients, [0] * n_clients
-    local_keys = personal_keys(model, args.pfl, args.bn_stats)  # ANFR: FedPer / FedBN / --bn-stats local
-    loss_fns = [F.cross_entropy] * n_clients  # ANFR: --loss focal with the weights of --focal-weights
-    if args.loss == "focal":
-        alphas = focal_weights(data.y_train, partition.train, data.num_classes, args.focal_weights)  # ANFR
-        loss_fns = [lambda z, y, a=a: focal_loss(z, y, a, args.focal_gamma) for a in alphas]
-    local = [None] * n_clients
-    flat_gains = lambda net: torch.cat([g.detach().flatten() for g in last_gains(net)])  # ANFR: --analyze
-    shared = [k for k in model.state_dict() if k not in local_keys]  # averaged entries (BN running stats too)
-    shared_params = [n for n, _ in model.named_parameters() if n not in local_keys]
-    zeros = lambda: {n: torch.zeros_like(model.get_parameter(n), dtype=torch.float) for n in shared_params}
-    c, c_i = (zeros(), [None] * n_clients) if args.agg == "scaffold" else (None, None)  # ANFR: SCAFFOLD controls
-    m, v = (zeros(), zeros()) if args.agg == "fedadam" else (None, None)  # ANFR: FedAdam moments
-    ckpt = run.checkpoint  # --resume: checkpoint.pt's (read by Run), else {}
-    if args.resume:
-        model.load_state_dict(ckpt["model"])
-        for opt, state in zip(opts, ckpt["opts"] or []):  # ANFR: the clients' optimizer states
-            opt.load_state_dict(state)
-        client_steps, dp_steps, local = ckpt["client_steps"], ckpt["dp_steps"], ckpt["local"]  # ANFR
-        c, c_i, m, v = ckpt["c"], ckpt["c_i"], ckpt["m"], ckpt["v"]  # ANFR
-
-    def state():  # what a checkpoint holds: what the server keeps; ANFR: + all client and server state
-        return {
-            "model": model.state_dict(),
-            "opts": [o.state_dict() for o in opts] if opts else None,
-            "client_steps": client_steps,
-            "dp_steps": dp_steps,
-            "local": local,
-            "c": c,
-            "c_i": c_i,
-            "m": m,
-            "v": v,
-        }
-
-    def load_client(k):  # ANFR: w_t, then client k's own FedPer/FedBN entries
-        client.load_state_dict(model.state_dict())
-        if local[k] is not None:
-            client.load_state_dict(local[k], strict=False)
-
-    for rnd in run.bar(range(start, args.rounds)):  # a bar shows the latest test accuracy
-        clients = sample_clients(run.sampler, len(sizes), args.frac)
-        weights = client_weights([sizes[k] for k in clients], args.weighting)
-        total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items() if k in shared}
-        dc_sum = zeros() if c is not None else None
-        train_loss = torch.zeros((), device=args.device)
-        x_params = {n: p.detach().clone() for n, p in model.named_parameters() if n in shared_params}
-        gain_stats, gain_deltas, gain_weights = [], [], []  # ANFR: --analyze, per client of the round
-        gains_before = flat_gains(model) if args.analyze else None
-
-        def train_client(k):  # what client k does this round; returns what the server sums and what client k keeps
-            load_client(k)
-            steps = steps_per_round(sizes[k], args)  # ANFR: its local steps a round
-            if args.dp_noise_multiplier is None:
-                batches = client_batches(partition.train[k], args.batch_size, args.local_epochs, args.local_steps)
-            else:  # ANFR: Poisson sampling of rate q = B / |D_i|
-                batches = poisson_batches(partition.train[k], min(1.0, args.batch_size / sizes[k]), steps)
-            batches = progress(batches, f"client {k}: steps", steps)  # ANFR: long rounds
-            correction, named, global_named = None, dict(client.named_parameters()), dict(model.named_parameters())
-            prox_pairs = [(named[n], global_named[n].detach()) for n in shared_params]  # FedProx: not the local parts
-            if c is not None:  # ANFR: SCAFFOLD
-                c_k = c_i[k] if c_i[k] is not None else zeros()
-                c_minus_c_k = scaffold_correction(c, c_k)
-                correction = ([named[n] for n in shared_params], [c_minus_c_k[n] for n in shared_params])
-            opt = opts[k] if opts else make_optimizer(client.parameters(), args)  # ANFR: --client-state reset: new
-            first = client_steps[k] if opts else rnd * steps  # ANFR: reset: the round's place
-            dp_batch = min(args.batch_size, sizes[k])  # ANFR: DP-SGD's expected batch q |D_i|
-            out = local_train(client, opt, batches, data, args=args, first_step=first, total=total_steps[k],
-                              prox_pairs=prox_pairs, correction=correction, dp_batch=dp_batch,
-                              loss_fn=loss_fns[k])  # fmt: skip
-            moved = flat_gains(client) - gains_before if args.analyze else None  # ANFR: how far the last gains moved
-            return {"loss": out[0], "steps": out[1], "lr_sum": out[2], "gain_stats": out[3], "gain_delta": moved,
-                    "state": client.state_dict(), "opt": opt.state_dict() if opts else None}  # fmt: skip
-
-        # own seed per client; torchrun: split over ranks, summed in order
-        for k, w, out in each_client(clients, weights, train_client, seed=args.seed, rnd=rnd):
-            if opts:  # ANFR: client k's optimizer state, on every rank (a no-op where k trained)
-                opts[k].load_state_dict(out["opt"])
-            client_steps[k] += out["steps"]
-            dp_steps[k] += out["steps"] if args.dp_noise_multiplier is not None else 0
-            train_loss += w * out["loss"]
-            if out["gain_stats"] is not None:  # ANFR
-                gain_stats.append(out["gain_stats"])
-                gain_deltas.append(out["gain_delta"])
-                gain_weights.append(w)
-            client_state = out["state"]
-            accumulate(total, {key: client_state[key] for key in shared}, w)  # the shared entries (BN statistics too)
-            if local_keys:  # ANFR: FedPer / FedBN: these entries stay with client k
-                local[k] = {key: client_state[key].clone() for key in local_keys}
-            if c is not None:  # ANFR: SCAFFOLD c_i+ (Eq. 4; K eta = the sum of the K cosine lrs), change for the server
-                c_k = c_i[k] if c_i[k] is not None else zeros()
-                y_k = {n: client_state[n].float() for n in shared_params}
-                new = scaffold_control(c_k, c, x_params, y_k, step_sum=max(out["lr_sum"], 1e-12))
-                for n in shared_params:
-                    dc_sum[n] += new[n] - c_k[n]
-                c_i[k] = new
-        if args.agg == "fedadam":  # ANFR: Delta = sum_k w_k y_k - x; parameters by server Adam, BN statistics averaged
-            delta = {n: total[n] - x_params[n] for n in shared_params}
-            total.update(
-                fedadam_step(x_params, delta, m, v, lr=args.server_lr, betas=args.server_betas, tau=args.server_tau)
+    # The run folder (taken first), torchrun's ranks, the seeds, the client sampler, Ctrl-C and SIGTERM. Bad input
+    # found in the block ends the run in one line.
+    with Run(args) as run:
+        # uint8 tensors on the device; a bad folder is refused as it is read.
+        data = load_data(args)
+        if args.normalize == "half":  # ANFR: the recipe's (x - 0.5) / 0.5
+            data.mean = torch.full_like(data.mean, 0.5)
+            data.std = torch.full_like(data.std, 0.5)
+        # The partition has its own generator, seeded by --data-seed.
+        partition = make_partition(args, data)
+        # The global model w_t, and one client model reloaded for every client.
+        model = build(args, data).to(args.device)  # ANFR: build() from --arch
+        client = build(args, data).to(args.device)
+        torch.backends.cuda.matmul.allow_tf32 = args.tf32 or torch.backends.cuda.matmul.allow_tf32  # ANFR: --tf32
+        # Before run.start writes a file: a refused one leaves no run folder (Run removes the empty one it made).
+        if args.init_from and not args.resume:  # ANFR: --init-from
+            try:
+                loaded = load_pretrained(model, args.init_from, RESNET_LAYOUT[args.depth][1])
+                print("--init-from: loaded %d of %d entries" % loaded)
+            except ValueError as e:
+                raise BadInput(f"--init-from {args.init_from}: {e}")
+        # config.json, partition.json and the start-up line; the first round.
+        start = run.start(model, partition, data, f"resnet{args.depth} --arch {args.arch}")  # ANFR: the model's name
+        sizes = [len(p) for p in partition.train]
+        n_clients = len(sizes)
+        # ANFR: what each client keeps between rounds: its optimizer state (--client-state keep), its place in the
+        # schedule, its FedPer or FedBN entries, SCAFFOLD's c_i and its DP steps.
+        opts = []
+        if args.client_state == "keep":
+            opts = [make_optimizer(client.parameters(), args) for _ in range(n_clients)]
+        total_steps = [args.rounds * steps_per_round(n, args) for n in sizes]
+        # The lr would never leave its warm-up.
+        if args.warmup_steps > min(total_steps):
+            print(
+                f"note: --warmup-steps {args.warmup_steps} exceeds the {min(total_steps)} local steps of a client's "
+                "run: its lr stays in the warm-up throughout"
             )
-        # w_{t+1} = sum_k n_k/n w_{t+1}^k (SCAFFOLD: eta_g = 1); local entries untouched
-        load_average(model, total, strict=False)
-        if c is not None:  # ANFR: SCAFFOLD c <- c + 1/N sum_{i in S} (c_i+ - c_i) (Eq. 5)
-            c = scaffold_server(c, dc_sum, n_clients)
-        if not math.isfinite(train_loss := float(train_loss)):  # NaN or inf
-            run.end_diverged(rnd, train_loss)  # summary.json says it diverged; exit 1
+        client_steps = [0] * n_clients
+        dp_steps = [0] * n_clients
+        local_keys = personal_keys(model, args.pfl, args.bn_stats)  # ANFR: FedPer, FedBN or --bn-stats local
+        loss_fns = [F.cross_entropy] * n_clients  # ANFR: --loss focal with the weights of --focal-weights
+        if args.loss == "focal":
+            alphas = focal_weights(data.y_train, partition.train, data.num_classes, args.focal_weights)
+            loss_fns = [functools.partial(focal_loss, alpha=a, gamma=args.focal_gamma) for a in alphas]
+        local = [None] * n_clients
+        # The averaged entries, batch-norm running statistics too.
+        shared = [k for k in model.state_dict() if k not in local_keys]
+        shared_params = [n for n, _ in model.named_parameters() if n not in local_keys]
 
-        last = rnd + 1 == args.rounds
-        if (rnd + 1) % args.eval_every == 0 or last:  # every --eval-every rounds and the last
-            model.eval()
-            fwd = lambda net: lambda x: net(resize(x, args.image_size, args.channels_last))  # ANFR: --image-size
-            eval_bs = 2000 if (args.image_size or data.image_size) <= 64 else 200
-            personal = lambda k: fwd(load_client(k) or client.eval())  # ANFR: personalized model of client k
-            if args.bn_stats == "local" and local_keys:  # ANFR: each client's model (the averaged parameters, its
-                # own statistics) on the whole test and validation sets, then the mean over clients (Pieri et al.)
-                rows = [eval_metrics(personal(k), data, None, args.balanced_acc, amp=args.amp, batch_size=eval_bs,
-                                     val=partition.val) for k in range(n_clients)]  # fmt: skip
-                tests = {key: float(np.mean([row[key] for row in rows])) for key in rows[0]}
-            else:  # test_acc, test_loss; per-client mean, std, worst 10% and each client's; --balanced-acc: balanced
-                tests = eval_metrics(fwd(model), data, partition.test, args.balanced_acc, amp=args.amp,
-                                     batch_size=eval_bs, client_forward=personal if local_keys else None, lists=True,
-                                     val=partition.val)  # fmt: skip
-            first = clients[0]  # ANFR: the lr its next step would take
-            at = client_steps[first] if opts else (rnd + 1) * steps_per_round(sizes[first], args)
-            lr_now = cosine_lr(args.lr, at, total_steps[first], args.warmup_steps)
-            metrics = {"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr_now}
-            if args.analyze:  # ANFR: how far the residual branches have opened, and why (gain_statistics)
-                metrics["last_gain_abs_mean"] = float(flat_gains(model).abs().mean())
-                keep, coherence = torch.stack(gain_stats).nanmean(0).tolist()
-                metrics.update(last_gain_grad_sign_keep=keep, last_gain_grad_coherence=coherence)
-                moved = gain_steps(torch.stack(gain_deltas), torch.tensor(gain_weights, device=args.device))
-                metrics.update(last_gain_client_step=moved[0], last_gain_server_step=moved[1])
-            if args.pfl != "none":  # ANFR: pFL reports the personalized models (the global one lacks the local parts)
-                for name in ("acc", "bacc") if args.balanced_acc else ("acc",):
-                    metrics[f"global_test_{name}"] = metrics[f"test_{name}"]
-                    metrics[f"test_{name}"] = metrics[f"client_test_{name}_mean"]
-            if args.dp_noise_multiplier is not None:  # ANFR: epsilon at delta = 0.1/|D_i| for each client
-                eps = [
-                    dp_epsilon(min(1.0, args.batch_size / n), args.dp_noise_multiplier, s, 0.1 / n)
-                    for n, s in zip(sizes, dp_steps)
-                ]
-                metrics["dp_epsilon"], metrics["dp_epsilon_max"] = eps, max(eps)
-            run.log(metrics)
-        stop = (rnd + 1 - start == args.stop_after and not last) or run.interrupted()  # --stop-after, Ctrl-C, SIGTERM
-        if stop or last or (rnd + 1) % (args.checkpoint_every or args.eval_every) == 0:  # default: each evaluation
-            run.save({**state(), **run.snapshot(rnd)}, "checkpoint.pt")  # + round, sampler, clock
-        if stop:
-            run.end_stopped(rnd)  # one line: how to --resume it; exit 0, or 130 / 143 after Ctrl-C / SIGTERM
-    extra = {"analysis": analyze(model, data, args.image_size)} if args.analyze else {}  # ANFR: global model (Sec. 3.4)
-    run.finish(model, **extra)  # summary.json: the final round's metrics
+        def zeros():
+            """A float zero of each shared parameter."""
+            return {n: torch.zeros_like(model.get_parameter(n), dtype=torch.float) for n in shared_params}
+
+        c = zeros() if args.agg == "scaffold" else None  # ANFR: SCAFFOLD's controls c and c_i
+        c_i = [None] * n_clients if args.agg == "scaffold" else None
+        m = zeros() if args.agg == "fedadam" else None  # ANFR: FedAdam's moments m and v
+        v = zeros() if args.agg == "fedadam" else None
+        if args.resume:
+            model.load_state_dict(run.checkpoint["model"])
+            # ANFR: the clients' and the server's state.
+            ckpt = run.checkpoint
+            for opt, state in zip(opts, ckpt["opts"] or []):
+                opt.load_state_dict(state)
+            client_steps = ckpt["client_steps"]
+            dp_steps = ckpt["dp_steps"]
+            local = ckpt["local"]
+            c = ckpt["c"]
+            c_i = ckpt["c_i"]
+            m = ckpt["m"]
+            v = ckpt["v"]
+
+        def state():
+            """What a checkpoint holds besides the global model: each client's state and the server's."""
+            return {
+                "opts": [o.state_dict() for o in opts] if opts else None,
+                "client_steps": client_steps,
+                "dp_steps": dp_steps,
+                "local": local,
+                "c": c,
+                "c_i": c_i,
+                "m": m,
+                "v": v,
+            }
+
+        def load_client(k):
+            """w_t, then client k's own FedPer or FedBN entries."""
+            client.load_state_dict(model.state_dict())
+            if local[k] is not None:
+                client.load_state_dict(local[k], strict=False)
+
+        def fwd(net):
+            """net on batches resized to --image-size (and --channels-last)."""
+
+            def forward(x):
+                return net(resize(x, args.image_size, args.channels_last))
+
+            return forward
+
+        def personal(k):
+            """Client k's personalized model, to evaluate."""
+            load_client(k)
+            client.eval()
+            return fwd(client)
+
+        # The bar shows the latest test accuracy.
+        for rnd in run.bar(range(start, args.rounds)):
+            clients = sample_clients(run.sampler, len(sizes), args.frac)
+            weights = client_weights([sizes[k] for k in clients], args.weighting)
+            total = {k: torch.zeros_like(v, dtype=torch.float) for k, v in model.state_dict().items() if k in shared}
+            dc_sum = zeros() if c is not None else None  # ANFR: SCAFFOLD's sum of c_i+ - c_i
+            train_loss = torch.zeros((), device=args.device)
+            # x: the shared parameters of w_t (SCAFFOLD, FedAdam).
+            x_params = {n: p.detach().clone() for n, p in model.named_parameters() if n in shared_params}
+            # ANFR: --analyze, per client of the round.
+            gain_stats = []
+            gain_deltas = []
+            gain_weights = []
+            gains_before = flat_gains(model) if args.analyze else None
+
+            def train_client(k):
+                """What client k does this round; returns what the server sums and what client k keeps."""
+                load_client(k)
+                steps = steps_per_round(sizes[k], args)  # ANFR: its local steps a round
+                if args.dp_noise_multiplier is None:
+                    batches = client_batches(partition.train[k], args.batch_size, args.local_epochs, args.local_steps)
+                else:  # ANFR: Poisson sampling of rate q = B / |D_i|
+                    batches = poisson_batches(partition.train[k], min(1.0, args.batch_size / sizes[k]), steps)
+                batches = progress(batches, f"client {k}: steps", steps)  # ANFR: a bar for long rounds
+                named = dict(client.named_parameters())
+                global_named = dict(model.named_parameters())
+                # FedProx's (w, w_t): the shared parameters, not the local parts.
+                prox_pairs = [(named[n], global_named[n].detach()) for n in shared_params]
+                correction = None
+                if c is not None:  # ANFR: SCAFFOLD
+                    c_k = c_i[k] if c_i[k] is not None else zeros()
+                    c_minus_c_k = scaffold_correction(c, c_k)
+                    correction = ([named[n] for n in shared_params], [c_minus_c_k[n] for n in shared_params])
+                # --client-state keep: client k's optimizer, at its own step; reset: a new one, at the round's place.
+                if opts:
+                    opt = opts[k]
+                    first = client_steps[k]
+                else:
+                    opt = make_optimizer(client.parameters(), args)
+                    first = rnd * steps
+                dp_batch = min(args.batch_size, sizes[k])  # ANFR: DP-SGD's expected batch q |D_i|
+                loss, taken, lr_sum, stats = local_train(
+                    client,
+                    opt,
+                    batches,
+                    data,
+                    args=args,
+                    first_step=first,
+                    total=total_steps[k],
+                    prox_pairs=prox_pairs,
+                    correction=correction,
+                    dp_batch=dp_batch,
+                    loss_fn=loss_fns[k],
+                )
+                # ANFR: how far the last gains moved.
+                moved = flat_gains(client) - gains_before if args.analyze else None
+                return {
+                    "loss": loss,
+                    "steps": taken,
+                    "lr_sum": lr_sum,
+                    "gain_stats": stats,
+                    "gain_delta": moved,
+                    "state": client.state_dict(),
+                    "opt": opt.state_dict() if opts else None,
+                }
+
+            # Each client its own seed; under torchrun, split over the ranks and summed in client order.
+            for k, w, out in each_client(clients, weights, train_client, seed=args.seed, rnd=rnd):
+                # On every rank: a no-op where client k trained.
+                if opts:  # ANFR: client k's optimizer state
+                    opts[k].load_state_dict(out["opt"])
+                client_steps[k] += out["steps"]
+                if args.dp_noise_multiplier is not None:
+                    dp_steps[k] += out["steps"]
+                train_loss += w * out["loss"]
+                if out["gain_stats"] is not None:  # ANFR: --analyze
+                    gain_stats.append(out["gain_stats"])
+                    gain_deltas.append(out["gain_delta"])
+                    gain_weights.append(w)
+                client_state = out["state"]
+                # Batch-norm running statistics are averaged like the weights.
+                accumulate(total, {key: client_state[key] for key in shared}, w)  # ANFR: the shared entries
+                if local_keys:  # ANFR: FedPer, FedBN: these entries stay with client k
+                    local[k] = {key: client_state[key].clone() for key in local_keys}
+                if c is not None:  # ANFR: SCAFFOLD's c_i+ (Eq. 4), and its change for the server
+                    c_k = c_i[k] if c_i[k] is not None else zeros()
+                    y_k = {n: client_state[n].float() for n in shared_params}
+                    # K eta: the sum of the client's K cosine lrs.
+                    new = scaffold_control(c_k, c, x_params, y_k, step_sum=max(out["lr_sum"], 1e-12))
+                    for n in shared_params:
+                        dc_sum[n] += new[n] - c_k[n]
+                    c_i[k] = new
+            if args.agg == "fedadam":  # ANFR: FedAdam
+                # Delta = sum_k w_k y_k - x; the server's Adam moves the parameters, batch-norm statistics are averaged.
+                delta = {n: total[n] - x_params[n] for n in shared_params}
+                total.update(
+                    fedadam_step(x_params, delta, m, v, lr=args.server_lr, betas=args.server_betas, tau=args.server_tau)
+                )
+            # ANFR: SCAFFOLD's eta_g is 1; strict=False leaves the local entries as they are.
+            load_average(model, total, strict=False)  # w_{t+1} = sum_k n_k/n w_{t+1}^k (McMahan et al. 2017, Alg. 1)
+            if c is not None:  # ANFR: SCAFFOLD c <- c + 1/N sum_{i in S} (c_i+ - c_i) (Eq. 5)
+                c = scaffold_server(c, dc_sum, n_clients)
+            train_loss = float(train_loss)
+            if not math.isfinite(train_loss):
+                # summary.json says it diverged; exit 1.
+                run.end_diverged(rnd, train_loss)
+
+            last = rnd + 1 == args.rounds
+            if (rnd + 1) % args.eval_every == 0 or last:
+                model.eval()
+                eval_bs = 2000 if (args.image_size or data.image_size) <= 64 else 200  # ANFR: --image-size
+                if args.bn_stats == "local" and local_keys:
+                    # ANFR: each client's model (the averaged parameters, its own statistics) on the whole test and
+                    # validation sets, then the mean over the clients (Pieri et al.).
+                    rows = []
+                    for k in range(n_clients):
+                        row = eval_metrics(
+                            personal(k),
+                            data,
+                            None,
+                            args.balanced_acc,
+                            amp=args.amp,
+                            batch_size=eval_bs,
+                            val=partition.val,
+                        )
+                        rows.append(row)
+                    tests = {key: float(np.mean([row[key] for row in rows])) for key in rows[0]}
+                else:
+                    # test_acc, test_loss; per client: mean, std, worst 10% and each client's; --balanced-acc: the
+                    # same of it.
+                    tests = eval_metrics(
+                        fwd(model),
+                        data,
+                        partition.test,
+                        args.balanced_acc,
+                        amp=args.amp,
+                        batch_size=eval_bs,
+                        client_forward=personal if local_keys else None,
+                        lists=True,
+                        val=partition.val,
+                    )
+                first = clients[0]  # ANFR: the lr its next step would take
+                at = client_steps[first] if opts else (rnd + 1) * steps_per_round(sizes[first], args)
+                lr_now = cosine_lr(args.lr, at, total_steps[first], args.warmup_steps)
+                metrics = {"round": rnd + 1, **tests, "train_loss": train_loss, "lr": lr_now}
+                if args.analyze:  # ANFR: how far the residual branches have opened, and why (gain_statistics)
+                    metrics["last_gain_abs_mean"] = float(flat_gains(model).abs().mean())
+                    keep, coherence = torch.stack(gain_stats).nanmean(0).tolist()
+                    metrics.update(last_gain_grad_sign_keep=keep, last_gain_grad_coherence=coherence)
+                    moved = gain_steps(torch.stack(gain_deltas), torch.tensor(gain_weights, device=args.device))
+                    metrics.update(last_gain_client_step=moved[0], last_gain_server_step=moved[1])
+                # The global model lacks the clients' local parts.
+                if args.pfl != "none":  # ANFR: pFL reports the personalized models
+                    for name in ("acc", "bacc") if args.balanced_acc else ("acc",):
+                        metrics[f"global_test_{name}"] = metrics[f"test_{name}"]
+                        metrics[f"test_{name}"] = metrics[f"client_test_{name}_mean"]
+                if args.dp_noise_multiplier is not None:  # ANFR: epsilon at delta = 0.1/|D_i| for each client
+                    eps = [
+                        dp_epsilon(min(1.0, args.batch_size / n), args.dp_noise_multiplier, s, 0.1 / n)
+                        for n, s in zip(sizes, dp_steps)
+                    ]
+                    metrics["dp_epsilon"] = eps
+                    metrics["dp_epsilon_max"] = max(eps)
+                run.log(metrics)
+            # Ctrl-C or SIGTERM to any rank, or --stop-after.
+            interrupted = run.interrupted()
+            stop = interrupted or (rnd + 1 - start == args.stop_after and not last)
+            # By default a checkpoint at each evaluation: the server's state, the round, the sampler, the clock.
+            if stop or last or (rnd + 1) % (args.checkpoint_every or args.eval_every) == 0:
+                run.save({"model": model.state_dict(), **state(), **run.snapshot(rnd)}, "checkpoint.pt")
+            if stop:
+                # One line says how to --resume it; exit 0, or 130 and 143 after Ctrl-C and SIGTERM.
+                run.end_stopped(rnd)
+        # ANFR: --analyze, of the global model (Sec. 3.4).
+        extra = {}
+        if args.analyze:
+            extra["analysis"] = analyze(model, data, args.image_size)
+        # summary.json: the final round's metrics.
+        run.finish(model, **extra)

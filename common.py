@@ -1643,7 +1643,7 @@ class Parser(argparse.ArgumentParser):
                 else:
                     setattr(args, a.dest, None)
         for a in actions:
-            if a.dest not in self.given:
+            if getattr(args, a.dest) is markers[a.dest]:
                 setattr(args, a.dest, a.default)
         return args
 
