@@ -1938,7 +1938,7 @@ class Run:
         """--track's writers: TensorBoard's event files in OUT/tensorboard, a W&B run in OUT/wandb whose config is
         config.json. A resumed run continues both: TensorBoard drops what it holds from the first round on (a crash
         may have logged rounds after the checkpoint), W&B resumes the run of the same id."""
-        track = self.args.track or []
+        track = getattr(self.args, "track", None) or []
         if "tensorboard" in track:
             from torch.utils.tensorboard import SummaryWriter
 

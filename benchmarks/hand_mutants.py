@@ -131,8 +131,8 @@ MUTANTS = [
     (
         "client weights: uniform for samples",
         "common.py",
-        '[1] * len(sizes) if weighting == "uniform" else sizes',
-        "[1] * len(sizes)",
+        'if weighting == "uniform":',
+        "if True:",
         "tests/test_fedavg.py -k client_weights",
     ),
     (

@@ -892,6 +892,16 @@ def test_fn_growth_replays_the_round_and_fn_only_lengthens_the_invariant_layer(t
 # ---------------------------------------------------------------------------------------------
 # threads.py (time per round at each thread setting): how each way launches a script, and its table
 # ---------------------------------------------------------------------------------------------
+class FinishedProcess:
+    """A started run (subprocess.Popen) that has ended with exit code 0."""
+
+    def __init__(self, cmd):
+        self.args = cmd
+
+    def wait(self, timeout=None):
+        return 0
+
+
 @pytest.mark.parametrize(
     "way,launcher,threads_flag",
     [
@@ -920,9 +930,9 @@ def test_threads_ways_launch_as_named_and_time_between_evaluations(way, launcher
             f.write("".join(json.dumps(r) + "\n" for r in rows))
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump({"threads": 2}, f)
-        return subprocess.CompletedProcess(cmd, 0, "", "")
+        return FinishedProcess(cmd)
 
-    monkeypatch.setattr(threads.subprocess, "run", fake_run)
+    monkeypatch.setattr(threads.subprocess, "Popen", fake_run)
     args = argparse.Namespace(data_dir="/d", rounds=3, run_timeout=60)
     assert threads.run_once(args, "fedfn-small", way, str(tmp_path / "r")) == (4.0, 2, 0.3)
     cmd = seen["cmd"]
@@ -947,9 +957,9 @@ def test_threads_run_once_evaluated_every_round_times_rounds_r_plus_1_to_2r(tmp_
             f.writelines(json.dumps({"round": r, "test_acc": 0.1, "elapsed_s": e}) + "\n" for r, e in elapsed.items())
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump({"threads": 1}, f)
-        return subprocess.CompletedProcess(cmd, 0, "", "")
+        return FinishedProcess(cmd)
 
-    monkeypatch.setattr(threads.subprocess, "run", fake_run)
+    monkeypatch.setattr(threads.subprocess, "Popen", fake_run)
     args = argparse.Namespace(data_dir="/d", rounds=3, eval_every=1, run_timeout=60)
     assert threads.run_once(args, "fedfn-small", "1 thread", str(tmp_path / "r")) == (4.0, 1, 0.1)
 
@@ -1073,3 +1083,66 @@ def test_threads_table_says_the_defaults_processes_from_summary_json():
     )
     old = [{k: v for k, v in r.items() if k != "processes"} for r in runs]
     assert "| [1] threads |" in threads.table(old, args)
+
+
+def test_threads_sweep_starts_its_copies_at_once_and_takes_their_median(tmp_path, monkeypatch):
+    """The sweep condition: --load copies of one run started before any is waited for, each its own folder; the
+    row's s/round is their median, each copy's kept."""
+    threads = importlib.import_module("threads")
+    started, waited = [], []
+
+    class Copy:
+        def __init__(self, cmd):
+            self.args = cmd
+            started.append(cmd[cmd.index("--out") + 1])
+
+        def wait(self, timeout=None):
+            waited.append(len(started))
+            out = self.args[self.args.index("--out") + 1]
+            seconds = 2.0 * len(waited)
+            rows = [
+                {"round": 3, "test_acc": 0.2, "elapsed_s": 1.0},
+                {"round": 6, "test_acc": 0.3, "elapsed_s": 1 + 3 * seconds},
+            ]
+            os.makedirs(out)
+            with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in rows))
+            with open(os.path.join(out, "config.json"), "w") as f:
+                json.dump({"threads": 2}, f)
+            return 0
+
+    def popen(cmd, cwd, env, **kw):
+        return Copy(cmd)
+
+    monkeypatch.setattr(threads.subprocess, "Popen", popen)
+    args = argparse.Namespace(data_dir="/d", rounds=3, run_timeout=60, load=3)
+    sec, used, acc, each = threads.run_sweep(args, "fedfn-small", "default", str(tmp_path / "r"))
+    assert waited == [3, 3, 3] and len(set(started)) == 3
+    assert each == [2.0, 4.0, 6.0] and sec == 4.0 and used == 2 and acc == 0.3
+
+
+def test_threads_bounds_take_the_fastest_one_process_way_idle_and_one_thread_else():
+    """idle: the default over the fastest way of one process (torchrun's left out), bound 1.1; loaded: over one
+    thread, bound 1.5; sweep: over one thread, bound 1.3."""
+    threads = importlib.import_module("threads")
+    secs = {
+        "idle": {"default": [5.0, 6.0], "1 thread": [9.0, 9.5], "2 threads": [4.8, 7.0], "torchrun 2x1": [3.0, 3.0]},
+        "loaded": {"default": [8.0, 12.0], "1 thread": [7.0, 7.0], "2 threads": [9.0, 9.0], "torchrun 2x1": [1.0, 1.0]},
+        "sweep": {"default": [10.0, 10.0], "1 thread": [8.0, 8.0], "2 threads": [9.0, 9.0], "torchrun 2x1": [1.0, 1.0]},
+    }
+    runs = [
+        dict(workload="fedavg-cnn", condition=c, way=way, s_per_round=s)
+        for c, ways in secs.items()
+        for way, ss in ways.items()
+        for s in ss
+    ]
+    args = argparse.Namespace(workloads=["fedavg-cnn"], conditions=["idle", "loaded", "sweep"])
+    idle, loaded, sweep = threads.bounds(runs, args).splitlines()[2:]
+    # 5.0 over the fastest one-process way, 2 threads' 4.8; the median 10.0 over one thread's 7.0; 10.0 over 8.0.
+    assert idle.endswith("| 1.04 | 1.1x: met |")
+    assert loaded.endswith("| 1.43 | 1.5x: met |")
+    assert sweep.endswith("| 1.25 | 1.3x: met |")
+    runs.append(dict(workload="fedavg-cnn", condition="sweep", way="default", s_per_round=12.0))
+    assert threads.bounds(runs, args).splitlines()[4].endswith("| 1.25 | 1.3x: met |")
+    runs.append(dict(workload="fedavg-cnn", condition="sweep", way="default", s_per_round=12.0))
+    assert threads.bounds(runs, args).splitlines()[4].endswith("| 1.38 | 1.3x: missed |")

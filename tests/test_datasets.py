@@ -343,7 +343,7 @@ def test_eval_metrics_per_client_rows_by_hand():
     assert row["client_test_acc_std"] == pytest.approx(math.sqrt(2 * (2 / 3 - 4 / 9) ** 2 / 3 + (4 / 9) ** 2 / 3))
     assert row["client_test_bacc_mean"] == pytest.approx((2 / 3 + 3 / 4 + 0) / 3)
     assert row["test_acc"] == pytest.approx(4 / 8) and row["test_bacc"] == pytest.approx((2 / 3 + 1 / 3 + 1 / 2) / 3)
-    plain = common.eval_metrics(forward, data, tests)  # without balanced, without lists
+    plain = common.eval_metrics(forward, data, tests, lists=False)  # without balanced, without lists
     assert set(plain) == {
         "test_acc",
         "test_loss",
