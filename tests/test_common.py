@@ -1051,3 +1051,28 @@ def test_torchrun_ranks_share_the_gpus_there_are_over_gloo(visible, local_world,
     with pytest.raises(InterruptedError):
         common.Run(args)
     assert (args.device, joined["set_device"], joined["backend"]) == (device, device, backend)
+
+
+def test_a_convolutional_body_takes_its_images_channels_last_on_the_cpu():
+    """Whether through the model or its body alone: a body with convolutions gets channels-last images on the CPU
+    (the same values), a body without them the images as they come; under torch.func's vmap the layout stays."""
+    x = torch.randn(4, 3, 32, 32)
+    for name, want in (
+        ("cnn", torch.channels_last),
+        ("pfl-cnn", torch.channels_last),
+        ("mlp", torch.contiguous_format),
+    ):
+        model = build_model(name, argparse.Namespace(in_channels=3, num_classes=10, image_size=32))
+        seen = []
+
+        def record(module, inputs):
+            seen.append(inputs[0])
+
+        next(model.body.children()).register_forward_pre_hook(record)
+        model(x)
+        model.body(x)
+        assert [t.is_contiguous(memory_format=want) for t in seen] == [True, True], name
+        assert all(torch.equal(t, x) for t in seen), name
+    model = build_model("cnn", argparse.Namespace(in_channels=3, num_classes=10, image_size=32))
+    batched = torch.func.vmap(lambda xi: model(xi[None])[0])(x)
+    assert torch.allclose(batched, model(x), atol=1e-5)
