@@ -12,6 +12,7 @@ the data, the others wait), atomic_save (the data caches are written whole or no
 """
 
 import argparse
+import atexit
 import contextlib
 import ctypes
 import datetime
@@ -1824,6 +1825,8 @@ def join_torchrun(args):
     # A long timeout: ranks wait for the first process's download or decoding, and for the slowest rank's clients.
     backend = "nccl" if cuda and not shared else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(hours=6))
+    # Its threads end before the interpreter's: without this, exit can abort ("terminate called...").
+    atexit.register(dist.destroy_process_group)
     if dist.get_rank() != 0:
         # Rank 0 prints; errors (stderr) still show from every rank.
         sys.stdout = open(os.devnull, "w")

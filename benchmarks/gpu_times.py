@@ -64,7 +64,7 @@ TINY_ROUND_TIME = [
     "--local-epochs",
     "1",
     "--rounds",
-    "3",
+    "4",
 ]
 
 

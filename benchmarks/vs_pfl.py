@@ -5,9 +5,9 @@ baseline.yaml, IID): CIFAR-10 from an image folder, IID clients of 50 images eac
 uniform weights, E=1 local epoch of B=10 (5 SGD steps a client), SGD lr 0.1 without momentum or weight decay, no
 augmentation, per-channel normalization, and pfl's simple_cnn on both sides (CleanFL's --model pfl-cnn: the same
 layers, 1,626,442 parameters; the run fails if the two counts differ). Both sides test the global model on the
-10,000 test images after every round (pfl's CentralEvaluationCallback, its config's every 10th made every round;
-CleanFL --eval-every 1) and stamp their clock there. Six configurations, run in interleaved cycles (each cycle runs
-each configuration once, every other cycle in reverse order):
+10,000 test images every E = --eval-every rounds, pfl's config's 10 (pfl's CentralEvaluationCallback at its
+frequency E; CleanFL --eval-every E), so that any E rounds in a row hold one evaluation. Six configurations, run
+in interleaved cycles (each cycle runs each configuration once, every other cycle in reverse order):
 
   pfl-1        benchmarks/pfl_app/simulate.py in one process with pfl's defaults (torch's threads: the cores)
   pfl-1-spin   the same with GOMP_SPINCOUNT=10000 (the spin count CleanFL's scripts set before torch loads)
@@ -17,11 +17,12 @@ each configuration once, every other cycle in reverse order):
   cleanfl-1t   the same with --threads 1
   cleanfl-2    torchrun --standalone --nproc_per_node 2 fedavg.py ..., OMP_NUM_THREADS=1
 
-A run's time per round is the median, over rounds 2..R, of the time between consecutive evaluations (round 1 is
-warm-up), each side by its own clock (CleanFL: metrics.jsonl elapsed_s; pfl: simulate.py's stamps); its fastest
-such round is kept too, with the final test accuracy and the wall time. The table's ratio is pfl / CleanFL of the
-median s/round at equal processes (pfl-1 and pfl-1-spin against cleanfl-1, pfl-2 against cleanfl-2). Before the
-cycles, both sides' decoded copies of the images are made (or found): no run decodes a JPEG.
+A run's time per round is the median, over the windows of E rounds after the first E (the warm-up), of a window's
+time over E: E rounds of training and one evaluation, each side by its own clock (CleanFL: metrics.jsonl's
+elapsed_s at its evaluations; pfl: simulate.py's stamp at the end of each round); its fastest window is kept too,
+with the final test accuracy and the wall time. The table's ratio is pfl / CleanFL of the median s/round at equal
+processes (pfl-1 and pfl-1-spin against cleanfl-1, pfl-2 against cleanfl-2). Before the cycles, both sides'
+decoded copies of the images are made (or found): no run decodes a JPEG.
 
 Where the work is not quite the same (both differences are the frameworks' own): pfl samples a round's users with
 replacement, CleanFL without; pfl's users train on their images in a fixed order, CleanFL's shuffle them. pfl's
@@ -31,11 +32,11 @@ after local training); CleanFL does none, so simulate.py runs it only in round 1
 pfl lives in its own venv (--venv), made here once by `pip install pfl==0.6.0 torch==2.14.1 torchvision==0.29.1`
 (as vs_flower.py makes Flower's); it is not a CleanFL dependency, nor in benchmarks/requirements.txt.
 
-    python benchmarks/vs_pfl.py --data-dir /path/to/cifar10                  # 3 cycles of 10 rounds, all six
+    python benchmarks/vs_pfl.py --data-dir /path/to/cifar10                  # 3 cycles of 20 rounds, all six
     python benchmarks/vs_pfl.py --data-dir /path/to/cifar10 --load 2         # with a busy process per core beside
     python benchmarks/vs_pfl.py --data-dir /path/to/cifar10 --configs pfl-2 cleanfl-2
     python benchmarks/vs_pfl.py --setup-only                                 # only make pfl's venv
-    python benchmarks/vs_pfl.py --data-dir D --rounds 2 --cycles 1 --frac 0.002   # a smoke run (2 clients a round)
+    python benchmarks/vs_pfl.py --data-dir D --rounds 2 --eval-every 1 --cycles 1 --frac 0.002   # a smoke run
     python benchmarks/vs_pfl.py --data-dir D --dry                           # print each run's command only
 
 It prints a markdown table and writes every number to --out (default runs/vs_pfl/results.json; an existing one
@@ -81,7 +82,8 @@ def parse_args(argv=None):
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--data-dir", help="CIFAR-10 image folder (train/<class>/*, test/<class>/*)")
-    p.add_argument("--rounds", type=int, default=10, help="R: rounds per run (the first is warm-up)")
+    p.add_argument("--rounds", type=int, default=20, help="R: rounds per run (the first E are warm-up)")
+    p.add_argument("--eval-every", type=int, default=10, help="E: a test-set evaluation every E rounds (pfl's config)")
     p.add_argument("--cycles", type=int, default=3, help="interleaved repetitions of the configurations")
     p.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS, help="a subset, run in this order")
     p.add_argument("--load", type=int, default=0, help="busy processes (while True: pass) running beside")
@@ -105,8 +107,10 @@ def parse_args(argv=None):
             refuse(
                 "--data-dir", f"{args.data_dir}/{split}/ is missing; an image folder is DIR/{{train,test}}/<class>/*"
             )
-    if args.rounds < 2:
-        refuse("--rounds", f"must be at least 2 (round 1 is warm-up, not timed), got {args.rounds}")
+    if args.eval_every < 1:
+        refuse("--eval-every", f"must be at least 1, got {args.eval_every}")
+    if args.rounds < 2 * args.eval_every or args.rounds % args.eval_every:
+        refuse("--rounds", f"must be a multiple of --eval-every {args.eval_every}, at least two, got {args.rounds}")
     if args.cycles < 1:
         refuse("--cycles", f"must be at least 1, got {args.cycles}")
     if args.load < 0:
@@ -168,6 +172,7 @@ def command(args, config, run_dir, python):
             *("--data-dir", args.data_dir, "--rounds", args.rounds, "--num-clients", args.num_clients),
             *("--cohort-size", cohort(args), "--local-epochs", WORK["local_epochs"]),
             *("--batch-size", WORK["batch_size"], "--lr", WORK["lr"], "--out", os.path.join(run_dir, "pfl.json")),
+            *("--central-eval-every", args.eval_every),
         ]
         # pfl takes a GPU where there is one; CleanFL is told --device cpu
         env = {"PFL_PYTORCH_DEVICE": "cpu"}
@@ -183,8 +188,8 @@ def command(args, config, run_dir, python):
             *("--num-clients", args.num_clients, "--frac", args.frac, "--local-epochs", WORK["local_epochs"]),
             *("--batch-size", WORK["batch_size"], "--lr", WORK["lr"], "--momentum", 0, "--weight-decay", 0),
             *("--augment", "none", "--weighting", "uniform", "--device", "cpu", "--rounds", args.rounds),
-            *("--eval-every", 1, "--out", os.path.join(run_dir, "run"), "--overwrite"),
-            # one checkpoint, at the end: with --eval-every 1 the default would write one every round (pfl writes none)
+            *("--eval-every", args.eval_every, "--out", os.path.join(run_dir, "run"), "--overwrite"),
+            # One checkpoint, at the end (pfl writes none).
             *("--checkpoint-every", args.rounds),
         ]
         env = {}
@@ -221,9 +226,11 @@ def timed(cmd, env, log_path):
     return wall
 
 
-def intervals(stamps):
-    """Seconds between consecutive evaluations: rounds 2..R (round 1, the warm-up, has no earlier stamp)."""
-    return [b - a for a, b in zip(stamps, stamps[1:])]
+def intervals(stamps, every):
+    """Seconds a round over each window of E rounds after the first E (the warm-up): stamps[r] is the clock at the end
+    of round r (those of rounds E, 2E, ... at least), and every window holds one test-set evaluation."""
+    ends = [stamps[r] for r in range(every, max(stamps) + 1, every)]
+    return [(b - a) / every for a, b in zip(ends, ends[1:])]
 
 
 def run_one(args, config, run_dir, python):
@@ -233,19 +240,20 @@ def run_one(args, config, run_dir, python):
     if config.startswith("pfl"):
         with open(os.path.join(run_dir, "pfl.json")) as f:
             rec = json.load(f)
-        stamps = [t - rec["start"] for t in rec["round_end"]]
+        # round_end[i]: the end of central iteration i, which is round i + 1.
+        stamps = {i + 1: t - rec["start"] for i, t in enumerate(rec["round_end"])}
         res = {"params": rec["params"], "test_acc": rec["test_acc"], "pfl": rec}
     else:
         with open(os.path.join(run_dir, "run", "metrics.jsonl")) as f:
             rows = [json.loads(line) for line in f if line.strip()]
         with open(log_path) as f:
             found = re.search(r"model pfl-cnn, ([\d,]+) parameters", f.read())
-        stamps = [row["elapsed_s"] for row in rows]
+        stamps = {row["round"]: row["elapsed_s"] for row in rows}
         res = {"params": int(found.group(1).replace(",", "")) if found else None, "test_acc": rows[-1]["test_acc"]}
         res["test_acc_by_round"] = [row["test_acc"] for row in rows]
-    if len(stamps) != args.rounds:
-        sys.exit(f"{config}: {len(stamps)} round stamps in {run_dir}, not --rounds {args.rounds}")
-    gaps = intervals(stamps)
+    if max(stamps) != args.rounds:
+        sys.exit(f"{config}: the last round stamped in {run_dir} is {max(stamps)}, not --rounds {args.rounds}")
+    gaps = intervals(stamps, args.eval_every)
     return {
         "cmd": cmd,
         "env": env,
@@ -272,7 +280,7 @@ def stop_load(procs):
 
 
 def table(runs, configs, rounds):
-    """Markdown: per configuration the s/round of each cycle (the median of its rounds 2..R), the fastest round of
+    """Markdown: per configuration the s/round of each cycle (the median of its windows), the fastest window of
     all its cycles, the median over cycles, the mean final test accuracy, and pfl / CleanFL of the medians at equal
     processes (TWIN)."""
     by = {c: [r for r in runs if r["config"] == c] for c in configs}
@@ -351,7 +359,8 @@ if __name__ == "__main__":
         stop_load(load)
     print(
         f"\nN={args.num_clients}, {cohort(args)} clients a round, R={args.rounds}, --load {args.load}, "
-        f"{os.cpu_count()} cores. s/round: median of rounds 2..R, each with one test-set evaluation; min: the fastest "
+        f"{os.cpu_count()} cores. s/round: median of the windows of E={args.eval_every} rounds after the first, each "
+        "with one test-set evaluation; min: the fastest "
         "such round of any cycle; pfl / CleanFL: of the medians, at equal processes"
     )
     print(table(runs, args.configs, args.rounds))

@@ -66,6 +66,9 @@ def test_help():
         (["--rounds", "0"], "--rounds"),
         (["--rounds", "1"], "--rounds"),
         (["--rounds", "x"], "--rounds"),
+        (["--rounds", "15"], "--rounds"),
+        (["--rounds", "10"], "--rounds"),
+        (["--eval-every", "0"], "--eval-every"),
         (["--cycles", "0"], "--cycles"),
         (["--load", "-1"], "--load"),
         (["--frac", "0"], "--frac"),
@@ -107,7 +110,8 @@ def test_dry_commands(folder, tmp_path):
     """--dry: every run's command in run order (every other cycle reversed), with the benchmark's work on both sides;
     each CleanFL flag is one of fedavg.py's, each pfl flag one of simulate.py's."""
     out = tmp_path / "results.json"
-    res = vs_pfl("--data-dir", folder, "--dry", "--cycles", 2, "--rounds", 3, "--frac", 0.002, "--out", out)
+    flags = ["--dry", "--cycles", 2, "--rounds", 6, "--eval-every", 3, "--frac", 0.002, "--out", out]
+    res = vs_pfl("--data-dir", folder, *flags)
     assert res.returncode == 0, res.stderr
     vs = load("vs_pfl.py", "vs_pfl")
     lines = res.stdout.strip().splitlines()
@@ -130,7 +134,9 @@ def test_dry_commands(folder, tmp_path):
         if torchrun:
             assert flag(cmd, "--nproc_per_node") == "2" and "--standalone" in cmd
         assert env.get("OMP_NUM_THREADS") == ("1" if torchrun else None)
-        assert flag(cmd, "--rounds") == "3" and flag(cmd, "--num-clients") == "1000"
+        assert flag(cmd, "--rounds") == "6" and flag(cmd, "--num-clients") == "1000"
+        # A test-set evaluation every 3 rounds on both sides.
+        assert flag(cmd, "--central-eval-every" if config.startswith("pfl") else "--eval-every") == "3"
         assert flag(cmd, "--local-epochs") == "1" and flag(cmd, "--batch-size") == "10" and flag(cmd, "--lr") == "0.1"
         if config.startswith("pfl"):
             assert cmd[0].endswith("bin/python") and any(w.endswith("pfl_app/simulate.py") for w in cmd)
@@ -146,7 +152,7 @@ def test_dry_commands(folder, tmp_path):
             assert flag(cmd, "--dataset") == "folder" and flag(cmd, "--data-dir") == folder
             assert flag(cmd, "--momentum") == "0" and flag(cmd, "--weight-decay") == "0"
             assert flag(cmd, "--augment") == "none" and flag(cmd, "--weighting") == "uniform"
-            assert flag(cmd, "--eval-every") == "1" and flag(cmd, "--device") == "cpu"
+            assert flag(cmd, "--eval-every") == "3" and flag(cmd, "--device") == "cpu"
             assert ("--threads" in cmd) == (config == "cleanfl-1t")
             assert "GOMP_SPINCOUNT" not in env  # fedavg.py sets its own
             for word in cmd:
@@ -184,7 +190,10 @@ def test_table():
     # without its twin a pfl row has no ratio
     alone = vs.table([r for r in runs if r["config"] == "pfl-2"], ["pfl-2"], rounds=10)
     assert alone.splitlines()[-1].endswith("| 0.3000 |  |")
-    assert vs.intervals([10.0, 12.0, 15.0, 17.0]) == [2.0, 3.0, 2.0]  # rounds 2..R, round 1 left out
+    # Windows of E rounds after the first E: the stamps of rounds 2, 4, 6 (whatever others there are) give 2 windows.
+    assert vs.intervals({1: 0.5, 2: 1.0, 3: 2.0, 4: 4.0, 5: 5.0, 6: 7.0}, 2) == [1.5, 1.5]
+    assert vs.intervals({2: 1.0, 4: 4.0, 6: 7.0, 8: 10.0}, 2) == [1.5, 1.5, 1.5]
+    assert vs.intervals({1: 0.5, 2: 0.6, 3: 0.9}, 1) == [0.09999999999999998, 0.30000000000000004]
     assert vs.schedule(["a", "b", "c"], 3) == [(1, "a"), (1, "b"), (1, "c"), (2, "c"), (2, "b"), (2, "a")] + [
         (3, "a"),
         (3, "b"),
@@ -233,7 +242,8 @@ def test_smoke_both_sides(tmp_path):
     parameters and stamp both rounds; the JSON holds every number."""
     data = tiny_folder(str(tmp_path / "cifar"))
     out = tmp_path / "vs" / "results.json"
-    flags = ["--data-dir", data, "--rounds", 2, "--cycles", 1, "--num-clients", 50, "--frac", 0.04, "--out", out]
+    flags = ["--data-dir", data, "--rounds", 2, "--eval-every", 1, "--cycles", 1, "--num-clients", 50, "--frac", 0.04]
+    flags += ["--out", out]
     res = vs_pfl(*flags, "--configs", "pfl-2", "cleanfl-1t")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     saved = json.loads(out.read_text())
