@@ -133,7 +133,7 @@ def load_data(args):
     )
 
 
-def channel_stats(x, chunk=1024):
+def channel_stats(x, chunk=512):
     """Per-channel mean and std (unbiased) of uint8 images [N, C, H, W] in [0, 1] units, as float [1, C, 1, 1].
     The sums are of integers in float64, exact in any order, a chunk of images at a time: no float copy of the set.
     The std is floored at one grey level, since a constant channel's is 0."""
@@ -142,7 +142,7 @@ def channel_stats(x, chunk=1024):
     for part in x.split(chunk):
         part = part.double()
         total += part.sum((0, 2, 3))
-        squares += part.square().sum((0, 2, 3))
+        squares += part.square_().sum((0, 2, 3))
     n = x.numel() // x.shape[1]
     mean = total / n
     var = (squares - total * mean) / (n - 1)
@@ -538,8 +538,9 @@ def augmentation(name):
 
 def prepare_batch(x, data, augment="none", size=None, crop_scale=(0.08, 1.0)):
     """uint8 [B, C, H, W] -> float, augmented by name (AUGMENTATIONS; rrc: to size x size, area in crop_scale) and
-    normalized by the training split's mean and std."""
-    return (AUGMENTATIONS[augment](x.float().div_(255), size, crop_scale) - data.mean) / data.std
+    normalized by the training split's mean and std. The float batch is made once and normalized in place."""
+    augmented = AUGMENTATIONS[augment](x.float().div_(255), size, crop_scale)
+    return augmented.sub_(data.mean).div_(data.std)
 
 
 def hflip(x):
@@ -1870,7 +1871,7 @@ class Run:
             processes = ""
             if rank_and_world()[1] > 1:
                 processes = f", {rank_and_world()[1]} processes"
-            self.device = f"cpu ({platform.machine()}, {os.cpu_count()} cores, {args.threads} threads{processes})"
+            self.device = f"cpu ({cpu_name()}, {os.cpu_count()} cores, {args.threads} threads{processes})"
         self.clock = time.time()
         self.rows = None
         self.stop_signal = 0
@@ -2133,6 +2134,18 @@ class Run:
             )
         if at_once:
             raise SystemExit(128 + signum)
+
+
+def cpu_name():
+    """The CPU's model name (Linux's /proc/cpuinfo), else the machine's architecture."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            found = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
+    except OSError:
+        found = None
+    if found:
+        return found.group(1).strip()
+    return platform.machine()
 
 
 def val_acc_of(row):

@@ -14,8 +14,9 @@ Usage, logged metrics, implementation details (VGG11, the head's bias, SCAFFOLD,
 
 import os
 
-# Before torch loads OpenMP: threads that wait for work spin only briefly (docs/speed.md#cpu-threads).
-os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+# Before torch loads OpenMP: a thread that waits for work spins about 10 microseconds, then sleeps. Longer spins
+# are faster alone and far slower beside other runs (docs/speed.md#cpu-threads); the numbers are the same.
+os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 import math
 

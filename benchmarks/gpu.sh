@@ -130,9 +130,9 @@ run_or_show() {
 # ------------------------------------------------------------------------------------------------
 # env
 # ------------------------------------------------------------------------------------------------
-# the threads stage's default way: a script without --threads or OMP_NUM_THREADS (a process a core of one thread)
+# the threads stage's default way: a script without --threads or OMP_NUM_THREADS (one process of the cores' threads)
 CORES='import sys; sys.argv[1:] = ["--dataset", "synthetic", "--device", "cpu"]; import fedavg; a = fedavg.parse_args()
-print(f"{a.ranks} processes x {a.threads} threads")'
+print(f"1 process x {a.threads} threads")'
 CPUS='import sys; sys.path.insert(0, "benchmarks"); import threads; print(threads.cores())'  # its affinity
 
 stage_env() {

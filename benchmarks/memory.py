@@ -12,7 +12,10 @@ of 64x64 RGB, as Tiny-ImageNet has (random pixels, seeded: their decoded size is
 a page shared by n processes counts 1/n in each) over the command's processes, read from /proc/<pid>/smaps_rollup,
 and keeps the peak: the memory the run takes from the machine. Torchrun's own agent is one of the processes. The
 folder's cache is made before the first timing, so each run reads the decoded images from it, memory-mapped.
-The table gives the decoded images' size (training and test, uint8) and the peak, in total and less the images.
+The table gives the decoded images' size (training and test, uint8) and the peak: in total, less the images, and
+less torch's own memory too (what a process holds after importing torch and stepping an optimizer once, which
+imports torch._dynamo; measured first, once a process, torchrun's agent included). torch's own depends on its build:
+its CUDA build maps far more than its CPU one.
 Linux only (it reads /proc).
 """
 
@@ -149,21 +152,36 @@ def decoded_bytes(folder):
     return x_train.nbytes + x_test.nbytes
 
 
-def table(runs):
+# torch imported and an optimizer stepped once (which imports torch._dynamo): what any process of a run holds.
+TORCH_ALONE = (
+    "import time, torch; p = torch.zeros(2, requires_grad=True); p.sum().backward(); "
+    "torch.optim.SGD([p], lr=0.1).step(); time.sleep(1)"
+)
+
+
+def table(runs, torch_alone):
+    """The peak of each run, less its images, and less torch's own (torch_alone bytes a process) too."""
     lines = [
-        "| data | processes | decoded images (GB) | peak PSS (GB) | peak less the images (GB) | per process (GB) |"
+        "| data | processes | decoded images (GB) | peak PSS (GB) | peak less the images (GB) | "
+        "less torch's own too (GB) |"
     ]
     lines.append("|---|---|---|---|---|---|")
     for r in runs:
         images, peak = r["images_bytes"] / 1e9, r["peak_pss_bytes"] / 1e9
-        cells = [r["data"], str(r["processes"]), f"{images:.2f}", f"{peak:.2f}", f"{peak - images:.2f}"]
-        cells.append(f"{peak / r['processes_seen']:.2f}")
+        # torchrun's agent (the one process more) imports torch too.
+        own = peak - images - r["processes_seen"] * torch_alone / 1e9
+        cells = [r["data"], str(r["processes"]), f"{images:.2f}", f"{peak:.2f}", f"{peak - images:.2f}", f"{own:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def measure(args):
+    import torch
+
     runs = []
+    torch_alone = peak_pss([sys.executable, "-c", TORCH_ALONE], args.interval)[0]
+    print(f"torch {torch.__version__} and an optimizer alone: {torch_alone / 1e9:.2f} GB", flush=True)
+    saved = {"args": vars(args), "torch": torch.__version__, "torch_alone_bytes": torch_alone, "runs": runs}
     with tempfile.TemporaryDirectory() as tmp:
         for folder in args.data_dir:
             name = os.path.basename(os.path.abspath(folder))
@@ -178,9 +196,9 @@ def measure(args):
                 runs.append(row)
                 print(f"{name}, {k} process(es): peak PSS {peak / 1e9:.2f} GB over {seen} processes", flush=True)
                 with open(args.out + ".part", "w") as f:
-                    json.dump({"args": vars(args), "runs": runs}, f, indent=1)
+                    json.dump(saved, f, indent=1)
                 os.replace(args.out + ".part", args.out)
-    print(table(runs))
+    print(table(runs, torch_alone))
 
 
 if __name__ == "__main__":

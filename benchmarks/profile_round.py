@@ -153,6 +153,28 @@ def instrument(clock):
     return common
 
 
+def table(saved):
+    """The markdown of a profile: seconds a round of each piece and its share of the round, then the share of the
+    round, and of its training, outside forward, backward and the step."""
+    times, seconds = saved["rounds"], saved["seconds"]
+    rounds, total = len(times), sum(times)
+    named = sum(seconds.values())
+    rows = [(name, seconds.get(name, 0.0)) for name in (*WORK, *OVERHEAD, "evaluation")]
+    rows.append(("other (the loop's own Python)", total - named))
+    lines = [f"{rounds} rounds, {total / rounds:.3f} s a round", "", "| piece | s/round | share |", "|---|---|---|"]
+    for name, value in rows:
+        lines.append(f"| {name} | {value / rounds:.4f} | {value / total:.1%} |")
+    work = sum(seconds.get(name, 0.0) for name in WORK)
+    training = total - seconds.get("evaluation", 0.0)
+    overhead = training - work
+    lines.append("")
+    lines.append(
+        f"Outside forward, backward and the step: {overhead / total:.1%} of the round, {overhead / training:.1%} "
+        "of its training (the round less its evaluation)."
+    )
+    return "\n".join(lines)
+
+
 def main():
     args = parse_args()
     sys.path.insert(0, ROOT)
@@ -180,25 +202,10 @@ def main():
         except SystemExit as e:
             if e.code:
                 raise
-    total = sum(round_times)
-    named = sum(clock.seconds.values())
-    rows = [(name, clock.seconds[name]) for name in (*WORK, *OVERHEAD, "evaluation")]
-    rows.append(("other (the loop's own Python)", total - named))
-    work = sum(clock.seconds[name] for name in WORK)
-    training = total - clock.seconds["evaluation"]
-    print(f"{args.rounds} rounds, {total / args.rounds:.3f} s a round; seconds a round, and share of the round:")
-    print("| piece | s/round | share |")
-    print("|---|---|---|")
-    for name, seconds in rows:
-        print(f"| {name} | {seconds / args.rounds:.4f} | {seconds / total:.1%} |")
-    overhead = training - work
-    print(
-        f"\nOutside forward, backward and the step: {overhead / total:.1%} of the round, {overhead / training:.1%} "
-        "of its training (the round less its evaluation)."
-    )
+    saved = {"args": vars(args), "rounds": round_times, "seconds": dict(clock.seconds)}
+    print(table(saved))
     if args.out:
         with open(args.out, "w") as f:
-            saved = {"args": vars(args), "rounds": round_times, "seconds": dict(clock.seconds)}
             json.dump(saved, f, indent=1)
 
 

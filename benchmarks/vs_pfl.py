@@ -10,7 +10,7 @@ frequency E; CleanFL --eval-every E), so that any E rounds in a row hold one eva
 in interleaved cycles (each cycle runs each configuration once, every other cycle in reverse order):
 
   pfl-1        benchmarks/pfl_app/simulate.py in one process with pfl's defaults (torch's threads: the cores)
-  pfl-1-spin   the same with GOMP_SPINCOUNT=10000 (the spin count CleanFL's scripts set before torch loads)
+  pfl-1-spin   the same with GOMP_SPINCOUNT=1000 (the spin count CleanFL's scripts set before torch loads)
   pfl-2        torchrun --standalone --nproc_per_node 2 simulate.py (pfl's way for PyTorch), OMP_NUM_THREADS=1:
                each process trains its share of the cohort and tests its share of the test set
   cleanfl-1    python fedavg.py ...: one process at the scripts' CPU default (no --threads: the usable cores)
@@ -178,7 +178,7 @@ def command(args, config, run_dir, python):
         env = {"PFL_PYTORCH_DEVICE": "cpu"}
         launcher = [python, *torchrun] if config == "pfl-2" else [python]
         if config == "pfl-1-spin":
-            env["GOMP_SPINCOUNT"] = "10000"
+            env["GOMP_SPINCOUNT"] = "1000"
         if config == "pfl-2":
             env["OMP_NUM_THREADS"] = "1"
         cmd = [*launcher, SIMULATE, *flags]
@@ -242,7 +242,7 @@ def run_one(args, config, run_dir, python):
             rec = json.load(f)
         # round_end[i]: the end of central iteration i, which is round i + 1.
         stamps = {i + 1: t - rec["start"] for i, t in enumerate(rec["round_end"])}
-        res = {"params": rec["params"], "test_acc": rec["test_acc"], "pfl": rec}
+        res = {"params": rec["params"], "test_acc": rec["final_test_acc"], "pfl": rec}
     else:
         with open(os.path.join(run_dir, "run", "metrics.jsonl")) as f:
             rows = [json.loads(line) for line in f if line.strip()]

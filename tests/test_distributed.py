@@ -506,3 +506,16 @@ def test_torchrun_killing_its_ranks_mid_round_leaves_the_line_and_the_last_check
     assert sorted(os.listdir(out)) == ["checkpoint.pt", "config.json", "metrics.jsonl", "partition.json"]
     finish(start(torchrun_cmd(2, "fedavg.py", "--resume", out)), whole)
     assert_same_run(tmp_path / "whole", out)
+
+
+def test_under_torchrun_only_rank_0_tracks(tmp_path):
+    """--track tensorboard under torchrun: one event file, each round once, equal to metrics.jsonl."""
+    from test_tracking import same_as_tensorboard, tensorboard_rows
+
+    out = tmp_path / "run"
+    finish(start(torchrun_cmd(2, "fedavg.py", *CASES["fedavg"], "--track", "tensorboard", "--out", out)))
+    assert len(os.listdir(out / "tensorboard")) == 1
+    by_round, steps = tensorboard_rows(out)
+    rows = metrics(out)
+    assert steps == [r["round"] for r in rows] == [1, 2, 3]
+    assert all(same_as_tensorboard(r, by_round[r["round"]]) for r in rows)

@@ -141,7 +141,7 @@ def test_dry_commands(folder, tmp_path):
         if config.startswith("pfl"):
             assert cmd[0].endswith("bin/python") and any(w.endswith("pfl_app/simulate.py") for w in cmd)
             assert flag(cmd, "--cohort-size") == "2"  # 0.002 x 1000, as fedavg.py counts its clients a round
-            assert env.get("GOMP_SPINCOUNT") == ("10000" if config == "pfl-1-spin" else None)
+            assert env.get("GOMP_SPINCOUNT") == ("1000" if config == "pfl-1-spin" else None)
             assert env["PFL_PYTORCH_DEVICE"] == "cpu"
             assert {w for w in cmd if w.startswith("--") and w not in ("--standalone", "--nproc_per_node")} <= (
                 simulate_flags

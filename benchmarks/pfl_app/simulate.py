@@ -264,6 +264,18 @@ class RoundClock(TrainingProcessCallback):
         return False, Metrics()
 
 
+@torch.no_grad()
+def final_accuracy(model, images, labels, batch_size):
+    """The share of the images the model classifies right (channel-last float images, as the benchmark's)."""
+    model.eval()
+    right = 0
+    for start in range(0, len(images), batch_size):
+        x = torch.as_tensor(images[start : start + batch_size]).to(next(model.parameters()).device)
+        predicted = model(x).argmax(1).cpu().numpy()
+        right += int((predicted == labels[start : start + batch_size]).sum())
+    return right / len(images)
+
+
 def main(args):
     start = time.time()
     torch.random.manual_seed(args.seed)
@@ -320,6 +332,9 @@ def main(args):
         model_eval_params=model_eval_params,
         callbacks=callbacks,
     )
+    # The final model's test accuracy, after the last round (pfl's own evaluations fall on rounds 1, E + 1, ...),
+    # outside the timed rounds: the accuracy both sides reach after R rounds.
+    record["final_test_acc"] = final_accuracy(pytorch_model, val_images, y_test, args.eval_batch_size)
     distributed = pytorch_ops.distributed
     evaluated = [acc for acc in record["test_acc_by_round"] if acc is not None]
     record.update(
