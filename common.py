@@ -538,8 +538,9 @@ def augmentation(name):
 
 def prepare_batch(x, data, augment="none", size=None, crop_scale=(0.08, 1.0)):
     """uint8 [B, C, H, W] -> float, augmented by name (AUGMENTATIONS; rrc: to size x size, area in crop_scale) and
-    normalized by the training split's mean and std. The float batch is made once and normalized in place."""
-    augmented = AUGMENTATIONS[augment](x.float().div_(255), size, crop_scale)
+    normalized by the training split's mean and std. The batch is made once, in the statistics' dtype (float32;
+    float64 in the tests), and normalized in place."""
+    augmented = AUGMENTATIONS[augment](x.to(data.mean.dtype).div_(255), size, crop_scale)
     return augmented.sub_(data.mean).div_(data.std)
 
 
@@ -1174,8 +1175,10 @@ class Classifier(nn.Module):
         super().__init__()
         self.body = body
         self.head = nn.Linear(feature_dim, num_classes, bias=head_bias)
+        # Its handle: layout_hook.remove() gives the body its images as they come (benchmarks/layout.py).
+        self.layout_hook = None
         if any(isinstance(m, nn.Conv2d) for m in body.modules()):
-            body.register_forward_pre_hook(channels_last_on_cpu)
+            self.layout_hook = body.register_forward_pre_hook(channels_last_on_cpu)
 
     def forward(self, x):
         return self.head(self.body(x))
@@ -1989,7 +1992,7 @@ class Run:
                     values = torch.tensor([v for v in value if v is not None], dtype=torch.float64)
                     self.tensorboard.add_histogram(name, values, row["round"])
                 elif isinstance(value, (int, float)) and name != "round":
-                    self.tensorboard.add_scalar(name, value, row["round"], new_style=True, double_precision=True)
+                    self.tensorboard.add_scalar(name, value, row["round"])
             self.tensorboard.flush()
         if self.wandb is not None:
             self.track_wandb(row)
@@ -2407,8 +2410,9 @@ def exchange(mine):
         received = []
         for shape, dtype, device, start in kinds:
             nbytes = math.prod(shape) * dtype.itemsize
-            # "cuda" is this rank's GPU (set_device).
-            received.append(data[start : start + nbytes].view(dtype).reshape(shape).to(device))
+            # A copy of its own: a view into the buffer could not be saved beside views of other dtypes, and would
+            # keep the whole buffer alive. "cuda" is this rank's GPU (set_device).
+            received.append(data[start : start + nbytes].view(dtype).reshape(shape).clone().to(device))
         by_rank.append(_filled(layout, received))
     return by_rank
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from common import AUGMENTATIONS, DATASETS, MODELS, Parser, Run, build_model, finish_args, load_data, make_partition
 from common import accumulate, client_batches, client_weights, each_client, eval_metrics, load_average, lr_at
 from common import autocast, prepare_batch, prox_term, sample_clients
-from common import FineTuning, personalize  # FedBABU: Algorithm 2 fine-tuning
+from common import FineTuning, client_seed, personalize  # FedBABU: Algorithm 2 fine-tuning
 from common import decay_rate, device_flag, fraction, inner_fraction, non_negative_float, path_arg, positive_float
 from common import TRACKERS, non_negative_int, positive_int, seed_int
 
@@ -307,6 +307,8 @@ if __name__ == "__main__":
         # Its results join summary.json; without per-client test sets there are none.
         summary = {}
         if partition.test is not None:
+            # The stream that follows the last round's clients, also where --resume starts at the fine-tuning.
+            torch.manual_seed(client_seed(args.seed, args.rounds - 1, -1))
             nohead = nohead_accuracy(model, data, partition.train, partition.test, amp=args.amp)  # Table 3
             # The accuracy after 0 (initial), tau_f and --ft-eval-epochs epochs.
             tuning = FineTuning(

@@ -80,10 +80,17 @@ def vgg(in_channels, num_classes, image_size, width=1.0, pools=5, **_):
         cin = conv.out_channels
     conv = nn.Sequential(*layers, nn.Flatten())
     fc = [nn.Linear(flat_dim(conv, in_channels, image_size), 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU()]
-    return Classifier(nn.Sequential(conv, *fc), 512, num_classes)
+    model = Classifier(nn.Sequential(conv, *fc), 512, num_classes)
+    # Its images as they come: VGG11 trains slower on channels-last images on the CPU (docs/speed.md#image-layout).
+    model.layout_hook.remove()
+    model.layout_hook = None
+    return model
 
 
-register_model("vgg11-narrow")(lambda cin, k, size, **_: vgg(cin, k, size, width=0.25, pools=4))  # FedFN: CPU proxy
+# FedFN: the CPU proxy.
+@register_model("vgg11-narrow")
+def vgg_narrow(in_channels, num_classes, image_size, **_):
+    return vgg(in_channels, num_classes, image_size, width=0.25, pools=4)
 
 
 def fn_scale(text):  # FedFN: --fn-scale

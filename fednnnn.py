@@ -88,7 +88,10 @@ def cnn6(in_channels, num_classes, image_size, width=32, **_):
     return Classifier(nn.Sequential(*layers, nn.Flatten(), *fc), 192, num_classes)
 
 
-register_model("cnn6-narrow")(lambda cin, k, size, **_: cnn6(cin, k, size, width=8))  # FedNNNN: for the CPU
+# FedNNNN: for the CPU.
+@register_model("cnn6-narrow")
+def cnn6_narrow(in_channels, num_classes, image_size, **_):
+    return cnn6(in_channels, num_classes, image_size, width=8)
 
 
 def parse_args():

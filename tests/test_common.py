@@ -1055,12 +1055,16 @@ def test_torchrun_ranks_share_the_gpus_there_are_over_gloo(visible, local_world,
 
 def test_a_convolutional_body_takes_its_images_channels_last_on_the_cpu():
     """Whether through the model or its body alone: a body with convolutions gets channels-last images on the CPU
-    (the same values), a body without them the images as they come; under torch.func's vmap the layout stays."""
+    (the same values), a body without them the images as they come, and so does fedfn.py's VGG11, which trains
+    slower channels-last; under torch.func's vmap the layout stays."""
+    import fedfn  # noqa: F401  (registers vgg11)
+
     x = torch.randn(4, 3, 32, 32)
     for name, want in (
         ("cnn", torch.channels_last),
         ("pfl-cnn", torch.channels_last),
         ("mlp", torch.contiguous_format),
+        ("vgg11-narrow", torch.contiguous_format),
     ):
         model = build_model(name, argparse.Namespace(in_channels=3, num_classes=10, image_size=32))
         seen = []

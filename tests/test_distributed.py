@@ -412,6 +412,39 @@ def test_broadcast_sends_a_results_bits_and_layout_to_every_rank(tmp_path):
             assert saved["is_mine"] == (rank == src)  # the sender's own result, not a copy
 
 
+EXCHANGE = """import os, sys
+sys.path.insert(0, os.getcwd())  # the repository root
+import torch, torch.distributed as dist
+import common
+sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
+from client_result import result_of
+dist.init_process_group("gloo")
+rank, out = dist.get_rank(), sys.argv[1]
+# Unequal shares, as a round of 3 clients over 2 ranks gives them: rank 0 two results, rank 1 one.
+mine = [result_of(rank), result_of(rank + 2)] if rank == 0 else [result_of(rank)]
+torch.save(common.exchange(mine), os.path.join(out, f"rank{rank}.pt"))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_exchange_gives_every_rank_every_result_bit_for_bit(tmp_path):
+    """common.exchange under torchrun (gloo): each rank gets every rank's list of results, in rank order, each tensor
+    with its bits, dtype and shape (a transposed view, bfloat16, 0-dim) and the layout of dicts, tuples, lists,
+    numbers, strings and None, whatever the lists' lengths."""
+    (tmp_path / "client_result.py").write_text(CLIENT_RESULT)
+    (tmp_path / "exchange.py").write_text(EXCHANGE)
+    out = tmp_path / "out"
+    out.mkdir()
+    finish(start(torchrun_cmd(2, tmp_path / "exchange.py", out)))
+    spec = importlib.util.spec_from_file_location("client_result", tmp_path / "client_result.py")
+    spec.loader.exec_module(module := importlib.util.module_from_spec(spec))
+    want = [[module.result_of(0), module.result_of(2)], [module.result_of(1)]]
+    for rank in (0, 1):
+        got = torch.load(out / f"rank{rank}.pt", weights_only=False)
+        assert_same_result(got, want, f"rank {rank}")
+
+
 EVAL_SPLIT = """import json, os, sys
 sys.path.insert(0, os.getcwd())  # the repository root
 import torch, torch.distributed as dist

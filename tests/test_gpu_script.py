@@ -251,7 +251,9 @@ def test_tiny_levers_and_pair_end_to_end(tmp_path):
     [threads] = {r["threads"] for r in runs if r["way"] == "default"}  # what the default run took (config.json)
     [procs] = {r["processes"] for r in runs if r["way"] == "default"}  # and its processes (summary.json)
     env_txt = (out / "env.txt").read_text()
-    assert f"the scripts' CPU default: {procs} processes x {threads} threads\n" in env_txt
+    # The default is one process.
+    assert procs == 1
+    assert f"the scripts' CPU default: 1 process x {threads} threads\n" in env_txt
     assert ("Thread(s) per core:" in env_txt) == bool(shutil.which("lscpu"))
     assert "levers/levers.json" in names and "pair/pair.json" in names and "threads/threads-idle.json" in names
     assert "threads/tables.md" in names

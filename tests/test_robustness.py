@@ -749,7 +749,7 @@ def test_every_long_phase_has_its_bar(tmp_path, monkeypatch):
                           ("anfr.py", ["--depth", "18", "--width", "4", "--iid"])]:  # fmt: skip
         monkeypatch.setattr(sys, "argv", [script, *tiny, *extra, "--out", str(tmp_path / script)])
         runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
-    assert {"decoding train/", "decoding test/", "round 1: clients by 1", "fine-tuning clients"} <= set(seen)
+    assert {"decoding train/", "decoding test/", "round 1: clients", "fine-tuning clients"} <= set(seen)
     assert {"client 0: steps", "client 1: steps"} <= set(seen), seen
 
 

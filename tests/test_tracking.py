@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import common
@@ -49,15 +50,16 @@ def tensorboard_rows(folder):
 
 
 def same_as_tensorboard(row, held):
-    """Whether TensorBoard holds the metrics.jsonl row: its numbers exactly; a list as a histogram of as many
-    values (None left out), whose edges bracket them."""
+    """Whether TensorBoard holds the metrics.jsonl row: its numbers exactly as 32-bit floats; a list as a histogram
+    of as many values (None left out), whose edges bracket them."""
     for name, value in row.items():
         if isinstance(value, list):
             kept = [v for v in value if v is not None]
             buckets = held[name]
             if buckets[:, 2].sum() != len(kept) or not buckets[0, 0] <= min(kept) <= max(kept) <= buckets[-1, 1]:
                 return False
-        elif name != "round" and held[name] != value:
+        # TensorBoard keeps a scalar in 32 bits.
+        elif name != "round" and held[name] != float(np.float32(value)):
             return False
     return True
 
