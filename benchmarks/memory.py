@@ -152,10 +152,10 @@ def decoded_bytes(folder):
     return x_train.nbytes + x_test.nbytes
 
 
-# torch imported and an optimizer stepped once (which imports torch._dynamo): what any process of a run holds.
+# torch imported and an optimizer used once (its zero_grad imports torch._dynamo): what any process of a run holds.
 TORCH_ALONE = (
-    "import time, torch; p = torch.zeros(2, requires_grad=True); p.sum().backward(); "
-    "torch.optim.SGD([p], lr=0.1).step(); time.sleep(1)"
+    "import time, torch; p = torch.zeros(2, requires_grad=True); o = torch.optim.SGD([p], lr=0.1); "
+    "o.zero_grad(); p.sum().backward(); o.step(); time.sleep(1)"
 )
 
 
@@ -168,8 +168,9 @@ def table(runs, torch_alone):
     lines.append("|---|---|---|---|---|---|")
     for r in runs:
         images, peak = r["images_bytes"] / 1e9, r["peak_pss_bytes"] / 1e9
-        # torchrun's agent (the one process more) imports torch too.
-        own = peak - images - r["processes_seen"] * torch_alone / 1e9
+        # torchrun's agent, one process more, imports torch too.
+        importing = r["processes"] + (r["processes"] > 1)
+        own = peak - images - importing * torch_alone / 1e9
         cells = [r["data"], str(r["processes"]), f"{images:.2f}", f"{peak:.2f}", f"{peak - images:.2f}", f"{own:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

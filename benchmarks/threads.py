@@ -1,11 +1,12 @@
 """Time per round on the CPU at each thread setting, on an idle machine and beside a busy process.
 
-Four workloads, each run these ways:
+Five workloads, each run these ways:
   fedavg-mlp     fedavg.py, the README's first run: McMahan's 2NN, Dirichlet 0.5 over N=10, all a round, 20 local steps
   fedavg-cnn     fedavg.py, McMahan's CNN, IID over N=100, 10 a round, E=1, B=50, SGD 0.01 momentum 0.5 (the Flower
                  comparison's work, benchmarks/vs_flower.py)
   fedbabu-small  fedbabu.py at benchmarks/reproduce/fedbabu.sh small (convnet4-tiny, s=10, tau=10)
   fedfn-small    fedfn.py at benchmarks/reproduce/fedfn.sh small (convnet4-tiny, s=2, E=5, lr 0.03)
+  fednnnn-small  fednnnn.py at benchmarks/reproduce/fednnnn.sh small, FedNNNN (cnn6-narrow, s=2, E=2)
 ways:
   default        python SCRIPT ...               no --threads, no OMP_NUM_THREADS: the scripts' own choice, on the
                  CPU a process a core of one thread each (torchrun started by the script; the cores: torch's count of
@@ -49,6 +50,8 @@ WORKLOADS = {
     "fedbabu-small": "fedbabu.py --model convnet4-tiny --num-clients 100 --shards 10 --frac 0.1 --local-epochs 10 "
     "--ft-epochs 0 --ft-eval-epochs",
     "fedfn-small": "fedfn.py --model convnet4-tiny --num-clients 100 --frac 0.1 --local-epochs 5 --shards 2 --lr 0.03",
+    "fednnnn-small": "fednnnn.py --model cnn6-narrow --num-clients 100 --shards 2 --frac 0.1 --local-epochs 2 "
+    "--batch-size 50 --lr 0.05 --momentum 0 --weight-decay 5e-4 --augment none --beta 0.6 --gamma 0.7",
 }
 
 

@@ -6,11 +6,12 @@ uniform weights, E=1 local epoch of B=10 (5 SGD steps a client), SGD lr 0.1 with
 augmentation, per-channel normalization, and pfl's simple_cnn on both sides (CleanFL's --model pfl-cnn: the same
 layers, 1,626,442 parameters; the run fails if the two counts differ). Both sides test the global model on the
 10,000 test images every E = --eval-every rounds, pfl's config's 10 (pfl's CentralEvaluationCallback at its
-frequency E; CleanFL --eval-every E), so that any E rounds in a row hold one evaluation. Six configurations, run
+frequency E; CleanFL --eval-every E), so that any E rounds in a row hold one evaluation. Seven configurations, run
 in interleaved cycles (each cycle runs each configuration once, every other cycle in reverse order):
 
   pfl-1        benchmarks/pfl_app/simulate.py in one process with pfl's defaults (torch's threads: the cores)
   pfl-1-spin   the same with GOMP_SPINCOUNT=1000 (the spin count CleanFL's scripts set before torch loads)
+  pfl-1t       the same at one thread (OMP_NUM_THREADS=1)
   pfl-2        torchrun --standalone --nproc_per_node 2 simulate.py (pfl's way for PyTorch), OMP_NUM_THREADS=1:
                each process trains its share of the cohort and tests its share of the test set
   cleanfl-1    python fedavg.py ...: one process at the scripts' CPU default (no --threads: the usable cores)
@@ -21,8 +22,8 @@ A run's time per round is the median, over the windows of E rounds after the fir
 time over E: E rounds of training and one evaluation, each side by its own clock (CleanFL: metrics.jsonl's
 elapsed_s at its evaluations; pfl: simulate.py's stamp at the end of each round); its fastest window is kept too,
 with the final test accuracy and the wall time. The table's ratio is pfl / CleanFL of the median s/round at equal
-processes (pfl-1 and pfl-1-spin against cleanfl-1, pfl-2 against cleanfl-2). Before the cycles, both sides'
-decoded copies of the images are made (or found): no run decodes a JPEG.
+processes and threads (pfl-1 and pfl-1-spin against cleanfl-1, pfl-1t against cleanfl-1t, pfl-2 against
+cleanfl-2). Before the cycles, both sides' decoded copies of the images are made (or found): no run decodes a JPEG.
 
 Where the work is not quite the same (both differences are the frameworks' own): pfl samples a round's users with
 replacement, CleanFL without; pfl's users train on their images in a fixed order, CleanFL's shuffle them. pfl's
@@ -32,7 +33,7 @@ after local training); CleanFL does none, so simulate.py runs it only in round 1
 pfl lives in its own venv (--venv), made here once by `pip install pfl==0.6.0 torch==2.14.1 torchvision==0.29.1`
 (as vs_flower.py makes Flower's); it is not a CleanFL dependency, nor in benchmarks/requirements.txt.
 
-    python benchmarks/vs_pfl.py --data-dir /path/to/cifar10                  # 3 cycles of 20 rounds, all six
+    python benchmarks/vs_pfl.py --data-dir /path/to/cifar10                  # 3 cycles of 20 rounds, all seven
     python benchmarks/vs_pfl.py --data-dir /path/to/cifar10 --load 2         # with a busy process per core beside
     python benchmarks/vs_pfl.py --data-dir /path/to/cifar10 --configs pfl-2 cleanfl-2
     python benchmarks/vs_pfl.py --setup-only                                 # only make pfl's venv
@@ -55,11 +56,15 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from vs_flower import start_load, stop_load  # noqa: E402  (the busy processes of the loaded case)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIMULATE = os.path.join(ROOT, "benchmarks", "pfl_app", "simulate.py")
 PFL_PACKAGES = ["pfl==0.6.0", "torch==2.14.1", "torchvision==0.29.1"]
-CONFIGS = ["pfl-1", "pfl-1-spin", "pfl-2", "cleanfl-1", "cleanfl-1t", "cleanfl-2"]
-TWIN = {"pfl-1": "cleanfl-1", "pfl-1-spin": "cleanfl-1", "pfl-2": "cleanfl-2"}  # the same number of processes
+CONFIGS = ["pfl-1", "pfl-1-spin", "pfl-1t", "pfl-2", "cleanfl-1", "cleanfl-1t", "cleanfl-2"]
+# The same numbers of processes and threads.
+TWIN = {"pfl-1": "cleanfl-1", "pfl-1-spin": "cleanfl-1", "pfl-1t": "cleanfl-1t", "pfl-2": "cleanfl-2"}
 PROCESSES = 2  # of pfl-2 and cleanfl-2
 # pfl's benchmark: images per client (50,000 / N), clients a round (frac N), local epochs, batch, lr
 WORK = {"num_clients": 1000, "frac": 0.05, "local_epochs": 1, "batch_size": 10, "lr": 0.1}
@@ -179,7 +184,7 @@ def command(args, config, run_dir, python):
         launcher = [python, *torchrun] if config == "pfl-2" else [python]
         if config == "pfl-1-spin":
             env["GOMP_SPINCOUNT"] = "1000"
-        if config == "pfl-2":
+        if config in ("pfl-1t", "pfl-2"):
             env["OMP_NUM_THREADS"] = "1"
         cmd = [*launcher, SIMULATE, *flags]
     else:
@@ -268,17 +273,6 @@ def run_one(args, config, run_dir, python):
 # ---------------------------------------------------------------------------------------------
 # Load, table, the cycles
 # ---------------------------------------------------------------------------------------------
-def start_load(n):
-    """n busy processes beside the measurement (the loaded case); stopped by stop_load."""
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-
-
-def stop_load(procs):
-    for proc in procs:
-        proc.terminate()
-        proc.wait()
-
-
 def table(runs, configs, rounds):
     """Markdown: per configuration the s/round of each cycle (the median of its windows), the fastest window of
     all its cycles, the median over cycles, the mean final test accuracy, and pfl / CleanFL of the medians at equal

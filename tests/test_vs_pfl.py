@@ -124,7 +124,7 @@ def test_dry_commands(folder, tmp_path):
     ).stdout
     with open(os.path.join(BENCH, "pfl_app", "simulate.py")) as f:
         simulate_flags = set(re.findall(r'add_argument\(\s*"(--[a-z-]+)"', f.read()))
-    for line in lines[:6]:
+    for line in lines[: len(vs.CONFIGS)]:
         config = line.split(":")[0].split()[-1]
         words = shlex.split(line.split(": ", 1)[1])
         env = dict(w.split("=", 1) for w in words if re.fullmatch(r"[A-Z_]+=.*", w))
@@ -133,7 +133,7 @@ def test_dry_commands(folder, tmp_path):
         assert torchrun == config.endswith("-2")
         if torchrun:
             assert flag(cmd, "--nproc_per_node") == "2" and "--standalone" in cmd
-        assert env.get("OMP_NUM_THREADS") == ("1" if torchrun else None)
+        assert env.get("OMP_NUM_THREADS") == ("1" if torchrun or config == "pfl-1t" else None)
         assert flag(cmd, "--rounds") == "6" and flag(cmd, "--num-clients") == "1000"
         # A test-set evaluation every 3 rounds on both sides.
         assert flag(cmd, "--central-eval-every" if config.startswith("pfl") else "--eval-every") == "3"
@@ -162,7 +162,8 @@ def test_dry_commands(folder, tmp_path):
 
 def test_table():
     """Per configuration: each cycle's s/round, the fastest round of all cycles, the median over cycles, the mean
-    accuracy, and pfl / CleanFL of the medians at equal processes (pfl-1, pfl-1-spin: cleanfl-1; pfl-2: cleanfl-2)."""
+    accuracy, and pfl / CleanFL of the medians at equal processes and threads (pfl-1, pfl-1-spin: cleanfl-1; pfl-1t:
+    cleanfl-1t; pfl-2: cleanfl-2)."""
     vs = load("vs_pfl.py", "vs_pfl")
     runs = [
         {"config": c, "round_s": s, "round_min_s": m, "wall_s": 60.0, "test_acc": a}
@@ -170,23 +171,26 @@ def test_table():
             ("pfl-1", 6.0, 5.5, 0.30),
             ("pfl-1", 8.0, 7.0, 0.30),
             ("pfl-1", 7.0, 6.5, 0.30),
+            ("pfl-1t", 9.0, 8.0, 0.30),
             ("pfl-2", 4.0, 3.9, 0.20),
             ("pfl-2", 5.0, 4.5, 0.40),
             ("cleanfl-1", 2.0, 1.8, 0.25),
             ("cleanfl-1", 4.0, 1.5, 0.35),
+            ("cleanfl-1t", 4.0, 3.0, 0.30),
             ("cleanfl-2", 2.5, 2.4, 0.31),
         ]
     ]
-    table = vs.table(runs, ["pfl-1", "pfl-1-spin", "pfl-2", "cleanfl-1", "cleanfl-2"], rounds=10)
+    table = vs.table(runs, vs.CONFIGS, rounds=10)
     lines = table.splitlines()
     head = "| configuration | cycle 1 | cycle 2 | cycle 3 | min (fastest round) | median | test acc (R=10) |"
     assert lines[0] == head + " pfl / CleanFL |"
     assert "| pfl-1 | 6.00 | 8.00 | 7.00 | 5.50 | 7.00 | 0.3000 | 2.33x (cleanfl-1) |" in lines
+    assert "| pfl-1t | 9.00 |  |  | 8.00 | 9.00 | 0.3000 | 2.25x (cleanfl-1t) |" in lines
     assert "| pfl-2 | 4.00 | 5.00 |  | 3.90 | 4.50 | 0.3000 | 1.80x (cleanfl-2) |" in lines
     assert "| cleanfl-1 | 2.00 | 4.00 |  | 1.50 | 3.00 | 0.3000 |  |" in lines
     assert "| cleanfl-2 | 2.50 |  |  | 2.40 | 2.50 | 0.3100 |  |" in lines
     assert not any("pfl-1-spin" in line for line in lines)  # no runs: no row
-    assert len(lines) == 6
+    assert len(lines) == 8
     # without its twin a pfl row has no ratio
     alone = vs.table([r for r in runs if r["config"] == "pfl-2"], ["pfl-2"], rounds=10)
     assert alone.splitlines()[-1].endswith("| 0.3000 |  |")

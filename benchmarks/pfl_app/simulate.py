@@ -270,7 +270,7 @@ def final_accuracy(model, images, labels, batch_size):
     model.eval()
     right = 0
     for start in range(0, len(images), batch_size):
-        x = torch.as_tensor(images[start : start + batch_size]).to(next(model.parameters()).device)
+        x = torch.as_tensor(images[start : start + batch_size], dtype=torch.float32).to(next(model.parameters()).device)
         predicted = model(x).argmax(1).cpu().numpy()
         right += int((predicted == labels[start : start + batch_size]).sum())
     return right / len(images)
