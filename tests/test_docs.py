@@ -217,6 +217,9 @@ def parse(script, args, places, monkeypatch):
         parsed = module.parse_args()
     known = option_strings(parsers[-1])
     for a in args:
+        # After "--": another program's flags (profile_round.py passes them to fedavg.py).
+        if a == "--":
+            break
         if a.startswith("--"):
             assert a.split("=")[0] in known, f"{a.split('=')[0]} is not a flag of {script} (abbreviated or unknown)"
     return parsed
@@ -976,8 +979,9 @@ def test_readme_speed_figure_is_speed_mds():
 
 
 def test_speed_tables_are_their_runs():
-    """docs/speed.md's Flower table is what vs_flower.py prints from its JSON, cell for cell, and the README's ratio
-    is its; the threads evidence page's tables of the earlier defaults are threads.py's from theirs."""
+    """The Flower evidence page's table is what vs_flower.py prints from its JSON, cell for cell, and the README's
+    and speed.md's ratios are its; the threads evidence page's tables of the earlier defaults are threads.py's from
+    theirs."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import threads
     import vs_flower
@@ -989,8 +993,11 @@ def test_speed_tables_are_their_runs():
     ratio = next(row for row in made.splitlines() if row.startswith("| flower-equal")).split("|")[-2].strip()
     assert f"`fedavg.py` is {ratio} faster than Flower 1.42 at equal core use (two processes of one thread)" in readme
     floor = saved["floor_s"]  # compute_floor's seconds at 2 threads and 1, as the page quotes them
-    assert f"take {floor['2']:.2f} s at 2 threads and {floor['1']:.2f} s at one" in speed
-    assert block("docs/speed.md", "vs_flower") == made.strip()
+    default = next(row for row in made.splitlines() if row.startswith("| flower-default")).split("|")[-2].strip()
+    assert f"was {default} faster a round than Flower 1.42 at its default and {ratio} at equal core use" in speed
+    flower = " ".join(read("docs/evidence/flower.md").split())
+    assert f"take {floor['2']:.2f} s at 2 threads and {floor['1']:.2f} s at one" in flower
+    assert block("docs/evidence/flower.md", "vs_flower") == made.strip()
     saved = results("threads.json")  # the earlier default's idle rows, quoted on the evidence page
     made = threads.table(saved["runs"], argparse.Namespace(**{**saved["args"], "conditions": ["idle"]}))
     ratios = [float(row.split("|")[-3]) for row in made.splitlines()[2:]]
@@ -1132,8 +1139,8 @@ def test_threads_mlp_evidence_is_its_runs():
 
 def test_threads_busy_host_table_is_its_runs():
     """The evidence page's table of a run in a cgroup of its own beside a busy host is the four JSONs' runs, cycle
-    by cycle, with each cycle's two-thread time over its one-thread time; the figures quoted from it (speed.md, the
-    README) and the candidates' times (passive waiting, torchrun) are their JSONs'."""
+    by cycle, with each cycle's two-thread time over its one-thread time; the figures quoted from it and the
+    candidates' times (passive waiting, torchrun) are their JSONs'."""
     lines = ["| the run's cgroup | CPU limit | 2 threads | 1 thread | 2 threads / 1 thread |", "|---|---|---|---|---|"]
     lost = []
     for name, where, limit in [("root", "root (the busy processes')", "none"), ("cgroup-nolimit", "a child", "none"),
@@ -1149,10 +1156,11 @@ def test_threads_busy_host_table_is_its_runs():
         ratios = sorted(a / b for a, b in zip(two, one))
         cells = [where, limit, ", ".join(f"{x:.2f}" for x in two), ", ".join(f"{x:.2f}" for x in one)]
         lines.append(f"| {' | '.join(cells)} | {ratios[0]:.2f}-{ratios[-1]:.2f} |")
-        lost += ratios if name in ("cgroup-nolimit", "cgroup-1.5cpu") else []  # where the default is two threads
-    speed = " ".join(read("docs/speed.md").split())
-    assert f"and {min(lost):.2f}-{max(lost):.2f}x in a cgroup of its own beside a busy host" in speed
+        if name == "cgroup-nolimit":
+            lost = ratios
     evidence = read("docs/evidence/threads.md")
+    said = f"in a cgroup of their own, {min(lost):.2f}-{max(lost):.2f}x with no limit"
+    assert said in " ".join(evidence.split())
     with open(
         os.path.join(ROOT, "benchmarks", "results-cpu", "threads-controls", "busy-host-cgroup-candidates.json")
     ) as f:
@@ -1267,10 +1275,11 @@ def test_cpu_speed_tables_are_their_runs():
         saved = results("threads-controls", f"{name}.json")
         made = threads.bounds(saved["runs"], argparse.Namespace(**saved["args"]))
         assert block("docs/evidence/threads-spin.md", name) == made, name
-    assert block("docs/speed.md", "memory") == memory.table(results("memory.json")["runs"])
+    saved = results("memory-cpu-build.json")
+    assert block("docs/speed.md", "memory-cpu-build") == memory.table(saved["runs"], saved["torch_alone_bytes"])
     assert block("docs/speed.md", "layout") == layout.table(results("layout.json")["rows"])
     for name in ("profile-before", "profile-after"):
-        assert block("docs/speed.md", name) == profile_round.table(results(f"{name}.json")), name
+        assert block("docs/evidence/profile.md", name) == profile_round.table(results(f"{name}.json")), name
     for name in ("vs_pfl-idle", "vs_pfl-loaded"):
         saved = results(f"{name}.json")
         made = vs_pfl.table(saved["runs"], saved["args"]["configs"], saved["args"]["rounds"])
@@ -1343,3 +1352,99 @@ def test_the_spin_evidence_bottom_line_is_its_tables():
     assert f"is {min(long_sweep):.1f}-{max(long_sweep):.1f}x one thread in a sweep" in text
     assert f"is {min(short_idle):.1f}-{max(short_idle):.1f}x the fastest idle" in text
     assert all(s / f <= 1.1 for spin in (3000, 10000) for s, _, f in idle[spin])
+
+
+def test_fednnnn_before_and_after_are_their_runs():
+    """The profile page's FedNNNN figures (the fastest round of each way, before and after) and speed.md's ratio are
+    the two JSONs'."""
+
+    def fastest(name, way):
+        runs = results(f"fednnnn-{name}.json")["runs"]
+        return min(r["s_per_round"] for r in runs if r["way"] == way)
+
+    one = fastest("after", "1 thread") / fastest("before", "1 thread")
+    page = " ".join(read("docs/evidence/profile.md").split())
+    said = f"at one thread {fastest('after', '1 thread'):.2f} s a round against {fastest('before', '1 thread'):.2f}"
+    assert f"{said} ({one:.2f}x the time)" in page
+    default = fastest("after", "default") / fastest("before", "default")
+    said = f"at the default {fastest('after', 'default'):.2f} s against {fastest('before', 'default'):.2f}"
+    assert f"{said} ({default:.2f}x)" in page
+    assert f"FedNNNN's loop, of the same structure, takes {one:.2f}x the time" in " ".join(
+        read("docs/speed.md").split()
+    )
+
+
+def test_pfl_bottom_line_is_its_tables():
+    """speed.md's pfl-research bottom line: the twins' ratios (pfl / CleanFL of the median s/round) idle and loaded,
+    pfl's own default against the scripts', and both sides' accuracies, from the two JSONs."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import vs_pfl
+
+    def ratios(name):
+        runs = results(f"vs_pfl-{name}.json")["runs"]
+        median = {c: statistics.median(r["round_s"] for r in runs if r["config"] == c) for c in vs_pfl.CONFIGS}
+        return {c: median[c] / median[twin] for c, twin in vs_pfl.TWIN.items()}, runs
+
+    (idle, runs), (loaded, _) = ratios("idle"), ratios("loaded")
+    equal = ("pfl-1-spin", "pfl-1t", "pfl-2")
+
+    def span(values):
+        return f"{min(values):.2f}-{max(values):.2f}x"
+
+    speed = " ".join(read("docs/speed.md").split())
+    said = (
+        f"pfl took {span([idle[c] for c in equal])} CleanFL's time a round idle and {span([loaded[c] for c in equal])}"
+    )
+    assert said in speed
+    assert f"took {idle['pfl-1']:.2f}x the scripts' default's time idle and {loaded['pfl-1']:.2f}x loaded" in speed
+    ours = [r["test_acc"] for r in runs if r["config"].startswith("cleanfl")]
+    theirs = [r["test_acc"] for r in runs if r["config"].startswith("pfl")]
+    assert f"CleanFL's final accuracy, {min(ours):.4f}-{max(ours):.4f}, is a point below pfl's" in speed
+    assert f"{min(theirs):.4f}-{max(theirs):.4f}" in speed
+    assert 0.005 <= min(theirs) - max(ours) <= 0.015
+
+
+def test_layout_bottom_line_is_its_table():
+    """speed.md's image-layout bottom line: channels-last over channels-first, evaluation and training step, for each
+    group of families, from layout.json; VGG11, the one slower in training, keeps its layout (fedfn.py)."""
+    rows = results("layout.json")["rows"]
+
+    def span(models):
+        evaluation = [r["last"][1] / r["first"][1] for r in rows if r["model"] in models]
+        step = [r["last"][0] / r["first"][0] for r in rows if r["model"] in models]
+        return f"{min(evaluation):.2f}-{max(evaluation):.2f}x and {min(step):.2f}-{max(step):.2f}x", max(step)
+
+    small, _ = span(["cnn", "pfl-cnn", "convnet4", "mobilenet"])
+    resnets, _ = span(["resnet18", "resnet18-gn", "resnet18-nf"])
+    vgg, vgg_step = span(["vgg11"])
+    speed = " ".join(read("docs/speed.md").split())
+    assert f"took {small} of the time of an evaluation and of a training step for the small CNNs and MobileNet" in speed
+    assert f"{resnets} for the ResNets and {vgg} for VGG11" in speed
+    assert vgg_step > 1.1
+
+
+def test_intel_threads_and_memory_bottom_lines_are_their_runs():
+    """speed.md's Intel table is threads.py's from its JSON, the bottom line quotes its ratios, and the memory bottom
+    line's figures (one process's peak less its images, eight processes' total) are memory-cpu-build.json's."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import threads
+
+    saved = results("threads-intel.json")
+    made = threads.bounds(saved["runs"], argparse.Namespace(**saved["args"]))
+    assert block("docs/speed.md", "threads-intel") == made
+    ratios = [float(line.split("|")[-3]) for line in made.splitlines()[2:]]
+    speed = " ".join(read("docs/speed.md").split())
+    assert f"misses the idle bound: {min(ratios):.2f}-{max(ratios):.2f}x the fastest one-process setting" in speed
+    runs = results("memory-cpu-build.json")["runs"]
+
+    def peak(data, k):
+        [run] = [r for r in runs if r["data"] == data and r["processes"] == k]
+        return run["peak_pss_bytes"] / 1e9, run["images_bytes"] / 1e9
+
+    (cifar, cifar_images), (tiny, tiny_images) = peak("cifar10", 1), peak("tiny-imagenet-shape", 1)
+    said = f"plus {cifar - cifar_images:.2f} GB on CIFAR-10 and {tiny - tiny_images:.2f} GB on data of Tiny-ImageNet's"
+    assert said in speed and max(cifar - cifar_images, tiny - tiny_images) <= 0.6
+    eight, images = peak("tiny-imagenet-shape", 8)
+    assert f"8 processes on Tiny-ImageNet's shape take {eight:.2f} GB in all" in speed
+    assert f"eight copies of its {images:.2f} GB of images alone would take {8 * images:.1f} GB" in speed
+    assert eight < 8 * images
