@@ -392,17 +392,25 @@ def assert_same_result(got, want, where="result"):
         assert got == want, where
 
 
+def run_with_client_results(tmp_path, name, script):
+    """script, with client_result.py beside it, under torchrun on 2 ranks, writing into tmp_path/out. Returns that
+    folder and the client_result module."""
+    (tmp_path / "client_result.py").write_text(CLIENT_RESULT)
+    (tmp_path / name).write_text(script)
+    out = tmp_path / "out"
+    out.mkdir()
+    finish(start(torchrun_cmd(2, tmp_path / name, out)))
+    spec = importlib.util.spec_from_file_location("client_result", tmp_path / "client_result.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return out, module
+
+
 def test_broadcast_sends_a_results_bits_and_layout_to_every_rank(tmp_path):
     """common._broadcast under torchrun (gloo): every rank gets rank src's result with each tensor's bits, dtype and
     shape and the layout of dicts, tuples, lists, numbers, strings and None; rank src keeps its own object; a rank
     without a client (None) receives as the others do."""
-    (tmp_path / "client_result.py").write_text(CLIENT_RESULT)
-    (tmp_path / "broadcast.py").write_text(BROADCAST)
-    out = tmp_path / "out"
-    out.mkdir()
-    finish(start(torchrun_cmd(2, tmp_path / "broadcast.py", out)))
-    spec = importlib.util.spec_from_file_location("client_result", tmp_path / "client_result.py")
-    spec.loader.exec_module(module := importlib.util.module_from_spec(spec))
+    out, module = run_with_client_results(tmp_path, "broadcast.py", BROADCAST)
     result_of = module.result_of
     assert result_of(0)["state"]["w"].stride() != (4, 1)  # the transposed view really is not contiguous
     for rank in (0, 1):
@@ -432,13 +440,7 @@ def test_exchange_gives_every_rank_every_result_bit_for_bit(tmp_path):
     """common.exchange under torchrun (gloo): each rank gets every rank's list of results, in rank order, each tensor
     with its bits, dtype and shape (a transposed view, bfloat16, 0-dim) and the layout of dicts, tuples, lists,
     numbers, strings and None, whatever the lists' lengths."""
-    (tmp_path / "client_result.py").write_text(CLIENT_RESULT)
-    (tmp_path / "exchange.py").write_text(EXCHANGE)
-    out = tmp_path / "out"
-    out.mkdir()
-    finish(start(torchrun_cmd(2, tmp_path / "exchange.py", out)))
-    spec = importlib.util.spec_from_file_location("client_result", tmp_path / "client_result.py")
-    spec.loader.exec_module(module := importlib.util.module_from_spec(spec))
+    out, module = run_with_client_results(tmp_path, "exchange.py", EXCHANGE)
     want = [[module.result_of(0), module.result_of(2)], [module.result_of(1)]]
     for rank in (0, 1):
         got = torch.load(out / f"rank{rank}.pt", weights_only=False)
