@@ -1169,15 +1169,16 @@ def channels_last_on_cpu(body, inputs):
 
 class Classifier(nn.Module):
     """body -> feature vector -> head. Methods reach the classifier as model.head. A body with convolutions takes its
-    images channels last on the CPU (channels_last_on_cpu), however it is called."""
+    images channels last on the CPU (channels_last_on_cpu), however it is called, unless channels_last is False (a
+    body measured slower that way)."""
 
-    def __init__(self, body, feature_dim, num_classes, head_bias=True):
+    def __init__(self, body, feature_dim, num_classes, head_bias=True, channels_last=True):
         super().__init__()
         self.body = body
         self.head = nn.Linear(feature_dim, num_classes, bias=head_bias)
         # Its handle: layout_hook.remove() gives the body its images as they come (benchmarks/layout.py).
         self.layout_hook = None
-        if any(isinstance(m, nn.Conv2d) for m in body.modules()):
+        if channels_last and any(isinstance(m, nn.Conv2d) for m in body.modules()):
             self.layout_hook = body.register_forward_pre_hook(channels_last_on_cpu)
 
     def forward(self, x):

@@ -80,11 +80,8 @@ def vgg(in_channels, num_classes, image_size, width=1.0, pools=5, **_):
         cin = conv.out_channels
     conv = nn.Sequential(*layers, nn.Flatten())
     fc = [nn.Linear(flat_dim(conv, in_channels, image_size), 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU()]
-    model = Classifier(nn.Sequential(conv, *fc), 512, num_classes)
     # Its images as they come: VGG11 trains slower on channels-last images on the CPU (docs/speed.md#image-layout).
-    model.layout_hook.remove()
-    model.layout_hook = None
-    return model
+    return Classifier(nn.Sequential(conv, *fc), 512, num_classes, channels_last=False)
 
 
 # FedFN: the CPU proxy.

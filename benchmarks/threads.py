@@ -9,8 +9,7 @@ Five workloads, each run these ways:
   fednnnn-small  fednnnn.py at benchmarks/reproduce/fednnnn.sh small, FedNNNN (cnn6-narrow, s=2, E=2)
 ways:
   default        python SCRIPT ...               no --threads, no OMP_NUM_THREADS: the scripts' own choice, on the
-                 CPU a process a core of one thread each (torchrun started by the script; the cores: torch's count of
-                 physical ones, at most a container's CPU limit)
+                 CPU one process of a thread a core (torch's count of physical cores, at most a container's CPU limit)
   default ENV    the same with the environment variable(s) of --envs set, e.g. GOMP_SPINCOUNT=300000 (libgomp's
                  own default, the scripts' before they set one) or OMP_WAIT_POLICY=PASSIVE
   N threads      python SCRIPT ... --threads N, for each N of --thread-counts (default: the powers of two below the
